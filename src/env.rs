@@ -1,0 +1,15 @@
+//! Every environment variable gturbo reads, declared once with its meaning.
+
+/// Base URL of the Hugging Face-compatible endpoint (`https://huggingface.co` when unset).
+/// `--endpoint` takes precedence.
+pub const HF_ENDPOINT: &str = "HF_ENDPOINT";
+/// Access token for gated or private repos. Never printed.
+pub const HF_TOKEN: &str = "HF_TOKEN";
+/// Path of a file holding the token (the Python client's convention).
+pub const HF_TOKEN_PATH: &str = "HF_TOKEN_PATH";
+/// Hugging Face home directory; the token file is `$HF_HOME/token`.
+pub const HF_HOME: &str = "HF_HOME";
+/// Disable progress bars when set to anything but `0` or empty.
+pub const GTURBO_NO_PROGRESS: &str = "GTURBO_NO_PROGRESS";
+/// The hub gturbo talks to when neither `--endpoint` nor `HF_ENDPOINT` is given.
+pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
