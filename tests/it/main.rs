@@ -1,0 +1,8 @@
+//! One integration-test binary; each module covers one user-facing concern.
+
+mod dry_run;
+mod hub_protocol;
+mod quant_parity;
+mod replica;
+mod source_http;
+mod support;
