@@ -7,6 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod resident;
+
 /// Every alignment in the format uses this unit, whatever the host's page size
 /// (16 KiB is Apple silicon's page; on 4 KiB hosts it is still a multiple).
 pub const PAGE: u64 = 16 * 1024;
