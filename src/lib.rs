@@ -21,6 +21,7 @@ pub mod env;
 pub mod family;
 pub mod format;
 pub mod header;
+pub mod install;
 pub mod plan;
 pub mod source;
 pub mod testkit;

@@ -1,6 +1,347 @@
-//! Command-line interface.
+//! Command-line interface: parse flags, resolve them into settings, call the library,
+//! print, and pick the exit code in one place.
+//!
+//! Exit codes: 0 success; 1 gturbo ran but refused or found damage (a hash or pin
+//! gate, a capability gate); 2 gturbo could not run (bad input, network, I/O, not
+//! implemented).
+//!
+//! stdout carries data (the dry-run report, `--json` documents); stderr carries
+//! notes, warnings and errors.
+
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::family::{self, Family};
+use crate::install::{self, IndexPin, PrepareSettings};
+use crate::plan::{PlanOptions, QuantMode};
+use crate::source::RangeSource;
+use crate::source::http::{HttpConfig, HttpSource};
+use crate::source::local::LocalSource;
+use crate::source::token;
+
+mod report;
+
+/// gturbo installs huge sharded Hugging Face models into a page-aligned,
+/// hash-verified local layout, and runs them.
+#[derive(Debug, Parser)]
+#[command(
+    name = "gturbo",
+    version,
+    after_help = "Exit codes: 0 success; 1 ran but refused or found damage (hash or pin gate); 2 could not run (bad input, network, I/O)."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    global: GlobalArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Flags every command takes.
+#[derive(Debug, Args)]
+struct GlobalArgs {
+    /// Less output: -q hides notes, -qq leaves only errors.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count, conflicts_with = "verbose")]
+    quiet: u8,
+    /// More logging on stderr: -v debug, -vv trace (RUST_LOG overrides).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Plan (--dry-run) or perform an install. Prints the plan summary on stdout.
+    Install(InstallArgs),
+    /// Re-prove every byte and the layout of an installed `.gturbo` directory.
+    VerifyInstall {
+        /// The `.gturbo` directory.
+        dir: PathBuf,
+    },
+    /// Generate text from an installed `.gturbo` directory (smoke test).
+    Run {
+        /// The `.gturbo` directory.
+        dir: PathBuf,
+        /// Prompt text.
+        #[arg(long)]
+        prompt: Option<String>,
+    },
+    /// List the known families with their source pins and runner status.
+    Families {
+        /// One JSON document instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+struct InstallArgs {
+    /// A family id (`qwen38flashnext`) or a repo `ORG/NAME` (then `--family` says how to read it).
+    target: String,
+    /// Family for a repo target (`gturbo install --family qwen3_moe ORG/NAME`).
+    #[arg(long, conflicts_with = "family_file")]
+    family: Option<String>,
+    /// A family file on disk instead of a built-in family.
+    #[arg(long)]
+    family_file: Option<PathBuf>,
+    /// Plan from shard headers only and print the plan; write nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Hugging Face-compatible endpoint (a mirror, a local hub).
+    #[arg(long, env = "HF_ENDPOINT")]
+    endpoint: Option<String>,
+    /// Read from a local snapshot directory (or a Hugging Face cache snapshot) instead of a hub.
+    #[arg(long = "from", value_name = "DIR", conflicts_with = "endpoint")]
+    from: Option<PathBuf>,
+    /// Revision (branch, tag or commit); defaults to the family's pin, else `main`.
+    #[arg(long)]
+    revision: Option<String>,
+    /// Expected SHA-256 of model.safetensors.index.json (overrides the family's pin, with a warning).
+    #[arg(long, value_name = "HEX")]
+    index_sha256: Option<String>,
+    /// Output directory (`<name>.gturbo`); defaults to `./<family>.gturbo`.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Quantization: the family's INT4 policy, or everything at its source dtype.
+    #[arg(long, value_enum, default_value = "int4")]
+    quant: QuantMode,
+    /// Drop the multi-token-prediction sidecar.
+    #[arg(long)]
+    skip_mtp: bool,
+    /// Also write the whole plan (every tensor and read) as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    emit_plan: Option<PathBuf>,
+    /// Largest wait accepted from a server's Retry-After, in seconds.
+    #[arg(long, default_value_t = 300)]
+    max_retry_wait: u64,
+}
+
+/// A failure with its exit code.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    fn usage(message: impl Into<String>) -> Failure {
+        Failure {
+            code: 2,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<install::InstallError> for Failure {
+    fn from(e: install::InstallError) -> Failure {
+        Failure {
+            code: if e.is_refusal() { 1 } else { 2 },
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<family::FamilyError> for Failure {
+    fn from(e: family::FamilyError) -> Failure {
+        Failure::usage(e.to_string())
+    }
+}
+
 /// Entry point of the `gturbo` binary.
 pub fn main() -> ExitCode {
-    ExitCode::SUCCESS
+    let cli = Cli::parse();
+    init_logging(cli.global.verbose);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("gturbo: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("gturbo: error: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "gturbo=warn",
+        1 => "gturbo=debug",
+        _ => "gturbo=trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let quiet = cli.global.quiet;
+    match cli.command {
+        Command::Install(args) => install_cmd(args, quiet).await,
+        Command::VerifyInstall { dir } => Err(Failure::usage(format!(
+            "{}: verify-install is not implemented yet (tracked as the verify-install issue)",
+            dir.display()
+        ))),
+        Command::Run { dir, .. } => Err(Failure::usage(format!(
+            "{}: run is not implemented yet (tracked as the runtime issue)",
+            dir.display()
+        ))),
+        Command::Families { json } => families_cmd(json),
+    }
+}
+
+fn note(quiet: u8, msg: &str) {
+    if quiet == 0 {
+        eprintln!("{msg}");
+    }
+}
+
+fn warn(quiet: u8, msg: &str) {
+    if quiet < 2 {
+        eprintln!("warning: {msg}");
+    }
+}
+
+async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
+    let target_is_repo = args.target.contains('/');
+    let family = match (&args.family_file, &args.family) {
+        (Some(p), _) => Family::from_path(p)?,
+        (None, Some(id)) => Family::builtin(id)?,
+        (None, None) if !target_is_repo => Family::builtin(&args.target)?,
+        (None, None) => {
+            return Err(Failure::usage(format!(
+                "`{}` is a repo; say which family reads it with --family (known: {})",
+                args.target,
+                family::builtin_ids().join(", ")
+            )));
+        }
+    };
+    let pin = &family.file.source;
+    let repo = if target_is_repo {
+        args.target.clone()
+    } else {
+        if args.target != family.id() {
+            return Err(Failure::usage(format!(
+                "target `{}` is not a repo (ORG/NAME) and not the family `{}`",
+                args.target,
+                family.id()
+            )));
+        }
+        pin.repo.clone()
+    };
+    let on_pinned_repo = repo == pin.repo;
+    let revision = args
+        .revision
+        .clone()
+        .or_else(|| pin.revision.clone().filter(|_| on_pinned_repo))
+        .unwrap_or_else(|| "main".to_string());
+    let index_pin = match (&args.index_sha256, &pin.index_sha256) {
+        (Some(h), family_pin) => {
+            if !family::is_sha256(h) {
+                return Err(Failure::usage(format!(
+                    "--index-sha256: {h:?} is not 64 lowercase hex digits"
+                )));
+            }
+            if let Some(fp) = family_pin.as_ref().filter(|fp| *fp != h && on_pinned_repo) {
+                warn(
+                    quiet,
+                    &format!(
+                        "--index-sha256 overrides the pin of {} ({fp})",
+                        family.origin
+                    ),
+                );
+            }
+            IndexPin::Flag(h.clone())
+        }
+        (None, Some(fp)) if on_pinned_repo && Some(&revision) == pin.revision.as_ref() => {
+            IndexPin::Family(fp.clone())
+        }
+        _ => IndexPin::None,
+    };
+    let mut options = PlanOptions {
+        quant: args.quant,
+        ..PlanOptions::default()
+    };
+    if args.skip_mtp {
+        if !family.file.sidecars.contains_key("mtp") {
+            return Err(Failure::usage(format!(
+                "--skip-mtp: family {} has no mtp sidecar",
+                family.id()
+            )));
+        }
+        options.skip_sidecars.insert("mtp".into());
+    }
+
+    let source: Box<dyn RangeSource> = match &args.from {
+        Some(dir) => Box::new(
+            LocalSource::open(dir, args.revision.as_deref())
+                .map_err(|e| Failure::usage(e.to_string()))?,
+        ),
+        None => {
+            let endpoint = args
+                .endpoint
+                .clone()
+                .unwrap_or_else(|| crate::env::DEFAULT_ENDPOINT.to_string());
+            let config = HttpConfig {
+                max_retry_after: Duration::from_secs(args.max_retry_wait),
+                ..HttpConfig::new(&endpoint, &repo, &revision, token::discover())
+            };
+            Box::new(HttpSource::new(config).map_err(|e| Failure::usage(e.to_string()))?)
+        }
+    };
+    note(quiet, &format!("gturbo: planning {} from {}", family.id(), source.describe()));
+    let settings = PrepareSettings {
+        family: family.clone(),
+        index_pin,
+        options,
+    };
+    let prepared = install::prepare(source.as_ref(), &settings).await?;
+    for w in &prepared.warnings {
+        warn(quiet, w);
+    }
+    if let Some(path) = &args.emit_plan {
+        let text = serde_json::to_vec_pretty(&prepared.plan)
+            .map_err(|e| Failure::usage(format!("{}: {e}", path.display())))?;
+        std::fs::write(path, text)
+            .map_err(|e| Failure::usage(format!("{}: {e}", path.display())))?;
+    }
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("{}.gturbo", family.id())));
+    let report = report::DryRunReport::new(&family, &source.describe(), &prepared, &out);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+    } else {
+        print!("{}", report.to_text());
+    }
+    if !args.dry_run {
+        return Err(Failure::usage(
+            "the streaming install is not implemented yet; this build plans only (--dry-run)",
+        ));
+    }
+    Ok(())
+}
+
+fn families_cmd(json: bool) -> Result<(), Failure> {
+    let all = Family::all_builtin()?;
+    let rows: Vec<report::FamilyRow> = all.iter().map(report::FamilyRow::new).collect();
+    if json {
+        let doc = serde_json::json!({ "schema_version": 1, "families": rows });
+        println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+    } else {
+        print!("{}", report::families_text(&rows));
+    }
+    Ok(())
 }

@@ -1,0 +1,321 @@
+//! The install pipeline's front half: resolve the source, fetch and gate the index,
+//! read `config.json`, read every shard header, and build the [`Plan`].
+//!
+//! This is everything `--dry-run` does; the streaming executor (a later stage) starts
+//! from the same [`Prepared`] value, so a dry run and a real install plan identically.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use futures_util::{StreamExt, TryStreamExt};
+use sha2::{Digest, Sha256};
+
+use crate::family::{Family, FamilyError};
+use crate::header::{self, ShardError, ShardHeader};
+use crate::plan::{self, Plan, PlanError, PlanOptions, PlanSource};
+use crate::source::{RangeSource, ResolvedRepo, SourceError, SourceStats, check_repo_path};
+
+/// The index file of a sharded repo.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The single file of an unsharded repo.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Largest index accepted (Flash-Next's is 171 KB).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+/// Largest `config.json` accepted.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+/// Header reads in flight at once.
+pub const HEADER_CONCURRENCY: usize = 16;
+
+/// Where the expected index hash comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IndexPin {
+    /// No pin: the index is trusted as fetched (a warning says so).
+    None,
+    /// The family file's pin.
+    Family(String),
+    /// `--index-sha256`.
+    Flag(String),
+}
+
+/// What to prepare.
+#[derive(Debug, Clone)]
+pub struct PrepareSettings {
+    /// The family.
+    pub family: Family,
+    /// Expected index hash.
+    pub index_pin: IndexPin,
+    /// Plan options.
+    pub options: PlanOptions,
+}
+
+/// A prepared install: the plan and what it cost to make.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The plan.
+    pub plan: Plan,
+    /// The resolved snapshot.
+    pub repo: ResolvedRepo,
+    /// Source counters after resolving, the index, the config and the headers.
+    pub stats: SourceStats,
+    /// Requests spent on shard headers alone.
+    pub header_requests: u64,
+    /// `metadata.total_size` from the index, when present.
+    pub index_total_size: Option<u64>,
+    /// Whether the index hash was checked against a pin.
+    pub index_pinned: bool,
+    /// Things the user should know (unpinned index, overridden pin).
+    pub warnings: Vec<String>,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+/// Why an install cannot be planned.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    /// Source failure.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// A shard header failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// The plan could not be made.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// Family problem.
+    #[error(transparent)]
+    Family(#[from] FamilyError),
+    /// The index does not hash to the pin: the hard gate.
+    #[error("{file}: SHA-256 mismatch ({origin})\n  Expected: {expected}\n  Computed: {computed}\n\nhint: the repo changed or this is not the pinned snapshot; pass `--index-sha256 {computed}` only if you trust this index")]
+    IndexHashMismatch {
+        /// The index file.
+        file: String,
+        /// Where the expectation came from.
+        origin: String,
+        /// Expected hash.
+        expected: String,
+        /// Computed hash.
+        computed: String,
+    },
+    /// The index or config does not parse or is inconsistent with the shards.
+    #[error("{file}: field `{field}`: {detail}")]
+    Invalid {
+        /// File.
+        file: String,
+        /// Field.
+        field: String,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl InstallError {
+    /// True when gturbo ran and refused (a hash or pin gate), as opposed to not
+    /// being able to run at all. Decides exit code 1 vs 2.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, InstallError::IndexHashMismatch { .. })
+    }
+}
+
+fn invalid(file: &str, field: &str, detail: impl Into<String>) -> InstallError {
+    InstallError::Invalid {
+        file: file.to_string(),
+        field: field.to_string(),
+        detail: detail.into(),
+    }
+}
+
+/// The parsed index: shard order and the tensor → shard map.
+struct Index {
+    shards: Vec<String>,
+    weight_map: BTreeMap<String, String>,
+    total_size: Option<u64>,
+}
+
+fn parse_index(bytes: &[u8]) -> Result<Index, InstallError> {
+    let v: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| invalid(INDEX_FILE, "(document)", format!("not JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| invalid(INDEX_FILE, "weight_map", "missing or not an object"))?;
+    let total_size = match v.get("metadata").and_then(|m| m.get("total_size")) {
+        None => None,
+        Some(t) => Some(t.as_u64().ok_or_else(|| {
+            invalid(INDEX_FILE, "metadata.total_size", format!("{t} is not a non-negative integer"))
+        })?),
+    };
+    let mut weight_map = BTreeMap::new();
+    let mut shards = BTreeSet::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            invalid(INDEX_FILE, &format!("weight_map.{name}"), "value is not a file name string")
+        })?;
+        check_repo_path(&format!("{INDEX_FILE} weight_map[{name:?}]"), file)?;
+        shards.insert(file.to_string());
+        weight_map.insert(name.clone(), file.to_string());
+    }
+    if weight_map.is_empty() {
+        return Err(invalid(INDEX_FILE, "weight_map", "is empty"));
+    }
+    Ok(Index {
+        shards: shards.into_iter().collect(),
+        weight_map,
+        total_size,
+    })
+}
+
+/// Resolve, gate the index, read config and headers, and plan.
+pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Result<Prepared, InstallError> {
+    let started = Instant::now();
+    let mut warnings = Vec::new();
+    let repo = source.resolve().await?;
+    let sizes: BTreeMap<String, u64> = repo.files.iter().map(|f| (f.path.clone(), f.size)).collect();
+    let sha: BTreeMap<String, String> = repo
+        .files
+        .iter()
+        .filter_map(|f| f.sha256.clone().map(|h| (f.path.clone(), h)))
+        .collect();
+
+    let (expected, origin) = match &settings.index_pin {
+        IndexPin::None => (None, String::new()),
+        IndexPin::Family(h) => (Some(h.clone()), format!("pinned by {}", settings.family.origin)),
+        IndexPin::Flag(h) => (Some(h.clone()), "pinned by --index-sha256".to_string()),
+    };
+    let (index, index_sha) = if sizes.contains_key(INDEX_FILE) {
+        let bytes = source.read_file(INDEX_FILE, MAX_INDEX_BYTES).await?;
+        let computed = hex::encode(Sha256::digest(&bytes));
+        match &expected {
+            Some(e) if *e != computed => {
+                return Err(InstallError::IndexHashMismatch {
+                    file: INDEX_FILE.into(),
+                    origin,
+                    expected: e.clone(),
+                    computed,
+                });
+            }
+            Some(_) => {}
+            None => warnings.push(format!(
+                "{INDEX_FILE} is not pinned (SHA-256 {computed}); pass --index-sha256 to pin it"
+            )),
+        }
+        (Some(parse_index(&bytes)?), Some(computed))
+    } else if sizes.contains_key(SINGLE_FILE) {
+        if let Some(e) = &expected {
+            return Err(invalid(
+                INDEX_FILE,
+                "(file)",
+                format!("the pin expects an index with SHA-256 {e}, but {repo} has only {SINGLE_FILE}"),
+            ));
+        }
+        (None, None)
+    } else {
+        return Err(invalid(
+            INDEX_FILE,
+            "(file)",
+            format!("{repo} has neither {INDEX_FILE} nor {SINGLE_FILE}"),
+        ));
+    };
+    let shard_names: Vec<String> = match &index {
+        Some(ix) => ix.shards.clone(),
+        None => vec![SINGLE_FILE.to_string()],
+    };
+    for s in &shard_names {
+        if !sizes.contains_key(s) {
+            return Err(SourceError::MissingFile {
+                repo: repo.to_string(),
+                path: s.clone(),
+            }
+            .into());
+        }
+    }
+
+    if !sizes.contains_key("config.json") {
+        return Err(SourceError::MissingFile {
+            repo: repo.to_string(),
+            path: "config.json".into(),
+        }
+        .into());
+    }
+    let config_bytes = source.read_file("config.json", MAX_CONFIG_BYTES).await?;
+    let config: serde_json::Value = serde_json::from_slice(&config_bytes)
+        .map_err(|e| invalid("config.json", "(document)", format!("not JSON: {e}")))?;
+    if !config.is_object() {
+        return Err(invalid("config.json", "(document)", "not a JSON object"));
+    }
+
+    let before_headers = source.stats().requests;
+    let headers: Vec<ShardHeader> = futures_util::stream::iter(shard_names.iter().map(|s| {
+        let size = sizes[s];
+        async move { header::read_header(source, s, size).await }
+    }))
+    .buffered(HEADER_CONCURRENCY)
+    .try_collect()
+    .await?;
+    let header_requests = source.stats().requests - before_headers;
+
+    if let Some(ix) = &index {
+        let mut in_headers = 0usize;
+        for h in &headers {
+            for t in &h.tensors {
+                in_headers += 1;
+                match ix.weight_map.get(&t.name) {
+                    Some(f) if *f == h.shard => {}
+                    Some(f) => {
+                        return Err(invalid(
+                            INDEX_FILE,
+                            &format!("weight_map.{}", t.name),
+                            format!("says {f}, but the tensor is in {}", h.shard),
+                        ));
+                    }
+                    None => {
+                        return Err(invalid(
+                            INDEX_FILE,
+                            "weight_map",
+                            format!("has no entry for `{}`, which {} holds", t.name, h.shard),
+                        ));
+                    }
+                }
+            }
+        }
+        if in_headers != ix.weight_map.len() {
+            let present: BTreeSet<&str> = headers.iter().flat_map(|h| h.tensors.iter().map(|t| t.name.as_str())).collect();
+            let missing = ix.weight_map.iter().find(|(n, _)| !present.contains(n.as_str()));
+            if let Some((n, f)) = missing {
+                return Err(invalid(
+                    INDEX_FILE,
+                    &format!("weight_map.{n}"),
+                    format!("names {f}, whose header has no such tensor"),
+                ));
+            }
+        }
+    }
+
+    let plan_source = PlanSource {
+        repo: repo.repo.clone(),
+        revision: repo.revision.clone(),
+        commit: repo.commit.clone(),
+        index_sha256: index_sha,
+    };
+    let plan = plan::build(&plan::PlanInput {
+        family: &settings.family,
+        source: plan_source,
+        config: &config,
+        headers: &headers,
+        shard_sha256: &sha,
+        repo_files: &sizes,
+        options: &settings.options,
+    })?;
+    if !plan.outputs.copied.iter().any(|c| c.source == "tokenizer.json") {
+        warnings.push(format!("{repo} has no tokenizer.json; `gturbo run` will not be able to tokenize"));
+    }
+    Ok(Prepared {
+        plan,
+        stats: source.stats(),
+        header_requests,
+        index_total_size: index.as_ref().and_then(|i| i.total_size),
+        index_pinned: expected.is_some(),
+        repo,
+        warnings,
+        elapsed: started.elapsed(),
+    })
+}
