@@ -4,6 +4,8 @@
 //! This is everything `--dry-run` does; the streaming executor (a later stage) starts
 //! from the same [`Prepared`] value, so a dry run and a real install plan identically.
 
+pub mod execute;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -67,6 +69,10 @@ pub struct Prepared {
     pub warnings: Vec<String>,
     /// Wall time.
     pub elapsed: Duration,
+    /// The family's quantization overrides as (pattern, scheme), for the manifest.
+    pub family_overrides: Vec<(String, crate::format::Scheme)>,
+    /// Sidecar name → `carried` or `skipped`.
+    pub sidecars: BTreeMap<String, String>,
 }
 
 /// Why an install cannot be planned.
@@ -96,6 +102,56 @@ pub enum InstallError {
         /// Computed hash.
         computed: String,
     },
+    /// Local I/O on the output.
+    #[error("{path}: {source}")]
+    Io {
+        /// File or directory.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A weight is inf or NaN.
+    #[error("tensor `{tensor}`: non-finite weight (inf or NaN) at element {element}; refusing to quantize a defective checkpoint")]
+    NonFinite {
+        /// Tensor.
+        tensor: String,
+        /// Flat element index.
+        element: u64,
+    },
+    /// A transform failed.
+    #[error("tensor `{tensor}`: {detail}")]
+    Transform {
+        /// Tensor.
+        tensor: String,
+        /// What.
+        detail: String,
+    },
+    /// The partial install was made by another plan.
+    #[error("{journal}: the partial install was planned with fingerprint {theirs}, this plan is {ours} (another revision, family or flags); refusing to mix them\n\nhint: rerun with the original flags to resume, or pass --discard-partial to start over")]
+    PlanChanged {
+        /// Journal path.
+        journal: String,
+        /// Fingerprint in the journal.
+        theirs: String,
+        /// This plan's fingerprint.
+        ours: String,
+    },
+    /// The output exists.
+    #[error("{path} already exists; pass --overwrite to replace it")]
+    OutputExists {
+        /// Output path.
+        path: String,
+    },
+    /// Another install holds the lock.
+    #[error("{path} is locked by another gturbo install into the same output")]
+    Locked {
+        /// Lock path.
+        path: String,
+    },
+    /// A bug.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The index or config does not parse or is inconsistent with the shards.
     #[error("{file}: field `{field}`: {detail}")]
     Invalid {
@@ -112,7 +168,12 @@ impl InstallError {
     /// True when gturbo ran and refused (a hash or pin gate), as opposed to not
     /// being able to run at all. Decides exit code 1 vs 2.
     pub fn is_refusal(&self) -> bool {
-        matches!(self, InstallError::IndexHashMismatch { .. })
+        matches!(
+            self,
+            InstallError::IndexHashMismatch { .. }
+                | InstallError::PlanChanged { .. }
+                | InstallError::NonFinite { .. }
+        )
     }
 }
 
@@ -308,7 +369,27 @@ pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Re
     if !plan.outputs.copied.iter().any(|c| c.source == "tokenizer.json") {
         warnings.push(format!("{repo} has no tokenizer.json; `gturbo run` will not be able to tokenize"));
     }
+    let family_overrides = settings
+        .family
+        .file
+        .quant
+        .overrides
+        .iter()
+        .map(|o| (o.pattern.clone(), o.scheme))
+        .collect();
+    let sidecars = settings
+        .family
+        .file
+        .sidecars
+        .keys()
+        .map(|k| {
+            let state = if settings.options.skip_sidecars.contains(k) { "skipped" } else { "carried" };
+            (k.clone(), state.to_string())
+        })
+        .collect();
     Ok(Prepared {
+        family_overrides,
+        sidecars,
         plan,
         stats: source.stats(),
         header_requests,

@@ -19,6 +19,9 @@ pub mod local;
 pub mod retry;
 pub mod token;
 
+/// Chunks of one ranged read.
+pub type ByteStream = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Bytes, SourceError>> + Send>>;
+
 /// One file of the resolved repository snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RepoFile {
@@ -79,6 +82,15 @@ pub trait RangeSource: Send + Sync {
     /// Exactly the bytes `range` of `path` (end exclusive). An answer of any other
     /// length is an error, never a short read.
     async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError>;
+
+    /// The bytes `range` of `path` as a stream of chunks, so a large read is consumed
+    /// in bounded memory. The chunks together are exactly the range; a stream that
+    /// ends early or errors means the read must be retried as a whole. The default
+    /// delivers [`RangeSource::read_range`] as one chunk.
+    async fn stream_range(&self, path: &str, range: Range<u64>) -> Result<ByteStream, SourceError> {
+        let bytes = self.read_range(path, range).await?;
+        Ok(Box::pin(futures_util::stream::once(async move { Ok(bytes) })))
+    }
 
     /// A whole small file (index, config, tokenizer). `max_len` bounds what is accepted.
     async fn read_file(&self, path: &str, max_len: u64) -> Result<Bytes, SourceError>;

@@ -1,0 +1,659 @@
+//! The install's back half: stream every planned read through the transforms into
+//! positional writes under `<out>.partial/`, journal each completed read durably,
+//! then hash, write the manifest last, and publish by an atomic rename.
+//!
+//! # Memory
+//! Each read in flight holds one tile of source rows and its transformed output
+//! (`tile_bytes` each, set by `--tile-kib`), never a tensor or a shard: memory is
+//! O(jobs × tile).
+//!
+//! # Crash safety and resume
+//! Beside the staging directory live `<out>.partial.journal` (JSON lines: the plan
+//! fingerprint, then one `{"read", "digest"}` line per completed read) and
+//! `<out>.partial.lock` (an exclusive lock held for the whole install). A read counts
+//! as done only after its output bytes are fsynced and its journal line is fsynced.
+//! The digest of a read is derived from the bytes it wrote (per tensor segment and
+//! per output stream, in row order), so a rerun re-derives it from the disk: intact
+//! reads are kept, damaged or missing ones are fetched again. A journal written for
+//! another plan fingerprint is refused (or discarded with `--discard-partial`).
+
+use std::collections::BTreeSet;
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use sha2::{Digest, Sha256};
+
+use crate::format::Scheme;
+use crate::format::manifest::{self, Manifest, ManifestArch, ManifestFile, ManifestResident, ManifestSource, ManifestTool, QuantizedAtInstall};
+use crate::format::resident::MAGIC;
+use crate::plan::placement::{TensorPlacement, output_file_paths};
+use crate::plan::{Dest, Plan, QuantMode, RangeRead};
+use crate::source::{RangeSource, SourceError};
+use crate::transform::quant::{self, Bits};
+
+use super::{InstallError, Prepared};
+
+/// Largest tokenizer/config file copied.
+const MAX_COPIED_BYTES: u64 = 512 << 20;
+/// Attempts at one read when its stream breaks (each attempt already retries
+/// transient HTTP faults inside the source).
+const READ_ATTEMPTS: u32 = 3;
+
+/// Settings of the executor.
+#[derive(Debug, Clone)]
+pub struct ExecuteOptions {
+    /// The final `.gturbo` directory.
+    pub out: PathBuf,
+    /// Reads in flight.
+    pub jobs: usize,
+    /// Source bytes per transform tile (rounded to whole rows, at least one row).
+    pub tile_bytes: usize,
+    /// Throw away a partial install instead of resuming it.
+    pub discard_partial: bool,
+    /// Replace an existing output directory.
+    pub overwrite: bool,
+    /// Test hook: stop (as if killed) after this many reads complete in this run.
+    pub abort_after_reads: Option<u64>,
+}
+
+/// What the executor did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ExecuteSummary {
+    /// Reads in the plan.
+    pub reads_total: u64,
+    /// Reads found intact in the journal and kept.
+    pub reads_kept: u64,
+    /// Reads fetched in this run.
+    pub reads_fetched: u64,
+    /// Journaled reads whose bytes on disk no longer matched (fetched again).
+    pub reads_damaged: u64,
+    /// Source bytes fetched in this run.
+    pub bytes_read: u64,
+    /// Output bytes written in this run (weights files).
+    pub bytes_written: u64,
+    /// Wall time.
+    pub elapsed_s: f64,
+}
+
+/// Progress callbacks; the CLI draws them.
+pub trait InstallReporter: Send + Sync {
+    /// A phase starts (`resume-check`, `stream`, `tokenizer`, `hash`, `publish`).
+    fn phase(&self, name: &str, detail: &str);
+    /// A read finished: its source bytes.
+    fn read_done(&self, bytes: u64);
+}
+
+/// Reporter that shows nothing.
+pub struct NoReport;
+impl InstallReporter for NoReport {
+    fn phase(&self, _: &str, _: &str) {}
+    fn read_done(&self, _: u64) {}
+}
+
+fn io_err(path: &Path, e: std::io::Error) -> InstallError {
+    InstallError::Io {
+        path: path.display().to_string(),
+        source: e,
+    }
+}
+
+fn with_suffix(out: &Path, suffix: &str) -> PathBuf {
+    let mut s = out.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+/// One tensor's rows inside one read.
+#[derive(Debug, Clone)]
+struct Segment {
+    tensor: usize,
+    /// Absolute source offset of the first byte.
+    src_start: u64,
+    row0: u64,
+    row1: u64,
+}
+
+fn segments(plan: &Plan, placements: &[Option<TensorPlacement>], read: &RangeRead) -> Vec<Segment> {
+    let mut out = Vec::new();
+    for (ti, t) in plan.tensors.iter().enumerate() {
+        if t.shard != read.shard {
+            continue;
+        }
+        let Some(p) = &placements[ti] else { continue };
+        let s = t.src[0].max(read.start);
+        let e = t.src[1].min(read.end);
+        if s >= e {
+            continue;
+        }
+        let row0 = (s - t.src[0]) / p.src_row_bytes;
+        let row1 = (e - t.src[0]).div_ceil(p.src_row_bytes);
+        out.push(Segment { tensor: ti, src_start: s, row0, row1 });
+    }
+    out
+}
+
+/// Contiguous output runs `(file, offset, len, first_row)` of one stream (0 weights,
+/// 1 scales, 2 biases) for rows `row0..row1`.
+fn runs(p: &TensorPlacement, row0: u64, row1: u64, stream: usize) -> Vec<(usize, u64, u64, u64)> {
+    let len = [p.out_row.0, p.out_row.1, p.out_row.2][stream];
+    let mut v: Vec<(usize, u64, u64, u64)> = Vec::new();
+    if len == 0 {
+        return v;
+    }
+    for r in row0..row1 {
+        let d = p.row(r);
+        let off = [d.weights, d.scales, d.biases][stream];
+        match v.last_mut() {
+            Some(last) if last.0 == d.file && last.1 + last.2 == off => last.2 += len,
+            _ => v.push((d.file, off, len, r)),
+        }
+    }
+    v
+}
+
+/// Streams one read's bytes through the transforms into the output files.
+struct ReadWriter<'a> {
+    plan: &'a Plan,
+    placements: &'a [Option<TensorPlacement>],
+    files: &'a [File],
+    paths: &'a [PathBuf],
+    segs: Vec<Segment>,
+    seg: usize,
+    /// Absolute source position of the next byte.
+    pos: u64,
+    tile: Vec<u8>,
+    tile_row0: u64,
+    tile_rows: u64,
+    out: [Vec<u8>; 3],
+    hashers: [Sha256; 3],
+    digest: Sha256,
+    touched: BTreeSet<usize>,
+    written: u64,
+}
+
+impl<'a> ReadWriter<'a> {
+    fn feed(&mut self, mut chunk: &[u8], tile_bytes: usize) -> Result<(), InstallError> {
+        while !chunk.is_empty() {
+            let Some(seg) = self.segs.get(self.seg).cloned() else {
+                return Ok(()); // trailing gap bytes
+            };
+            if self.pos < seg.src_start {
+                let skip = ((seg.src_start - self.pos) as usize).min(chunk.len());
+                chunk = &chunk[skip..];
+                self.pos += skip as u64;
+                continue;
+            }
+            let p = self.placements[seg.tensor].as_ref().ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+            if self.tile.is_empty() && self.tile_rows == 0 {
+                self.tile_row0 = (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes;
+                self.tile_rows = ((tile_bytes as u64 / p.src_row_bytes).max(1)).min(seg.row1 - self.tile_row0);
+            }
+            let want = (self.tile_rows * p.src_row_bytes) as usize - self.tile.len();
+            let take = want.min(chunk.len());
+            self.tile.extend_from_slice(&chunk[..take]);
+            chunk = &chunk[take..];
+            self.pos += take as u64;
+            if self.tile.len() as u64 == self.tile_rows * p.src_row_bytes {
+                self.flush_tile(&seg)?;
+                if self.tile_row0 >= seg.row1 {
+                    self.finish_segment();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn flush_tile(&mut self, seg: &Segment) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let p = self.placements[seg.tensor].as_ref().ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+        let n = self.tile_rows;
+        let (ow, os, ob) = p.out_row;
+        match p.scheme {
+            Scheme::Passthrough => {
+                self.out[0].clear();
+                self.out[0].extend_from_slice(&self.tile);
+            }
+            scheme => {
+                let bits = if scheme == Scheme::Int4G64 { Bits::Four } else { Bits::Eight };
+                for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
+                    buf.clear();
+                    buf.resize((per * n) as usize, 0);
+                }
+                let [w, s, b] = &mut self.out;
+                quant::quantize_rows_le_bytes(&self.tile, p.cols as usize, bits, w, s, b).map_err(|e| match e {
+                    quant::QuantError::NonFinite { index } => InstallError::NonFinite {
+                        tensor: t.name.clone(),
+                        element: self.tile_row0 * p.cols + index as u64,
+                    },
+                    other => InstallError::Transform {
+                        tensor: t.name.clone(),
+                        detail: other.to_string(),
+                    },
+                })?;
+            }
+        }
+        for stream in 0..3 {
+            let per = [ow, os, ob][stream];
+            for (file, off, len, first) in runs(p, self.tile_row0, self.tile_row0 + n, stream) {
+                let at = ((first - self.tile_row0) * per) as usize;
+                let bytes = &self.out[stream][at..at + len as usize];
+                self.files[file].write_all_at(bytes, off).map_err(|e| io_err(&self.paths[file], e))?;
+                self.hashers[stream].update(bytes);
+                self.touched.insert(file);
+                self.written += len;
+            }
+        }
+        self.tile.clear();
+        self.tile_row0 += n;
+        self.tile_rows = 0;
+        Ok(())
+    }
+
+    fn finish_segment(&mut self) {
+        for h in &mut self.hashers {
+            let d = std::mem::take(h).finalize();
+            self.digest.update(d);
+        }
+        self.seg += 1;
+        self.tile_rows = 0;
+    }
+}
+
+/// The digest a read's bytes on disk should have, recomputed from the files.
+fn digest_on_disk(plan: &Plan, placements: &[Option<TensorPlacement>], files: &[File], paths: &[PathBuf], read: &RangeRead) -> Result<String, InstallError> {
+    let mut digest = Sha256::new();
+    let mut buf = Vec::new();
+    for seg in segments(plan, placements, read) {
+        let Some(p) = &placements[seg.tensor] else { continue };
+        for stream in 0..3 {
+            let mut h = Sha256::new();
+            for (file, off, len, _) in runs(p, seg.row0, seg.row1, stream) {
+                buf.resize(len as usize, 0);
+                files[file].read_exact_at(&mut buf, off).map_err(|e| io_err(&paths[file], e))?;
+                h.update(&buf);
+            }
+            digest.update(h.finalize());
+        }
+    }
+    Ok(hex::encode(digest.finalize()))
+}
+
+struct Journal {
+    path: PathBuf,
+    file: File,
+}
+
+impl Journal {
+    /// Open or create; returns completed (read, digest) entries.
+    fn open(path: &Path, fingerprint: &str, discard: bool) -> Result<(Journal, Vec<(usize, String)>), InstallError> {
+        let mut done = Vec::new();
+        if path.exists() && !discard {
+            let f = File::open(path).map_err(|e| io_err(path, e))?;
+            let mut lines = BufReader::new(f).lines();
+            let head: serde_json::Value = match lines.next() {
+                Some(Ok(l)) => serde_json::from_str(&l).unwrap_or(serde_json::Value::Null),
+                _ => serde_json::Value::Null,
+            };
+            let theirs = head.get("fingerprint").and_then(|v| v.as_str()).unwrap_or("");
+            if !theirs.is_empty() && theirs != fingerprint {
+                return Err(InstallError::PlanChanged {
+                    journal: path.display().to_string(),
+                    theirs: theirs.to_string(),
+                    ours: fingerprint.to_string(),
+                });
+            }
+            if !theirs.is_empty() {
+                for l in lines.map_while(Result::ok) {
+                    // A torn last line (a crash mid-append) simply does not count.
+                    let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) else { continue };
+                    if let (Some(r), Some(d)) = (v.get("read").and_then(|r| r.as_u64()), v.get("digest").and_then(|d| d.as_str())) {
+                        done.push((r as usize, d.to_string()));
+                    }
+                }
+                let file = OpenOptions::new().append(true).open(path).map_err(|e| io_err(path, e))?;
+                return Ok((Journal { path: path.to_path_buf(), file }, done));
+            }
+        }
+        let mut file = File::create(path).map_err(|e| io_err(path, e))?;
+        let head = serde_json::json!({ "journal": "gturbo-install", "version": 1, "fingerprint": fingerprint });
+        writeln!(file, "{head}").map_err(|e| io_err(path, e))?;
+        file.sync_all().map_err(|e| io_err(path, e))?;
+        Ok((Journal { path: path.to_path_buf(), file }, done))
+    }
+
+    fn record(&mut self, read: usize, digest: &str) -> Result<(), InstallError> {
+        let line = serde_json::json!({ "read": read, "digest": digest });
+        writeln!(self.file, "{line}").map_err(|e| io_err(&self.path, e))?;
+        self.file.sync_data().map_err(|e| io_err(&self.path, e))
+    }
+}
+
+fn sha256_file(path: &Path) -> Result<String, InstallError> {
+    let mut f = File::open(path).map_err(|e| io_err(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| io_err(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+fn sync_dir(path: &Path) -> Result<(), InstallError> {
+    File::open(path).and_then(|d| d.sync_all()).map_err(|e| io_err(path, e))
+}
+
+/// Run the install. Returns the summary; the `.gturbo` directory is published at
+/// `options.out` on success.
+pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options: &ExecuteOptions, reporter: &dyn InstallReporter) -> Result<ExecuteSummary, InstallError> {
+    let started = Instant::now();
+    let plan = &prepared.plan;
+    let out = &options.out;
+    if out.exists() && !options.overwrite {
+        return Err(InstallError::OutputExists { path: out.display().to_string() });
+    }
+    let staging = with_suffix(out, ".partial");
+    let lock_path = with_suffix(out, ".partial.lock");
+    let journal_path = with_suffix(out, ".partial.journal");
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+    }
+    let lock = File::create(&lock_path).map_err(|e| io_err(&lock_path, e))?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(InstallError::Locked { path: lock_path.display().to_string() });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&lock_path, e)),
+    }
+    if options.discard_partial && staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(|e| io_err(&staging, e))?;
+    }
+    let fingerprint = plan.fingerprint();
+    let (mut journal, done) = Journal::open(&journal_path, &fingerprint, options.discard_partial)?;
+
+    // Output files, created at their planned sizes (sparse: unwritten slack reads as zero).
+    let rel = output_file_paths(plan);
+    let sizes: Vec<u64> = std::iter::once(plan.outputs.resident.file_bytes)
+        .chain(plan.outputs.expert_pools.iter().map(|p| p.file_bytes))
+        .chain(plan.outputs.row_pools.iter().map(|p| p.file_bytes))
+        .collect();
+    let needed: u64 = sizes.iter().sum();
+    let mut paths = Vec::new();
+    let mut files = Vec::new();
+    for (r, size) in rel.iter().zip(&sizes) {
+        let path = staging.join(r);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+        }
+        let f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| io_err(&path, e))?;
+        let len = f.metadata().map_err(|e| io_err(&path, e))?.len();
+        if len != *size {
+            f.set_len(*size).map_err(|e| io_err(&path, e))?;
+        }
+        paths.push(path);
+        files.push(f);
+    }
+    let _ = needed;
+
+    // The resident file's head: magic, index length, index.
+    {
+        let r = &plan.outputs.resident;
+        let mut head = Vec::with_capacity(16 + r.index_len as usize);
+        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(&r.index_len.to_le_bytes());
+        head.extend_from_slice(&serde_json::to_vec(&r.index).map_err(|e| InstallError::Internal(e.to_string()))?);
+        files[0].write_all_at(&head, 0).map_err(|e| io_err(&paths[0], e))?;
+    }
+
+    let placements: Vec<Option<TensorPlacement>> = plan
+        .tensors.iter().map(|t| TensorPlacement::new(plan, t)).collect();
+
+    // Which reads are already done and intact?
+    reporter.phase("resume-check", &format!("{} journaled reads", done.len()));
+    let mut summary = ExecuteSummary { reads_total: plan.reads.len() as u64, ..Default::default() };
+    let mut complete = vec![false; plan.reads.len()];
+    for (ri, digest) in &done {
+        let Some(read) = plan.reads.get(*ri) else { continue };
+        if complete[*ri] {
+            continue;
+        }
+        if digest_on_disk(plan, &placements, &files, &paths, read)? == *digest {
+            complete[*ri] = true;
+            summary.reads_kept += 1;
+        } else {
+            summary.reads_damaged += 1;
+        }
+    }
+
+    // Stream the rest.
+    let pending: Vec<usize> = (0..plan.reads.len()).filter(|i| !complete[*i]).collect();
+    reporter.phase("stream", &format!("{} reads to fetch, {} kept", pending.len(), summary.reads_kept));
+    let files = Arc::new(files);
+    let paths = Arc::new(paths);
+    let shared_plan = Arc::new(plan.clone());
+    let placements = Arc::new(placements);
+    let bytes_read = Arc::new(AtomicU64::new(0));
+    let bytes_written = Arc::new(AtomicU64::new(0));
+    let mut finished = 0u64;
+    let jobs = options.jobs.max(1);
+    let tile = options.tile_bytes.max(1);
+    let mut stream = futures_util::stream::iter(pending.into_iter().map(|ri| {
+        let source = source.clone();
+        let files = files.clone();
+        let paths = paths.clone();
+        let plan = shared_plan.clone();
+        let placements = placements.clone();
+        let bytes_read = bytes_read.clone();
+        let bytes_written = bytes_written.clone();
+        // Each read is its own task so transforms of different reads run on
+        // different cores.
+        let task = tokio::spawn(async move {
+            let plan = &*plan;
+            let placements = &placements[..];
+            let read = &plan.reads[ri];
+            let shard = &plan.shards[read.shard].path;
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let mut w = ReadWriter {
+                    plan,
+                    placements,
+                    files: &files,
+                    paths: &paths,
+                    segs: segments(plan, placements, read),
+                    seg: 0,
+                    pos: read.start,
+                    tile: Vec::new(),
+                    tile_row0: 0,
+                    tile_rows: 0,
+                    out: [Vec::new(), Vec::new(), Vec::new()],
+                    hashers: Default::default(),
+                    digest: Sha256::new(),
+                    touched: BTreeSet::new(),
+                    written: 0,
+                };
+                let result: Result<(), InstallError> = async {
+                    let mut body = source.stream_range(shard, read.start..read.end).await?;
+                    while let Some(chunk) = body.next().await {
+                        let chunk = chunk?;
+                        bytes_read.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                        tokio::task::block_in_place(|| w.feed(&chunk, tile))?;
+                    }
+                    if w.pos != read.end {
+                        return Err(SourceError::BadRange {
+                            path: shard.clone(),
+                            range: read.start..read.end,
+                            detail: format!("stream ended at byte {}", w.pos),
+                        }
+                        .into());
+                    }
+                    Ok(())
+                }
+                .await;
+                match result {
+                    Ok(()) => {
+                        let touched: Vec<usize> = w.touched.iter().copied().collect();
+                        tokio::task::block_in_place(|| -> Result<(), InstallError> {
+                            for f in touched {
+                                files[f].sync_data().map_err(|e| io_err(&paths[f], e))?;
+                            }
+                            Ok(())
+                        })?;
+                        bytes_written.fetch_add(w.written, Ordering::Relaxed);
+                        return Ok::<(usize, String, u64), InstallError>((ri, hex::encode(w.digest.finalize()), read.end - read.start));
+                    }
+                    Err(InstallError::Source(e)) if attempt < READ_ATTEMPTS && !matches!(e, SourceError::Unauthorized { .. } | SourceError::NotFound { .. }) => {
+                        tracing::debug!(read = ri, attempt, error = %e, "read failed; retrying it whole");
+                        tokio::time::sleep(Duration::from_millis(200 * attempt as u64)).await;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        });
+        async move {
+            task.await.map_err(|e| InstallError::Internal(format!("read task failed: {e}")))?
+        }
+    }))
+    .buffer_unordered(jobs);
+    while let Some(r) = stream.next().await {
+        let (ri, digest, n) = r?;
+        journal.record(ri, &digest)?;
+        summary.reads_fetched += 1;
+        finished += 1;
+        reporter.read_done(n);
+        if options.abort_after_reads == Some(finished) {
+            // Test hook: behave like a kill right after a durable journal line.
+            std::process::exit(137);
+        }
+    }
+    drop(stream);
+    summary.bytes_read = bytes_read.load(Ordering::Relaxed);
+    summary.bytes_written = bytes_written.load(Ordering::Relaxed);
+
+    // Tokenizer and config copies.
+    reporter.phase("tokenizer", &format!("{} files", plan.outputs.copied.len()));
+    for c in &plan.outputs.copied {
+        let bytes = source.read_file(&c.source, MAX_COPIED_BYTES).await?;
+        if bytes.len() as u64 != c.bytes {
+            return Err(SourceError::BadRange {
+                path: c.source.clone(),
+                range: 0..c.bytes,
+                detail: format!("{} bytes arrived, the listing says {}", bytes.len(), c.bytes),
+            }
+            .into());
+        }
+        let path = staging.join(&c.file);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+        }
+        std::fs::write(&path, &bytes).map_err(|e| io_err(&path, e))?;
+    }
+
+    // Hash every file, write the manifest last, publish.
+    reporter.phase("hash", &format!("{} files", rel.len() + plan.outputs.copied.len()));
+    let mut listed: Vec<(String, String)> = rel.iter().enumerate().map(|(i, r)| {
+        let kind = if i == 0 { "resident" } else if i <= plan.outputs.expert_pools.len() { "experts" } else { "rows" };
+        (r.clone(), kind.to_string())
+    }).collect();
+    listed.extend(plan.outputs.copied.iter().map(|c| (c.file.clone(), "tokenizer".to_string())));
+    let hashed = tokio::task::block_in_place(|| -> Result<Vec<ManifestFile>, InstallError> {
+        let mut v = Vec::new();
+        for (r, kind) in &listed {
+            let path = staging.join(r);
+            let bytes = std::fs::metadata(&path).map_err(|e| io_err(&path, e))?.len();
+            File::open(&path).and_then(|f| f.sync_all()).map_err(|e| io_err(&path, e))?;
+            v.push(ManifestFile { path: r.clone(), bytes, sha256: sha256_file(&path)?, kind: kind.clone() });
+        }
+        v.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(v)
+    })?;
+    let manifest = build_manifest(prepared, &fingerprint, hashed);
+    let mpath = staging.join(manifest::FILE_NAME);
+    {
+        let mut f = File::create(&mpath).map_err(|e| io_err(&mpath, e))?;
+        f.write_all(&manifest.to_canonical_bytes()).map_err(|e| io_err(&mpath, e))?;
+        f.sync_all().map_err(|e| io_err(&mpath, e))?;
+    }
+    for dir in ["packed_experts", "ple", "tokenizer", ""] {
+        let d = staging.join(dir);
+        if d.is_dir() {
+            sync_dir(&d)?;
+        }
+    }
+    reporter.phase("publish", &out.display().to_string());
+    if out.exists() {
+        let old = with_suffix(out, &format!(".replaced-{}", std::process::id()));
+        std::fs::rename(out, &old).map_err(|e| io_err(out, e))?;
+        std::fs::rename(&staging, out).map_err(|e| io_err(out, e))?;
+        std::fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
+    } else {
+        std::fs::rename(&staging, out).map_err(|e| io_err(out, e))?;
+    }
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent)?;
+    }
+    let _ = std::fs::remove_file(&journal_path);
+    drop(lock);
+    let _ = std::fs::remove_file(&lock_path);
+    summary.elapsed_s = started.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFile>) -> Manifest {
+    let plan = &prepared.plan;
+    let (scheme, bits) = match plan.options.quant {
+        QuantMode::Int4 => (Scheme::Int4G64, 4),
+        QuantMode::Bf16 => (Scheme::Passthrough, 0),
+    };
+    let overrides = match plan.options.quant {
+        QuantMode::Bf16 => Vec::new(),
+        QuantMode::Int4 => prepared.family_overrides.clone(),
+    };
+    Manifest {
+        format: manifest::FORMAT.into(),
+        version: manifest::VERSION,
+        family: plan.family.clone(),
+        model_id: plan.source.repo.clone(),
+        source: ManifestSource {
+            repo: plan.source.repo.clone(),
+            revision: plan.source.revision.clone(),
+            commit: plan.source.commit.clone(),
+            index_sha256: plan.source.index_sha256.clone(),
+        },
+        arch: ManifestArch {
+            model_type: plan.arch.model_type.clone(),
+            axes: plan.arch.axes.clone(),
+            required_axes: plan.arch.required_axes.clone(),
+        },
+        plan_fingerprint: fingerprint.to_string(),
+        quantized_at_install: QuantizedAtInstall {
+            scheme,
+            bits,
+            group_size: 64,
+            overrides,
+            parity_gate: "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)".into(),
+            quality_gate: None,
+        },
+        files,
+        resident: ManifestResident {
+            file: "resident.bin".into(),
+            payload_start: plan.outputs.resident.payload_start,
+            entries: plan.outputs.resident.index.tensors.len() as u64,
+        },
+        expert_pools: plan.outputs.expert_pools.clone(),
+        row_pools: plan.outputs.row_pools.clone(),
+        sidecars: prepared.sidecars.clone(),
+        excluded_tensors: plan.tensors.iter().filter(|t| matches!(t.dest, Dest::Excluded { .. })).count() as u64,
+        tool: ManifestTool { name: "gturbo".into(), version: env!("CARGO_PKG_VERSION").into() },
+    }
+}

@@ -1,0 +1,160 @@
+//! Where each source row lands, in output-file byte offsets.
+//!
+//! The executor streams a tensor's bytes row by row (a row is the last axis; groups of
+//! 64 never cross rows), so every destination is a function of (tensor, row). This
+//! module computes it from the plan alone, which is also what lets a resumed install
+//! re-derive and re-check exactly the bytes a read wrote.
+
+use crate::format::{RowBlocks, Scheme};
+
+use super::{Dest, Plan, PlannedTensor};
+use crate::format::pools::ExpertPart;
+
+/// Output file ids: 0 is `resident.bin`, then expert pools, then row pools.
+pub fn output_file_paths(plan: &Plan) -> Vec<String> {
+    let mut v = vec!["resident.bin".to_string()];
+    v.extend(plan.outputs.expert_pools.iter().map(|p| p.file.clone()));
+    v.extend(plan.outputs.row_pools.iter().map(|p| p.file.clone()));
+    v
+}
+
+/// Where one row's output goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowDest {
+    /// Output file id (see [`output_file_paths`]).
+    pub file: usize,
+    /// Offset of the row's weights (or passthrough bytes).
+    pub weights: u64,
+    /// Offset of the row's scales (quantized schemes).
+    pub scales: u64,
+    /// Offset of the row's biases (quantized schemes).
+    pub biases: u64,
+}
+
+/// How a tensor's rows map to output bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorPlacement {
+    /// Scheme applied to every row.
+    pub scheme: Scheme,
+    /// Source bytes per row.
+    pub src_row_bytes: u64,
+    /// Elements per row.
+    pub cols: u64,
+    /// Rows in the tensor.
+    pub rows: u64,
+    /// Output bytes per row: weights (or passthrough bytes), scales, biases.
+    pub out_row: (u64, u64, u64),
+    kind: Kind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Kind {
+    /// Row-major regions: weights/scales/biases bases.
+    Linear { file: usize, w: u64, s: u64, b: u64 },
+    /// Rows grouped per expert: `rows_per_expert` source rows per expert; each
+    /// expert's rows split into parts (row count, part weights/scales/biases offsets
+    /// inside the blob).
+    Experts {
+        file: usize,
+        stride: u64,
+        first_expert: u64,
+        rows_per_expert: u64,
+        parts: Vec<(u64, u64, u64, u64)>,
+    },
+    /// Row pool region.
+    Rows { file: usize, base: u64, blocks: RowBlocks },
+}
+
+impl TensorPlacement {
+    /// Placement of `t` in `plan`; `None` for excluded tensors.
+    pub fn new(plan: &Plan, t: &PlannedTensor) -> Option<TensorPlacement> {
+        let cols = t.shape.last().copied().unwrap_or(1).max(1);
+        let elems: u64 = t.shape.iter().product();
+        let rows = if t.shape.is_empty() { 1 } else { elems / cols };
+        let elem = t.dtype.size();
+        let out_row = match t.scheme.bits() {
+            None => (cols * elem, 0, 0),
+            Some(bits) => (cols * bits as u64 / 8, cols / 64 * 2, cols / 64 * 2),
+        };
+        let n_pools = plan.outputs.expert_pools.len();
+        let kind = match &t.dest {
+            Dest::Excluded { .. } => return None,
+            Dest::Resident { entry } => {
+                let e = &plan.outputs.resident.index.tensors[*entry];
+                let base = plan.outputs.resident.payload_start;
+                match (e.data, e.weights, e.scales, e.biases) {
+                    (Some(d), ..) => Kind::Linear { file: 0, w: base + d.offset, s: 0, b: 0 },
+                    (None, Some(w), Some(s), Some(b)) => Kind::Linear {
+                        file: 0,
+                        w: base + w.offset,
+                        s: base + s.offset,
+                        b: base + b.offset,
+                    },
+                    _ => return None,
+                }
+            }
+            Dest::ExpertsFused { pool, part } | Dest::Expert { pool, part, .. } => {
+                let p = &plan.outputs.expert_pools[*pool];
+                let offs = |want: ExpertPart| {
+                    p.parts.iter().find(|bp| bp.part == want).map(|bp| {
+                        (bp.rows, bp.offset, bp.offset + bp.weights, bp.offset + bp.weights + bp.scales)
+                    })
+                };
+                let parts: Vec<(u64, u64, u64, u64)> = match part {
+                    ExpertPart::GateUp => vec![offs(ExpertPart::Gate)?, offs(ExpertPart::Up)?],
+                    other => vec![offs(*other)?],
+                };
+                let (first_expert, rows_per_expert) = match &t.dest {
+                    Dest::Expert { expert, .. } => (*expert, rows),
+                    _ => (0, parts.iter().map(|p| p.0).sum()),
+                };
+                Kind::Experts { file: 1 + pool, stride: p.stride, first_expert, rows_per_expert, parts }
+            }
+            Dest::Rows { pool, shard } => {
+                let p = &plan.outputs.row_pools[*pool];
+                let s = &p.shards[*shard];
+                Kind::Rows {
+                    file: 1 + n_pools + pool,
+                    base: s.offset,
+                    blocks: RowBlocks::new(s.rows, p.row_bytes)?,
+                }
+            }
+        };
+        Some(TensorPlacement { scheme: t.scheme, src_row_bytes: cols * elem, cols, rows, out_row, kind })
+    }
+
+    /// Destination of source row `row`.
+    pub fn row(&self, row: u64) -> RowDest {
+        let (ow, os, _) = self.out_row;
+        match &self.kind {
+            Kind::Linear { file, w, s, b } => RowDest {
+                file: *file,
+                weights: w + row * ow,
+                scales: s + row * os,
+                biases: b + row * os,
+            },
+            Kind::Experts { file, stride, first_expert, rows_per_expert, parts } => {
+                let e = first_expert + row / rows_per_expert;
+                let mut r = row % rows_per_expert;
+                let base = e * stride;
+                for &(n, w, s, b) in parts {
+                    if r < n {
+                        return RowDest {
+                            file: *file,
+                            weights: base + w + r * ow,
+                            scales: base + s + r * os,
+                            biases: base + b + r * os,
+                        };
+                    }
+                    r -= n;
+                }
+                // Unreachable for rows < self.rows: parts cover rows_per_expert.
+                RowDest { file: *file, weights: base, scales: base, biases: base }
+            }
+            Kind::Rows { file, base, blocks } => {
+                let at = base + blocks.row_offset(row);
+                RowDest { file: *file, weights: at, scales: at + ow, biases: at + ow + os }
+            }
+        }
+    }
+}
