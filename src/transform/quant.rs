@@ -473,11 +473,10 @@ pub fn dequantize_rows_bf16(
 mod tests {
     use super::*;
 
-    fn quant(
-        src: &[u16],
-        cols: usize,
-        bits: Bits,
-    ) -> Result<(Vec<u8>, Vec<u8>, Vec<u8>), QuantError> {
+    /// Packed weights, scales and biases.
+    type Packed = (Vec<u8>, Vec<u8>, Vec<u8>);
+
+    fn quant(src: &[u16], cols: usize, bits: Bits) -> Result<Packed, QuantError> {
         let g = src.len() / GROUP;
         let mut w = vec![0u8; g * bits.group_weight_bytes()];
         let mut s = vec![0u8; g * 2];
