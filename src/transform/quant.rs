@@ -7,7 +7,9 @@
 //! Callers (the install pipeline) stream a tensor through [`quantize_rows`] a tile of
 //! whole rows at a time and add the tensor name and row offset to any error.
 //!
-//! # The formula (MLX `quantize`, `mlx/backend/cpu/quantized.cpp`, v0.32.4)
+//! # The formula
+//! The semantics of MLX's CPU affine `quantize` (`mlx/backend/cpu/quantized.cpp`),
+//! checked bit for bit against live MLX 0.32.4 (`scripts/mlx_crosscheck.py`):
 //! Groups are 64 consecutive elements along the last axis. Everything is computed in
 //! f32 (BF16 widens exactly), with `levels = 2^bits - 1` (15 or 255):
 //! 1. `min`, `max` over the group. (MLX's comparisons skip NaN; gturbo refuses groups
@@ -16,7 +18,8 @@
 //!    `|min| > |max|` (strictly), else `max`; when the edge is `max`, `scale = -scale`.
 //! 3. `q0 = rint(edge / scale)` (round half to even). If `q0 != 0`:
 //!    `scale = edge / q0`, `bias = edge`; otherwise `bias = 0` and the scale stays.
-//!    This puts the edge exactly on the grid, so zero-heavy groups keep their extreme.
+//!    This puts 0.0 on the code grid (at code `-q0`), so zeros dequantize to (nearly,
+//!    after BF16 rounding of scale and bias) zero.
 //! 4. Each element: `q = clamp(rint((w - bias) / scale), 0, levels)`, with the f32
 //!    `scale` and `bias` (a true division, not a multiplication by a reciprocal).
 //! 5. The stored scale and bias are the f32 values rounded to BF16 (nearest, ties to
