@@ -1,1 +1,329 @@
-//! (in progress)
+//! The affine quantizer against MLX: the committed golden vectors (MLX 0.32.4), tile
+//! invariance, refusal of non-finite weights, and an optional live cross-check file
+//! produced by `scripts/mlx_crosscheck.py`.
+
+use gturbo::transform::quant::{
+    Bits, GROUP, QuantError, bf16_to_f32, dequantize_rows, dequantize_rows_bf16, f32_to_bf16,
+    quantize_rows, quantize_rows_le_bytes,
+};
+use serde::Deserialize;
+
+/// One matrix of the golden file or the cross-check file (the shared fields).
+#[derive(Deserialize)]
+struct Case {
+    name: String,
+    shape: [usize; 2],
+    #[serde(default = "four")]
+    bits: u32,
+    w_bf16_bits: Vec<u16>,
+    q_u32: Vec<u32>,
+    scales_bf16_bits: Vec<u16>,
+    biases_bf16_bits: Vec<u16>,
+    dequant_bf16_bits: Vec<u16>,
+    #[serde(default)]
+    x_bf16_bits: Vec<u16>,
+    #[serde(default)]
+    y_fp32_matvec: Vec<f32>,
+}
+
+fn four() -> u32 {
+    4
+}
+
+#[derive(Deserialize)]
+struct CaseFile {
+    mlx_version: String,
+    cases: Vec<Case>,
+}
+
+fn bits_of(n: u32) -> Bits {
+    match n {
+        4 => Bits::Four,
+        8 => Bits::Eight,
+        other => panic!("unsupported bit width {other} in test data"),
+    }
+}
+
+/// Quantized outputs as the typed values MLX reports.
+struct Quantized {
+    words: Vec<u32>,
+    scales: Vec<u16>,
+    biases: Vec<u16>,
+    wbytes: Vec<u8>,
+    sbytes: Vec<u8>,
+    bbytes: Vec<u8>,
+}
+
+fn quantize(src: &[u16], cols: usize, bits: Bits) -> Result<Quantized, QuantError> {
+    let groups = src.len() / GROUP;
+    let mut wbytes = vec![0u8; groups * bits.group_weight_bytes()];
+    let mut sbytes = vec![0u8; groups * 2];
+    let mut bbytes = vec![0u8; groups * 2];
+    quantize_rows(src, cols, bits, &mut wbytes, &mut sbytes, &mut bbytes)?;
+    let words = wbytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let le16 = |b: &[u8]| -> Vec<u16> {
+        b.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect()
+    };
+    Ok(Quantized {
+        words,
+        scales: le16(&sbytes),
+        biases: le16(&bbytes),
+        wbytes,
+        sbytes,
+        bbytes,
+    })
+}
+
+/// Mismatch counts of one case: (words, scales, biases, dequantized values).
+fn compare(case: &Case) -> [usize; 4] {
+    let cols = case.shape[1];
+    let bits = bits_of(case.bits);
+    let q = quantize(&case.w_bf16_bits, cols, bits)
+        .unwrap_or_else(|e| panic!("{}: quantize refused: {e}", case.name));
+    let count = |a: &[u32], b: &[u32]| {
+        assert_eq!(a.len(), b.len(), "{}: length", case.name);
+        a.iter().zip(b).filter(|(x, y)| x != y).count()
+    };
+    let widen = |v: &[u16]| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
+    let mut deq = vec![0u16; case.w_bf16_bits.len()];
+    dequantize_rows_bf16(&q.wbytes, &q.sbytes, &q.bbytes, cols, bits, &mut deq)
+        .unwrap_or_else(|e| panic!("{}: dequantize refused: {e}", case.name));
+    [
+        count(&q.words, &case.q_u32),
+        count(&widen(&q.scales), &widen(&case.scales_bf16_bits)),
+        count(&widen(&q.biases), &widen(&case.biases_bf16_bits)),
+        count(&widen(&deq), &widen(&case.dequant_bf16_bits)),
+    ]
+}
+
+fn load(path: &str) -> CaseFile {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {path}: {e}"))
+}
+
+#[test]
+fn golden_vectors_match_mlx_bit_for_bit() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/mlx_q4g64_golden.json"
+    );
+    let file = load(path);
+    assert_eq!(file.mlx_version, "0.32.4");
+    assert_eq!(file.cases.len(), 3);
+    for case in &file.cases {
+        assert_eq!(
+            compare(case),
+            [0; 4],
+            "{}: mismatches (words, scales, biases, dequant)",
+            case.name
+        );
+
+        // The byte-input entry point gives the same bytes.
+        let cols = case.shape[1];
+        let raw: Vec<u8> = case
+            .w_bf16_bits
+            .iter()
+            .flat_map(|b| b.to_le_bytes())
+            .collect();
+        let q = quantize(&case.w_bf16_bits, cols, Bits::Four).unwrap();
+        let (mut w, mut s, mut b) = (
+            vec![0u8; q.wbytes.len()],
+            vec![0u8; q.sbytes.len()],
+            vec![0u8; q.bbytes.len()],
+        );
+        quantize_rows_le_bytes(&raw, cols, Bits::Four, &mut w, &mut s, &mut b).unwrap();
+        assert_eq!(
+            (w, s, b),
+            (q.wbytes.clone(), q.sbytes.clone(), q.bbytes.clone())
+        );
+
+        // f32 dequantization: the matvec with x, accumulated k = 0..K-1 in f32 as
+        // MLX's f32 quantized matmul does, reproduces the golden y exactly.
+        let mut deq = vec![0f32; case.w_bf16_bits.len()];
+        dequantize_rows(&q.wbytes, &q.sbytes, &q.bbytes, cols, Bits::Four, &mut deq).unwrap();
+        for (n, want) in case.y_fp32_matvec.iter().enumerate() {
+            let row = &deq[n * cols..(n + 1) * cols];
+            let y = row
+                .iter()
+                .zip(&case.x_bf16_bits)
+                .fold(0f32, |acc, (&w, &x)| acc + bf16_to_f32(x) * w);
+            assert_eq!(
+                y.to_bits(),
+                want.to_bits(),
+                "{} row {n}: y {y} vs {want}",
+                case.name
+            );
+        }
+        // MLX's BF16 dequantization rounds twice (after the product, after the sum);
+        // each rounding moves the value by at most 2^-8 of its magnitude, so the f32
+        // value lies within that of MLX's.
+        for (k, (&f, &m)) in deq.iter().zip(&case.dequant_bf16_bits).enumerate() {
+            let s = case.scales_bf16_bits[k / GROUP];
+            let bound = (bf16_to_f32(s).abs() * 15.0 + f.abs()) / 256.0;
+            let diff = (f - bf16_to_f32(m)).abs();
+            assert!(
+                diff <= bound,
+                "{} element {k}: f32 {f} vs MLX bf16 {m:#06x}",
+                case.name
+            );
+        }
+    }
+}
+
+/// A deterministic BF16 matrix (xorshift; values ~N(0, 0.05) with sign mix).
+fn random_matrix(rows: usize, cols: usize, mut seed: u64) -> Vec<u16> {
+    (0..rows * cols)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            f32_to_bf16(u * 0.2 * if seed & 1 == 0 { 1.0 } else { 3.0 })
+        })
+        .collect()
+}
+
+#[test]
+fn tiles_of_any_row_count_give_the_same_bytes() {
+    let (rows, cols) = (256, 512);
+    let src = random_matrix(rows, cols, 0x9E37_79B9_7F4A_7C15);
+    for bits in [Bits::Four, Bits::Eight] {
+        let whole = quantize(&src, cols, bits).unwrap();
+        let wrow = cols * bits.bits() as usize / 8;
+        let srow = cols / GROUP * 2;
+        // 1 row; 3 rows; 8 and 64 rows; 97 rows, which leaves a ragged last tile;
+        // the whole matrix.
+        for tile in [1, 3, 8, 64, 97, rows] {
+            let mut w = vec![0u8; rows * wrow];
+            let mut s = vec![0u8; rows * srow];
+            let mut b = vec![0u8; rows * srow];
+            let mut r0 = 0;
+            while r0 < rows {
+                let r1 = (r0 + tile).min(rows);
+                quantize_rows(
+                    &src[r0 * cols..r1 * cols],
+                    cols,
+                    bits,
+                    &mut w[r0 * wrow..r1 * wrow],
+                    &mut s[r0 * srow..r1 * srow],
+                    &mut b[r0 * srow..r1 * srow],
+                )
+                .unwrap();
+                r0 = r1;
+            }
+            assert!(w == whole.wbytes, "{bits:?} tile {tile}: weights differ");
+            assert!(s == whole.sbytes, "{bits:?} tile {tile}: scales differ");
+            assert!(b == whole.bbytes, "{bits:?} tile {tile}: biases differ");
+        }
+    }
+    // One group per row (cols = 64): a tile of one row is exactly one group.
+    let src = random_matrix(40, 64, 7);
+    let whole = quantize(&src, 64, Bits::Four).unwrap();
+    for r in 0..40 {
+        let one = quantize(&src[r * 64..(r + 1) * 64], 64, Bits::Four).unwrap();
+        assert_eq!(one.wbytes, whole.wbytes[r * 32..(r + 1) * 32], "row {r}");
+        assert_eq!(one.sbytes, whole.sbytes[r * 2..(r + 1) * 2], "row {r}");
+        assert_eq!(one.bbytes, whole.bbytes[r * 2..(r + 1) * 2], "row {r}");
+    }
+}
+
+#[test]
+fn non_finite_groups_are_refused_with_the_element_index() {
+    let cols = 256;
+    for (pattern, name) in [
+        (0x7F80u16, "+inf"),
+        (0xFF80, "-inf"),
+        (0x7FC0, "NaN"),
+        (0xFFC1, "-NaN"),
+    ] {
+        let mut src = random_matrix(3, cols, 11);
+        // Row 1, group 2, element 5 → flat index 256 + 128 + 5.
+        src[cols + 2 * GROUP + 5] = pattern;
+        // A later non-finite element in the same group does not change the index.
+        src[cols + 2 * GROUP + 40] = 0x7F80;
+        for bits in [Bits::Four, Bits::Eight] {
+            let e = quantize(&src, cols, bits).err();
+            assert_eq!(
+                e,
+                Some(QuantError::NonFinite { index: 389 }),
+                "{name} {bits:?}"
+            );
+            let raw: Vec<u8> = src.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let g = src.len() / GROUP;
+            let (mut w, mut s, mut b) = (
+                vec![0u8; g * bits.group_weight_bytes()],
+                vec![0u8; g * 2],
+                vec![0u8; g * 2],
+            );
+            let e = quantize_rows_le_bytes(&raw, cols, bits, &mut w, &mut s, &mut b).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                "non-finite weight (inf or NaN) at element 389"
+            );
+        }
+    }
+    // A NaN group after an +inf group: the first bad group wins.
+    let mut src = random_matrix(2, 128, 3);
+    src[70] = 0x7F80;
+    src[130] = 0x7FC0;
+    assert_eq!(
+        quantize(&src, 128, Bits::Four).err(),
+        Some(QuantError::NonFinite { index: 70 })
+    );
+}
+
+#[test]
+fn mlx_live_crosscheck() {
+    let Ok(path) = std::env::var("GTURBO_MLX_CROSSCHECK") else {
+        if std::env::var("GTURBO_REQUIRE_PY").as_deref() == Ok("1") {
+            panic!(
+                "GTURBO_REQUIRE_PY=1 but GTURBO_MLX_CROSSCHECK is unset: run \
+                 `python scripts/mlx_crosscheck.py OUT.json` and set GTURBO_MLX_CROSSCHECK=OUT.json"
+            );
+        }
+        eprintln!(
+            "skipping mlx_live_crosscheck: GTURBO_MLX_CROSSCHECK is unset (generate a file with \
+             `pip install -r scripts/requirements-mlx.txt && python scripts/mlx_crosscheck.py OUT.json`)"
+        );
+        return;
+    };
+    let file = load(&path);
+    let (mut groups, mut elements) = (0usize, 0usize);
+    let mut totals = [0usize; 4];
+    let mut bad = Vec::new();
+    for case in &file.cases {
+        let m = compare(case);
+        for (t, v) in totals.iter_mut().zip(m) {
+            *t += v;
+        }
+        if m != [0; 4] {
+            bad.push(format!("{}: {m:?}", case.name));
+        }
+        groups += case.scales_bf16_bits.len();
+        elements += case.w_bf16_bits.len();
+    }
+    eprintln!(
+        "mlx {} cross-check: {} matrices, {groups} groups, {elements} elements; mismatches \
+         words {} scales {} biases {} dequant {}",
+        file.mlx_version,
+        file.cases.len(),
+        totals[0],
+        totals[1],
+        totals[2],
+        totals[3]
+    );
+    assert!(
+        file.cases.len() >= 100,
+        "cross-check file holds only {} matrices",
+        file.cases.len()
+    );
+    assert!(
+        bad.is_empty(),
+        "mismatching cases (words, scales, biases, dequant): {bad:#?}"
+    );
+}
