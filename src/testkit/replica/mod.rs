@@ -5,7 +5,7 @@
 //! - [`write_flash_next`] with [`FlashNextSpec::full`]: a header-only replica of
 //!   Qwen3.8-Flash-Next, 131 shards whose data regions are holes (a few MB on disk,
 //!   ~360 GB apparent), for dry runs and plan tests. With [`FlashNextSpec::scaled`]:
-//!   the same names and structure at ~20 MB of seeded random BF16, for real installs.
+//!   the same names and structure at ~28 MB of seeded random BF16, for real installs.
 //!   The reference's open points (vision tower, MTP, mixers, order) are settled in
 //!   the `flash_next` module's doc.
 //! - [`write_qwen3_moe`], [`write_qwen3`], [`write_llama`]: small random checkpoints
