@@ -30,7 +30,9 @@
 //!
 //! Full size: 1,655 tensors, `total_size` 359,996,670,456 B (3,292,672 B, 0.0009 %,
 //! under the published 359,999,963,128), split by the Hugging Face rule at
-//! `max_shard_size` "4GB" (4,000,000,000 B) into exactly 131 shards.
+//! `max_shard_size` "4GB" (4,000,000,000 B) into exactly 131 shards. The index it
+//! writes is 170,443 B against the real one's 170,726 B, a sign the tensor count is
+//! right to within a handful of names.
 
 use std::io;
 use std::path::Path;

@@ -11,7 +11,7 @@
 //! - [`write_qwen3_moe`], [`write_qwen3`], [`write_llama`]: small random checkpoints
 //!   of the plain families.
 //!
-//! The safetensors files are written by hand ([`st`](self) module), not through
+//! The safetensors files are written by hand (the private `st` module), not through
 //! gturbo's parser, so the fixtures check that parser rather than mirror it. Output is
 //! a pure function of the spec: same seed, same bytes. This module owns nothing the
 //! installer uses at run time.
