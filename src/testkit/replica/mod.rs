@@ -1,0 +1,211 @@
+//! Fixture generators that write Hugging Face snapshot directories: safetensors
+//! shards, `model.safetensors.index.json` (when sharded), `config.json`,
+//! `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
+//!
+//! - [`write_flash_next`] with [`FlashNextSpec::full`]: a header-only replica of
+//!   Qwen3.8-Flash-Next, 131 shards whose data regions are holes (a few MB on disk,
+//!   ~360 GB apparent), for dry runs and plan tests. With [`FlashNextSpec::scaled`]:
+//!   the same names and structure at ~28 MB of seeded random BF16, for real installs.
+//!   The reference's open points (vision tower, MTP, mixers, order) are settled in
+//!   the `flash_next` module's doc.
+//! - [`write_qwen3_moe`], [`write_qwen3`], [`write_llama`]: small random checkpoints
+//!   of the plain families.
+//!
+//! The safetensors files are written by hand (the private `st` module), not through
+//! gturbo's parser, so the fixtures check that parser rather than mirror it. Output is
+//! a pure function of the spec: same seed, same bytes. This module owns nothing the
+//! installer uses at run time.
+
+mod families;
+mod flash_next;
+mod hf_files;
+mod st;
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+pub use families::{LlamaSpec, Qwen3MoeSpec, Qwen3Spec, write_llama, write_qwen3, write_qwen3_moe};
+pub use flash_next::{FlashNextSpec, VisionSpec, write_flash_next};
+pub use st::{DataMode, ShardRule};
+
+/// What a generator wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaSummary {
+    /// The snapshot directory.
+    pub dir: PathBuf,
+    /// Weight file names in shard order (`model-00001-of-00131.safetensors`, … or
+    /// `model.safetensors`).
+    pub shards: Vec<String>,
+    /// `model.safetensors.index.json` when there is more than one shard.
+    pub index: Option<String>,
+    /// Every file written, sorted by name.
+    pub files: Vec<String>,
+    /// Tensors over all shards.
+    pub tensors: usize,
+    /// Sum of tensor data bytes (the index's `metadata.total_size`).
+    pub total_size: u64,
+    /// Sum of the lengths of all files written (sparse files count at full length).
+    pub apparent_bytes: u64,
+}
+
+impl fmt::Display for ReplicaSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} files ({} shards), {} apparent bytes, {} tensors, total_size {}",
+            self.dir.display(),
+            self.files.len(),
+            self.shards.len(),
+            self.apparent_bytes,
+            self.tensors,
+            self.total_size
+        )
+    }
+}
+
+fn finish_summary(
+    dir: &Path,
+    ckpt: st::CheckpointFiles,
+    extra: Vec<String>,
+) -> io::Result<ReplicaSummary> {
+    let mut files: Vec<String> = ckpt.shards.clone();
+    files.extend(ckpt.index.clone());
+    files.push("config.json".into());
+    files.extend(extra);
+    files.sort();
+    let mut apparent_bytes = 0u64;
+    for name in &files {
+        apparent_bytes += std::fs::metadata(dir.join(name))?.len();
+    }
+    Ok(ReplicaSummary {
+        dir: dir.to_path_buf(),
+        shards: ckpt.shards,
+        index: ckpt.index,
+        files,
+        tensors: ckpt.tensors,
+        total_size: ckpt.total_size,
+        apparent_bytes,
+    })
+}
+
+const USAGE: &str = "\
+usage: gturbo-dev replica flash-next (--full | --scaled) OUT [--seed N]
+       gturbo-dev replica (qwen3-moe | qwen3 | llama) OUT [--shards N] [--seed N]
+
+Writes a Hugging Face snapshot directory and prints one summary line.
+  flash-next --full    Qwen3.8-Flash-Next, 131 header-only shards (data regions are holes)
+  flash-next --scaled  the same names and structure, small, seeded random BF16 data
+  qwen3-moe|qwen3|llama  tiny random checkpoints; --shards 1 writes model.safetensors, no index
+Exit codes: 0 written, 2 bad arguments or I/O error.";
+
+#[derive(Debug, Default)]
+struct Args {
+    kind: String,
+    out: Option<PathBuf>,
+    full: bool,
+    scaled: bool,
+    shards: Option<usize>,
+    seed: Option<u64>,
+}
+
+fn parse(args: &[String]) -> Result<Args, String> {
+    let mut it = args.iter();
+    let mut parsed = Args {
+        kind: it.next().ok_or("missing replica kind")?.clone(),
+        ..Args::default()
+    };
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--full" => parsed.full = true,
+            "--scaled" => parsed.scaled = true,
+            "--shards" | "--seed" => {
+                let value = it.next().ok_or(format!("{arg} needs a value"))?;
+                let n: u64 = value
+                    .parse()
+                    .map_err(|_| format!("{arg}: not a number: {value}"))?;
+                if arg == "--shards" {
+                    parsed.shards = Some(usize::try_from(n).map_err(|e| e.to_string())?);
+                } else {
+                    parsed.seed = Some(n);
+                }
+            }
+            s if s.starts_with('-') => return Err(format!("unknown option {s}")),
+            s if parsed.out.is_none() => parsed.out = Some(PathBuf::from(s)),
+            s => return Err(format!("unexpected argument {s}")),
+        }
+    }
+    Ok(parsed)
+}
+
+fn run(args: &[String]) -> Result<ReplicaSummary, String> {
+    let a = parse(args)?;
+    let out = a.out.clone().ok_or("missing OUT directory")?;
+    let io_err = |e: io::Error| format!("{}: {e}", out.display());
+    match a.kind.as_str() {
+        "flash-next" => {
+            let spec = match (a.full, a.scaled) {
+                (true, false) => FlashNextSpec::full(),
+                (false, true) => FlashNextSpec::scaled(),
+                _ => return Err("flash-next needs exactly one of --full, --scaled".into()),
+            };
+            if a.shards.is_some() {
+                return Err("flash-next has a fixed shard rule; --shards is not accepted".into());
+            }
+            let spec = match a.seed {
+                Some(seed) if a.scaled => spec.with_seed(seed),
+                Some(_) => {
+                    return Err("--seed only applies to --scaled (--full writes no data)".into());
+                }
+                None => spec,
+            };
+            write_flash_next(&out, &spec).map_err(io_err)
+        }
+        "qwen3-moe" | "qwen3" | "llama" if a.full || a.scaled => Err(format!(
+            "{}: --full/--scaled apply to flash-next only",
+            a.kind
+        )),
+        "qwen3-moe" => {
+            let mut spec = Qwen3MoeSpec::tiny();
+            spec.shards = a.shards.unwrap_or(spec.shards);
+            spec.seed = a.seed.unwrap_or(spec.seed);
+            write_qwen3_moe(&out, &spec).map_err(io_err)
+        }
+        "qwen3" => {
+            let mut spec = Qwen3Spec::tiny();
+            spec.shards = a.shards.unwrap_or(spec.shards);
+            spec.seed = a.seed.unwrap_or(spec.seed);
+            write_qwen3(&out, &spec).map_err(io_err)
+        }
+        "llama" => {
+            let mut spec = LlamaSpec::tiny();
+            spec.shards = a.shards.unwrap_or(spec.shards);
+            spec.seed = a.seed.unwrap_or(spec.seed);
+            write_llama(&out, &spec).map_err(io_err)
+        }
+        other => Err(format!("unknown replica kind {other}")),
+    }
+}
+
+/// `gturbo-dev replica …` entry point: writes one snapshot and prints its summary.
+pub fn cli_main(args: &[String]) -> ExitCode {
+    if args.is_empty() || args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return if args.is_empty() {
+            ExitCode::from(2)
+        } else {
+            ExitCode::SUCCESS
+        };
+    }
+    match run(args) {
+        Ok(summary) => {
+            println!("{summary}");
+            ExitCode::SUCCESS
+        }
+        Err(msg) => {
+            eprintln!("gturbo-dev replica: {msg}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
