@@ -294,8 +294,9 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
                 .clone()
                 .unwrap_or_else(|| crate::env::DEFAULT_ENDPOINT.to_string());
             let config = HttpConfig {
+                token: token::discover(),
                 max_retry_after: Duration::from_secs(args.max_retry_wait),
-                ..HttpConfig::new(&endpoint, &repo, &revision, token::discover())
+                ..HttpConfig::new(&endpoint, &repo, &revision)
             };
             Box::new(HttpSource::new(config).map_err(|e| Failure::usage(e.to_string()))?)
         }
