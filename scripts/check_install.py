@@ -758,7 +758,7 @@ def check_manifest(rep, gdir, man, raw):
     if canon.encode() != raw:
         # serde_json and Python format floats differently (1e-6 vs 1e-06); only flag
         # differences that survive normalising float exponents.
-        norm = re.compile(r"e([+-]?)0*(\d)")
+        norm = re.compile(r"e\+?(-?)0*(\d)")
         same = norm.sub(r"e\1\2", canon) == norm.sub(r"e\1\2", raw.decode("utf-8", "replace"))
         rep.check(same, "manifest.json", 0, "-", "not canonical JSON (sorted keys, 2-space indent, newline)")
     else:
