@@ -378,9 +378,19 @@ def check_resident(rep, snap, man, gdir, maps, pooled, family_rules):
               f"excluded_tensors={man['excluded_tensors']} (e.g. {sorted(unaccounted)[:3]})")
 
     # Scheme policy from the family file, when the repo's families/ has it.
-    if family_rules is not None:
+    # The manifest's applied overrides win over the family file's; a passthrough
+    # (`--quant bf16`) install stores everything at its source dtype.
+    qa = man["quantizedAtInstall"]
+    if qa["scheme"] == "passthrough":
+        for t in entries:
+            rep.check(t["scheme"] == "passthrough", fname, 16, t["name"],
+                      f"{t['scheme']} in a passthrough install")
+    elif family_rules is not None:
         never = family_rules.get("never_quantize_name_contains", [])
-        overrides = [(glob_to_re(o["match"]), o["scheme"]) for o in family_rules.get("overrides", [])]
+        if qa.get("overrides"):
+            overrides = [(glob_to_re(pat), sch) for pat, sch in qa["overrides"]]
+        else:
+            overrides = [(glob_to_re(o["match"]), o["scheme"]) for o in family_rules.get("overrides", [])]
         for t in entries:
             nm, sch = t["name"], t["scheme"]
             cols = t["shape"][-1] if t["shape"] else 0
