@@ -151,7 +151,10 @@ mod tests {
     #[test]
     fn flash_next_expert_blob_and_stride() {
         let gate = QuantSizes::new(640, 2560, 4).unwrap();
-        assert_eq!((gate.weights, gate.scales, gate.biases), (819_200, 51_200, 51_200));
+        assert_eq!(
+            (gate.weights, gate.scales, gate.biases),
+            (819_200, 51_200, 51_200)
+        );
         let down = QuantSizes::new(2560, 640, 4).unwrap();
         let blob = 2 * gate.total() + down.total();
         assert_eq!(blob, 2_764_800);
@@ -173,7 +176,10 @@ mod tests {
         assert_eq!(g.region_bytes * 128, 102_802_391_040);
         assert_eq!(g.row_offset(50), 50 * 320);
         assert_eq!(g.row_offset(51), PAGE);
-        assert_eq!(g.row_offset(2_500_011), 49_019 * PAGE + 2_500_011 % 51 * 320);
+        assert_eq!(
+            g.row_offset(2_500_011),
+            49_019 * PAGE + 2_500_011 % 51 * 320
+        );
     }
 
     #[test]

@@ -312,7 +312,10 @@ impl HttpSource {
     }
 
     /// The endpoint URL with `segments` appended (each percent-encoded).
-    fn url_with<'a>(&self, segments: impl IntoIterator<Item = &'a str>) -> Result<Url, SourceError> {
+    fn url_with<'a>(
+        &self,
+        segments: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Url, SourceError> {
         let mut url = self.endpoint.clone();
         {
             let mut path = url.path_segments_mut().map_err(|()| {
@@ -339,7 +342,9 @@ impl HttpSource {
     }
 
     fn lock_locations(&self) -> std::sync::MutexGuard<'_, HashMap<String, Url>> {
-        self.locations.lock().unwrap_or_else(PoisonError::into_inner)
+        self.locations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Run `attempt` until it succeeds, fails for good, or the retry policy is spent.
@@ -389,7 +394,11 @@ impl HttpSource {
     }
 
     /// One request, following redirects by hand. Returns the final answer and its URL.
-    async fn send(&self, start: &Url, range: Option<&Range<u64>>) -> Result<(reqwest::Response, Url), Failure> {
+    async fn send(
+        &self,
+        start: &Url,
+        range: Option<&Range<u64>>,
+    ) -> Result<(reqwest::Response, Url), Failure> {
         let mut url = start.clone();
         for _ in 0..=MAX_REDIRECTS {
             let mut req = self.client.get(url.clone());
@@ -397,13 +406,19 @@ impl HttpSource {
                 req = req.header(header::RANGE, format!("bytes={}-{}", r.start, r.end - 1));
             }
             // Credentials go to the endpoint's own origin only, never to a CDN host.
-            if let Some(token) = self.config.token.as_ref().filter(|_| url.origin() == self.endpoint.origin()) {
+            if let Some(token) = self
+                .config
+                .token
+                .as_ref()
+                .filter(|_| url.origin() == self.endpoint.origin())
+            {
                 req = req.bearer_auth(token.expose());
             }
             self.requests.fetch_add(1, Ordering::Relaxed);
-            let resp = req.send().await.map_err(|e| {
-                self.transport_failure(&url, range.cloned(), e, "request failed")
-            })?;
+            let resp = req
+                .send()
+                .await
+                .map_err(|e| self.transport_failure(&url, range.cloned(), e, "request failed"))?;
             let location = resp
                 .headers()
                 .get(header::LOCATION)
@@ -418,7 +433,10 @@ impl HttpSource {
                     return Err(Failure::Fatal(SourceError::Malformed {
                         url: display_url(&url),
                         field: "Location".into(),
-                        detail: format!("{:?} is not an http(s) URL", String::from_utf8_lossy(loc.as_bytes())),
+                        detail: format!(
+                            "{:?} is not an http(s) URL",
+                            String::from_utf8_lossy(loc.as_bytes())
+                        ),
                     }));
                 };
                 url = next;
@@ -493,7 +511,10 @@ impl HttpSource {
             }
             _ => {}
         }
-        let mut detail = status.canonical_reason().unwrap_or("unexpected status").to_string();
+        let mut detail = status
+            .canonical_reason()
+            .unwrap_or("unexpected status")
+            .to_string();
         if !error_code.is_empty() {
             detail.push_str(&format!(" ({error_code})"));
         }
@@ -705,7 +726,13 @@ impl HttpSource {
         }
         if status != StatusCode::PARTIAL_CONTENT {
             let what = format!("file {path}");
-            return Err(self.status_failure(&final_url, Some(range.clone()), status, resp.headers(), &what));
+            return Err(self.status_failure(
+                &final_url,
+                Some(range.clone()),
+                status,
+                resp.headers(),
+                &what,
+            ));
         }
         let len = range.end - range.start;
         let want = format!("bytes {}-{}/{}", range.start, range.end - 1, file.size);
@@ -716,18 +743,20 @@ impl HttpSource {
             ))));
         }
         let content_length = resp.headers().get(header::CONTENT_LENGTH);
-        if let Some(cl) = content_length.filter(|cl| cl.to_str().ok().and_then(|v| v.parse::<u64>().ok()) != Some(len)) {
+        if let Some(cl) = content_length
+            .filter(|cl| cl.to_str().ok().and_then(|v| v.parse::<u64>().ok()) != Some(len))
+        {
             return Err(Failure::Fatal(bad(format!(
                 "Content-Length: {}, expected {len}",
                 String::from_utf8_lossy(cl.as_bytes())
             ))));
         }
         if final_url != *url {
-            self.lock_locations().insert(path.clone(), final_url.clone());
+            self.lock_locations()
+                .insert(path.clone(), final_url.clone());
         }
-        let cap = usize::try_from(len).map_err(|_| {
-            Failure::Fatal(bad(format!("{len} bytes do not fit in memory")))
-        })?;
+        let cap = usize::try_from(len)
+            .map_err(|_| Failure::Fatal(bad(format!("{len} bytes do not fit in memory"))))?;
         let mut body = BytesMut::with_capacity(cap);
         loop {
             match resp.chunk().await {
@@ -743,7 +772,12 @@ impl HttpSource {
                 Ok(None) => break,
                 Err(e) => {
                     let context = format!("body failed after {} of {len} bytes", body.len());
-                    return Err(self.transport_failure(&final_url, Some(range.clone()), e, &context));
+                    return Err(self.transport_failure(
+                        &final_url,
+                        Some(range.clone()),
+                        e,
+                        &context,
+                    ));
                 }
             }
         }
@@ -866,10 +900,19 @@ mod tests {
     #[test]
     fn link_next_is_found() {
         let cases = [
-            (r#"<https://h/api?cursor=abc>; rel="next""#, Some("https://h/api?cursor=abc")),
-            (r#"<https://h/p1>; rel="prev", <https://h/p3>; rel="next""#, Some("https://h/p3")),
+            (
+                r#"<https://h/api?cursor=abc>; rel="next""#,
+                Some("https://h/api?cursor=abc"),
+            ),
+            (
+                r#"<https://h/p1>; rel="prev", <https://h/p3>; rel="next""#,
+                Some("https://h/p3"),
+            ),
             (r#"<https://h/p3>; rel=next"#, Some("https://h/p3")),
-            (r#"<https://h/p3>; title="x"; rel="last next""#, Some("https://h/p3")),
+            (
+                r#"<https://h/p3>; title="x"; rel="last next""#,
+                Some("https://h/p3"),
+            ),
             (r#"<https://h/p1>; rel="prev""#, None),
             ("", None),
             ("<broken", None),
@@ -888,7 +931,10 @@ mod tests {
     #[test]
     fn config_errors_name_the_value() {
         let e = HttpSource::new(HttpConfig::new("ftp://x", "a/b", "main")).unwrap_err();
-        assert_eq!(e.to_string(), "endpoint \"ftp://x\": expected an http:// or https:// URL");
+        assert_eq!(
+            e.to_string(),
+            "endpoint \"ftp://x\": expected an http:// or https:// URL"
+        );
         let e = HttpSource::new(HttpConfig::new("http://x", "a/../b", "main")).unwrap_err();
         assert!(e.to_string().contains("unsafe file name"), "{e}");
     }

@@ -133,7 +133,9 @@ pub enum SourceError {
         detail: String,
     },
     /// The server asked us to wait longer than we accept.
-    #[error("{url}: server asked to wait {wait_s} s (Retry-After: {header}), over the {limit_s} s limit")]
+    #[error(
+        "{url}: server asked to wait {wait_s} s (Retry-After: {header}), over the {limit_s} s limit"
+    )]
     RetryAfterTooLong {
         /// The URL.
         url: String,
@@ -287,9 +289,15 @@ mod tests {
             let err = check_repo_path("index weight_map", name).unwrap_err();
             let text = err.to_string();
             assert!(text.contains(why), "{name}: {text}");
-            assert!(text.starts_with("index weight_map: unsafe file name"), "{text}");
+            assert!(
+                text.starts_with("index weight_map: unsafe file name"),
+                "{text}"
+            );
         }
-        for ok in ["model.safetensors", "sub/dir/model-00001-of-00002.safetensors"] {
+        for ok in [
+            "model.safetensors",
+            "sub/dir/model-00001-of-00002.safetensors",
+        ] {
             check_repo_path("x", ok).unwrap();
         }
     }

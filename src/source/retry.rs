@@ -288,11 +288,19 @@ mod tests {
             (Some(ms(300)), Some(ms(1000)), Some(ms(1000))),
             (Some(ms(300)), Some(ms(0)), Some(ms(0))),
             (Some(Duration::from_secs(50)), None, Some(cap)),
-            (Some(ms(300)), Some(Duration::from_secs(120)), Some(Duration::from_secs(120))),
+            (
+                Some(ms(300)),
+                Some(Duration::from_secs(120)),
+                Some(Duration::from_secs(120)),
+            ),
             (None, Some(ms(1000)), None),
         ];
         for (computed, retry_after, want) in cases {
-            assert_eq!(next_delay(computed, retry_after, cap), want, "{computed:?} {retry_after:?}");
+            assert_eq!(
+                next_delay(computed, retry_after, cap),
+                want,
+                "{computed:?} {retry_after:?}"
+            );
         }
     }
 }

@@ -58,10 +58,7 @@ fn home_dir() -> Option<PathBuf> {
 }
 
 /// [`discover`] with the environment and home directory given, for tests.
-fn discover_from(
-    var: impl Fn(&str) -> Option<PathBuf>,
-    home: Option<PathBuf>,
-) -> Option<HfToken> {
+fn discover_from(var: impl Fn(&str) -> Option<PathBuf>, home: Option<PathBuf>) -> Option<HfToken> {
     if let Some(v) = var(env::HF_TOKEN) {
         return v.to_str().and_then(HfToken::new);
     }

@@ -109,7 +109,12 @@ async fn download_and_compare(test: &str, cdn: bool) {
     let out = tmp.path().join("out");
     let hf_home = tmp.path().join("hf_home");
     let endpoint = hub.url().to_string();
-    let (c, o, h, r) = (client.clone(), out.clone(), hf_home.clone(), repo.repo.clone());
+    let (c, o, h, r) = (
+        client.clone(),
+        out.clone(),
+        hf_home.clone(),
+        repo.repo.clone(),
+    );
     tokio::task::spawn_blocking(move || run_hf_download(&c, &endpoint, &r, &o, &h))
         .await
         .expect("client thread");

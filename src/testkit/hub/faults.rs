@@ -50,7 +50,10 @@ impl FaultKind {
     fn is_body_fault(&self) -> bool {
         matches!(
             self,
-            Self::ResetMidBody | Self::TruncatedBody | Self::FullBodyFor206 | Self::WrongContentRange
+            Self::ResetMidBody
+                | Self::TruncatedBody
+                | Self::FullBodyFor206
+                | Self::WrongContentRange
         )
     }
 
@@ -161,7 +164,8 @@ impl Faults {
                 && f.route.is_none_or(|r| r == req.route)
                 && f.path.as_deref().is_none_or(|p| req.path == Some(p))
                 && (!f.kind.is_body_fault() || req.file_body)
-                && (!f.kind.is_file_fault() || matches!(req.route, RouteKind::Resolve | RouteKind::Cdn))
+                && (!f.kind.is_file_fault()
+                    || matches!(req.route, RouteKind::Resolve | RouteKind::Cdn))
         })?;
         let fault = &mut armed[idx];
         fault.times -= 1;
@@ -208,7 +212,10 @@ mod tests {
             file_body: false,
         };
         assert_eq!(faults.pending(), 1);
-        assert!(matches!(faults.take(&tree), Some(FaultKind::Status { code: 503, .. })));
+        assert!(matches!(
+            faults.take(&tree),
+            Some(FaultKind::Status { code: 503, .. })
+        ));
         assert_eq!(faults.pending(), 0);
     }
 }

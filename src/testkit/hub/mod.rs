@@ -12,7 +12,7 @@
 //! | `GET /api/models/{org}/{name}/revision/{rev}` | `{"id","modelId","sha","siblings":[{"rfilename"}],...}`; `rev` is `main` or the commit, else 404 `X-Error-Code: RevisionNotFound` |
 //! | `GET /api/models/{org}/{name}/tree/{rev}[/{dir}][?recursive=true][&cursor=N]` | `[{"type":"file","oid","size","path","lfs":{"oid","size","pointerSize"}}, {"type":"directory","oid","size":0,"path"}]`, sorted by path, at most `tree_page_size` entries; `Link: <…&cursor=N>; rel="next"` when more follow |
 //! | `HEAD`/`GET /{org}/{name}/resolve/{rev}/{path}` | the file (200, or 206 for `Range: bytes=a-b`, 416 when unsatisfiable) with `X-Repo-Commit`, `ETag`, `Accept-Ranges: bytes`, `Content-Length`, and for LFS files `X-Linked-Etag`, `X-Linked-Size`; in CDN mode, LFS files answer `302` to `/cdn/...` with those headers instead |
-//! | `HEAD`/`GET /cdn/{org}/{name}/{commit}/{path}?sig=…` | the file bytes, as above, without `X-Repo-Commit` (a CDN does not know commits) |
+//! | `HEAD`/`GET /cdn/{org}/{name}/{commit}/{path}?sig=…` | on a second port ([`Hub::cdn_url`]), so another origin as a real CDN is: the file bytes, as above, without `X-Repo-Commit` (a CDN does not know commits) |
 //!
 //! Errors: unknown repo → 404 `X-Error-Code: RepoNotFound`; unknown file → 404
 //! `X-Error-Code: EntryNotFound`; a gated repo without `Authorization: Bearer <token>` →
@@ -51,8 +51,8 @@ use sha1::Digest as _;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::OnceCell;
 
-pub use faults::{Fault, FaultKind, Faults, RouteKind};
 use faults::RequestShape;
+pub use faults::{Fault, FaultKind, Faults, RouteKind};
 
 /// Files at least this large are served as LFS files (the hub's own rule is 10 MiB).
 pub const DEFAULT_LFS_THRESHOLD: u64 = 10 * 1024 * 1024;
@@ -179,14 +179,20 @@ pub struct FileStats {
 pub struct Hub {
     url: String,
     shared: Arc<Shared>,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
+    /// Dropping it tells both servers to stop.
+    shutdown: Option<tokio::sync::watch::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Hub {
     /// Base URL, `http://127.0.0.1:PORT` (no trailing slash).
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Base URL of the CDN listener (another port, so another origin), in CDN mode.
+    pub fn cdn_url(&self) -> Option<&str> {
+        self.shared.cdn_base.as_deref()
     }
 
     /// Counters so far.
@@ -207,10 +213,10 @@ impl Hub {
 
 impl Drop for Hub {
     fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
+        drop(self.shutdown.take());
+        for t in &self.tasks {
+            t.abort();
         }
-        self.task.abort();
     }
 }
 
@@ -237,6 +243,7 @@ struct RepoState {
 #[derive(Debug)]
 struct Shared {
     base: String,
+    cdn_base: Option<String>,
     repos: HashMap<String, RepoState>,
     redirect_to_cdn: bool,
     token: Option<String>,
@@ -256,7 +263,12 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
     let mut repos = HashMap::new();
     for r in &config.repos {
         check_repo_name(&r.repo)?;
-        if r.commit.len() != 40 || !r.commit.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) {
+        if r.commit.len() != 40
+            || !r
+                .commit
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        {
             return Err(HubError::Config(format!(
                 "{}: commit {:?} is not 40 lowercase hex digits",
                 r.repo, r.commit
@@ -283,20 +295,15 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
             return Err(HubError::Config(format!("repo {} given twice", r.repo)));
         }
     }
-    let addr = SocketAddr::from(([127, 0, 0, 1], config.port));
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| HubError::Io {
-            path: addr.to_string(),
-            source,
-        })?;
-    let local = listener.local_addr().map_err(|source| HubError::Io {
-        path: addr.to_string(),
-        source,
-    })?;
-    let base = format!("http://{local}");
+    let (listener, base) = bind(config.port).await?;
+    let cdn_listener = if config.redirect_to_cdn {
+        Some(bind(0).await?)
+    } else {
+        None
+    };
     let shared = Arc::new(Shared {
         base: base.clone(),
+        cdn_base: cdn_listener.as_ref().map(|(_, b)| b.clone()),
         repos,
         redirect_to_cdn: config.redirect_to_cdn,
         token: config.token.clone(),
@@ -304,27 +311,52 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
         stats: Mutex::new(HubStats::default()),
         faults: Faults::default(),
     });
-    let router = Router::new()
+    let hub_router = Router::new()
         .route("/api/models/{org}/{name}/revision/{rev}", get(revision))
         .route("/api/models/{org}/{name}/tree/{rev}", get(tree_root))
         .route("/api/models/{org}/{name}/tree/{rev}/{*dir}", get(tree_dir))
         .route("/{org}/{name}/resolve/{rev}/{*path}", get(resolve))
-        .route("/cdn/{org}/{name}/{commit}/{*path}", get(cdn))
         .with_state(shared.clone());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-            let _ = rx.await;
-        });
-        if let Err(e) = serve.await {
-            tracing::warn!("test hub stopped: {e}");
-        }
-    });
+    let (tx, rx) = tokio::sync::watch::channel(());
+    let mut tasks = vec![serve(listener, hub_router, rx.clone())];
+    if let Some((cdn_listener, _)) = cdn_listener {
+        let cdn_router = Router::new()
+            .route("/cdn/{org}/{name}/{commit}/{*path}", get(cdn))
+            .with_state(shared.clone());
+        tasks.push(serve(cdn_listener, cdn_router, rx));
+    }
     Ok(Hub {
         url: base,
         shared,
         shutdown: Some(tx),
-        task,
+        tasks,
+    })
+}
+
+async fn bind(port: u16) -> Result<(tokio::net::TcpListener, String), HubError> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let io = |source| HubError::Io {
+        path: addr.to_string(),
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(io)?;
+    let local = listener.local_addr().map_err(io)?;
+    Ok((listener, format!("http://{local}")))
+}
+
+fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    mut stop: tokio::sync::watch::Receiver<()>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+            // Resolves when the `Hub` drops the sender.
+            while stop.changed().await.is_ok() {}
+        });
+        if let Err(e) = serve.await {
+            tracing::warn!("test hub stopped: {e}");
+        }
     })
 }
 
@@ -335,7 +367,8 @@ fn check_repo_name(repo: &str) -> Result<(), HubError> {
             !p.is_empty()
                 && *p != "."
                 && *p != ".."
-                && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+                && p.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
         });
     if ok {
         Ok(())
@@ -354,7 +387,10 @@ fn scan_snapshot(dir: &Path, lfs_threshold: u64) -> Result<Vec<Arc<FileEntry>>, 
     let oids_path = dir.join(".gturbo-hub").join("oids.json");
     let oids: HashMap<String, String> = match std::fs::read(&oids_path) {
         Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
-            HubError::Config(format!("{}: not a {{path: sha256}} map: {e}", oids_path.display()))
+            HubError::Config(format!(
+                "{}: not a {{path: sha256}} map: {e}",
+                oids_path.display()
+            ))
         })?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashMap::new(),
         Err(e) => return Err(io(&oids_path)(e)),
@@ -366,7 +402,10 @@ fn scan_snapshot(dir: &Path, lfs_threshold: u64) -> Result<Vec<Arc<FileEntry>>, 
             let entry = entry.map_err(io(&abs_dir))?;
             let abs = entry.path();
             let Some(name) = entry.file_name().to_str().map(str::to_string) else {
-                return Err(HubError::Config(format!("{}: file name is not UTF-8", abs.display())));
+                return Err(HubError::Config(format!(
+                    "{}: file name is not UTF-8",
+                    abs.display()
+                )));
             };
             if matches!(name.as_str(), ".git" | ".cache" | ".gturbo-hub") {
                 continue;
@@ -500,7 +539,10 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response {
     let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if let Ok(v) = HeaderValue::from_str(code) {
         h.insert("x-error-code", v);
     }
@@ -524,6 +566,8 @@ fn internal(what: &str, e: std::io::Error) -> Response {
     )
 }
 
+// The `Err` side is the answer a handler sends; boxing it would buy nothing.
+#[allow(clippy::result_large_err)]
 impl Shared {
     /// The repo, checking the gate. `Err` is the answer to send.
     fn repo(&self, org: &str, name: &str, headers: &HeaderMap) -> Result<&RepoState, Response> {
@@ -545,7 +589,9 @@ impl Shared {
                 return Err(error(
                     StatusCode::UNAUTHORIZED,
                     "GatedRepo",
-                    &format!("Access to model {key} is restricted. You must have access to it and be authenticated to access it."),
+                    &format!(
+                        "Access to model {key} is restricted. You must have access to it and be authenticated to access it."
+                    ),
                 ));
             }
         }
@@ -553,6 +599,7 @@ impl Shared {
     }
 }
 
+#[allow(clippy::result_large_err)]
 impl RepoState {
     fn check_rev(&self, rev: &str) -> Result<(), Response> {
         if rev == "main" || rev == self.commit {
@@ -567,13 +614,16 @@ impl RepoState {
     }
 
     fn file(&self, path: &str) -> Result<&Arc<FileEntry>, Response> {
-        self.by_path.get(path).map(|&i| &self.files[i]).ok_or_else(|| {
-            error(
-                StatusCode::NOT_FOUND,
-                "EntryNotFound",
-                &format!("Entry not found: {path}"),
-            )
-        })
+        self.by_path
+            .get(path)
+            .map(|&i| &self.files[i])
+            .ok_or_else(|| {
+                error(
+                    StatusCode::NOT_FOUND,
+                    "EntryNotFound",
+                    &format!("Entry not found: {path}"),
+                )
+            })
     }
 }
 
@@ -819,7 +869,7 @@ async fn resolve(
         *resp.status_mut() = StatusCode::FOUND;
         let location = format!(
             "{}/cdn/{org}/{name}/{}/{}?sig=gturbo-test",
-            hub.base,
+            hub.cdn_base.as_deref().unwrap_or(&hub.base),
             repo.commit,
             encode_path(&path)
         );
@@ -873,7 +923,10 @@ fn count_file(
     headers: &HeaderMap,
 ) {
     let mut stats = hub.stats();
-    let f = stats.files.entry(format!("{}/{path}", repo.repo)).or_default();
+    let f = stats
+        .files
+        .entry(format!("{}/{path}", repo.repo))
+        .or_default();
     match route {
         RouteKind::Cdn => f.cdn += 1,
         _ => f.resolve += 1,
@@ -938,10 +991,16 @@ async fn file_headers(
     Ok(())
 }
 
+/// Unsatisfiable range: answer 416.
+#[derive(Debug, PartialEq, Eq)]
+struct Unsatisfiable;
+
+/// Inclusive `(first, last)` byte positions, or `None` for the whole file.
+type RangeAnswer = Result<Option<(u64, u64)>, Unsatisfiable>;
+
 /// A single `bytes=` range of a file of `size` bytes: `Ok(None)` = serve the whole file
-/// (no Range, or one we ignore as RFC 9110 §14.2 allows), `Err(())` = unsatisfiable.
-#[allow(clippy::result_unit_err)]
-fn parse_range(value: Option<&HeaderValue>, size: u64) -> Result<Option<(u64, u64)>, ()> {
+/// (no Range, or one we ignore as RFC 9110 §14.2 allows), `Err` = unsatisfiable (416).
+fn parse_range(value: Option<&HeaderValue>, size: u64) -> RangeAnswer {
     let Some(spec) = value
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().strip_prefix("bytes="))
@@ -960,7 +1019,7 @@ fn parse_range(value: Option<&HeaderValue>, size: u64) -> Result<Option<(u64, u6
             return Ok(None);
         };
         if n == 0 || size == 0 {
-            return Err(());
+            return Err(Unsatisfiable);
         }
         (size - n.min(size), size - 1)
     } else {
@@ -976,7 +1035,7 @@ fn parse_range(value: Option<&HeaderValue>, size: u64) -> Result<Option<(u64, u6
             }
         };
         if start >= size {
-            return Err(());
+            return Err(Unsatisfiable);
         }
         (start, end.min(size - 1))
     };
@@ -993,7 +1052,7 @@ async fn serve_file(
     let compute = *method == Method::HEAD || is_probe(headers);
     let mut range = match parse_range(headers.get(header::RANGE), file.size) {
         Ok(r) => r,
-        Err(()) => {
+        Err(Unsatisfiable) => {
             let mut resp = Response::new(Body::empty());
             *resp.status_mut() = StatusCode::RANGE_NOT_SATISFIABLE;
             if let Ok(v) = HeaderValue::from_str(&format!("bytes */{}", file.size)) {
@@ -1124,7 +1183,10 @@ fn encode_segment(s: &str) -> String {
 }
 
 fn encode_path(path: &str) -> String {
-    path.split('/').map(encode_segment).collect::<Vec<_>>().join("/")
+    path.split('/')
+        .map(encode_segment)
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1165,7 +1227,9 @@ struct HubArgs {
 /// `gturbo-dev hub` entry point.
 pub fn cli_main(args: &[String]) -> std::process::ExitCode {
     use clap::Parser as _;
-    let args = match HubArgs::try_parse_from(std::iter::once("gturbo-dev hub".to_string()).chain(args.iter().cloned())) {
+    let args = match HubArgs::try_parse_from(
+        std::iter::once("gturbo-dev hub".to_string()).chain(args.iter().cloned()),
+    ) {
         Ok(a) => a,
         Err(e) => {
             let _ = e.print();
@@ -1192,7 +1256,9 @@ fn run_cli(args: HubArgs) -> Result<(), HubError> {
     let mut repos = Vec::new();
     for (i, spec) in args.repos.iter().enumerate() {
         let Some((repo, dir)) = spec.split_once('=') else {
-            return Err(HubError::Config(format!("--repo {spec:?}: expected ORG/NAME=DIR")));
+            return Err(HubError::Config(format!(
+                "--repo {spec:?}: expected ORG/NAME=DIR"
+            )));
         };
         let mut r = HubRepo::new(repo, dir);
         if let Some(c) = args.commits.get(i) {
@@ -1233,14 +1299,14 @@ mod tests {
     #[test]
     fn ranges_parse_like_rfc_9110() {
         let hv = |s: &str| HeaderValue::from_str(s).unwrap();
-        let cases: &[(&str, u64, Result<Option<(u64, u64)>, ()>)] = &[
+        let cases: &[(&str, u64, RangeAnswer)] = &[
             ("bytes=0-0", 10, Ok(Some((0, 0)))),
             ("bytes=2-5", 10, Ok(Some((2, 5)))),
             ("bytes=2-", 10, Ok(Some((2, 9)))),
             ("bytes=5-100", 10, Ok(Some((5, 9)))),
             ("bytes=-3", 10, Ok(Some((7, 9)))),
             ("bytes=-30", 10, Ok(Some((0, 9)))),
-            ("bytes=10-12", 10, Err(())),
+            ("bytes=10-12", 10, Err(Unsatisfiable)),
             ("bytes=0-1,3-4", 10, Ok(None)),
             ("bytes=5-2", 10, Ok(None)),
             ("items=0-1", 10, Ok(None)),
