@@ -154,7 +154,10 @@ impl From<family::FamilyError> for Failure {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.global.verbose);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("gturbo: cannot start the async runtime: {e}");
@@ -301,7 +304,14 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
             Box::new(HttpSource::new(config).map_err(|e| Failure::usage(e.to_string()))?)
         }
     };
-    note(quiet, &format!("gturbo: planning {} from {}", family.id(), source.describe()));
+    note(
+        quiet,
+        &format!(
+            "gturbo: planning {} from {}",
+            family.id(),
+            source.describe()
+        ),
+    );
     let settings = PrepareSettings {
         family: family.clone(),
         index_pin,
@@ -323,7 +333,10 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
         .unwrap_or_else(|| PathBuf::from(format!("{}.gturbo", family.id())));
     let report = report::DryRunReport::new(&family, &source.describe(), &prepared, &out);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
     } else {
         print!("{}", report.to_text());
     }

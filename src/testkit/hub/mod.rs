@@ -101,6 +101,11 @@ pub struct HubConfig {
     pub tree_page_size: usize,
     /// TCP port on 127.0.0.1 (0: any free port).
     pub port: u16,
+    /// Hash a file whose SHA-256 is not known yet when a tree listing needs it. Off
+    /// for header-only replicas (hundreds of GB of holes): their listing then carries
+    /// `lfs` only for files whose hash `oids.json` gives, like a server that has not
+    /// indexed them yet; gturbo treats such files as having no published hash.
+    pub hash_on_listing: bool,
 }
 
 impl Default for HubConfig {
@@ -113,6 +118,7 @@ impl Default for HubConfig {
             lfs_threshold: DEFAULT_LFS_THRESHOLD,
             tree_page_size: DEFAULT_TREE_PAGE_SIZE,
             port: 0,
+            hash_on_listing: true,
         }
     }
 }
@@ -248,6 +254,7 @@ struct Shared {
     redirect_to_cdn: bool,
     token: Option<String>,
     page_size: usize,
+    hash_on_listing: bool,
     stats: Mutex<HubStats>,
     faults: Faults,
 }
@@ -308,6 +315,7 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
         redirect_to_cdn: config.redirect_to_cdn,
         token: config.token.clone(),
         page_size: config.tree_page_size.max(1),
+        hash_on_listing: config.hash_on_listing,
         stats: Mutex::new(HubStats::default()),
         faults: Faults::default(),
     });
@@ -789,9 +797,20 @@ async fn tree(
                 "path": path,
             })),
             Entry::File(f) => {
-                let oid = match f.blob_sha1().await {
-                    Ok(o) => o,
-                    Err(e) => return internal(&f.path, e),
+                let unhashed = f.lfs && !hub.hash_on_listing && f.sha256.get().is_none();
+                let oid = if unhashed {
+                    // No content hash without reading the file: the oid stands for a
+                    // pointer that names only the size (header-only replicas).
+                    let pointer = format!(
+                        "version https://git-lfs.github.com/spec/v1\nsize {}\n",
+                        f.size
+                    );
+                    git_blob_sha1(pointer.as_bytes())
+                } else {
+                    match f.blob_sha1().await {
+                        Ok(o) => o,
+                        Err(e) => return internal(&f.path, e),
+                    }
                 };
                 let mut v = serde_json::json!({
                     "type": "file",
@@ -799,7 +818,7 @@ async fn tree(
                     "size": f.size,
                     "path": f.path,
                 });
-                if f.lfs {
+                if f.lfs && (hub.hash_on_listing || f.sha256.get().is_some()) {
                     let (sha, pointer) = match (f.sha256().await, f.lfs_pointer().await) {
                         (Ok(s), Ok(p)) => (s, p),
                         (Err(e), _) | (_, Err(e)) => return internal(&f.path, e),
@@ -1222,6 +1241,10 @@ struct HubArgs {
     /// Tree entries per page.
     #[arg(long, default_value_t = DEFAULT_TREE_PAGE_SIZE)]
     page_size: usize,
+    /// Do not hash files for tree listings (header-only replicas of hundreds of GB):
+    /// listings then give `lfs` only where `.gturbo-hub/oids.json` has the hash.
+    #[arg(long)]
+    no_hash: bool,
 }
 
 /// `gturbo-dev hub` entry point.
@@ -1274,6 +1297,7 @@ fn run_cli(args: HubArgs) -> Result<(), HubError> {
         lfs_threshold: args.lfs_threshold,
         tree_page_size: args.page_size,
         port: args.port,
+        hash_on_listing: !args.no_hash,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
