@@ -633,7 +633,7 @@ fn tensor_names_in_messages_are_escaped() {
 /// multiple of 8 as writers do.
 fn valid_header() -> (Vec<u8>, u64) {
     let mut json = br#"{"__metadata__":{"format":"pt"},"model.norm.weight":{"dtype":"BF16","shape":[4],"data_offsets":[24,32]},"model.embed.weight":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},"empty":{"dtype":"I64","shape":[0,5],"data_offsets":[32,32]},"scale":{"dtype":"F8_E4M3","shape":[],"data_offsets":[32,33]}}"#.to_vec();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let bytes = with_len(&json);

@@ -51,7 +51,7 @@ pub fn tiny_safetensors() -> Vec<u8> {
         br#"{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#
             .to_vec();
     // The header is padded with spaces to a multiple of 8, as writers do.
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
     let mut out = (header.len() as u64).to_le_bytes().to_vec();
