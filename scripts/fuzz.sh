@@ -58,7 +58,7 @@ for target in $targets; do
     fi
     mkdir -p "fuzz/corpus/$target"
     echo "== fuzz $target for ${seconds}s" >&2
-    if ! cargo +nightly fuzz run "$target" -- \
+    if ! cargo +nightly fuzz run --sanitizer none "$target" -- \
         -max_total_time="$seconds" -timeout=10 -print_final_stats=1; then
         failed+=("$target")
     fi
