@@ -13,3 +13,6 @@ pub const HF_HOME: &str = "HF_HOME";
 pub const GTURBO_NO_PROGRESS: &str = "GTURBO_NO_PROGRESS";
 /// The hub gturbo talks to when neither `--endpoint` nor `HF_ENDPOINT` is given.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+/// Test hook: the install exits (status 137, as if killed) right after this many reads
+/// are durably journaled in one run. Used by the resume tests; never set it otherwise.
+pub const GTURBO_TEST_ABORT_AFTER_READS: &str = "GTURBO_TEST_ABORT_AFTER_READS";

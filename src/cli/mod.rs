@@ -15,6 +15,9 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::family::{self, Family};
+use std::sync::Arc;
+
+use crate::install::execute::{self, ExecuteOptions, InstallReporter};
 use crate::install::{self, IndexPin, PrepareSettings};
 use crate::plan::{PlanOptions, QuantMode};
 use crate::source::RangeSource;
@@ -115,6 +118,18 @@ struct InstallArgs {
     /// Also write the whole plan (every tensor and read) as JSON to this file.
     #[arg(long, value_name = "FILE")]
     emit_plan: Option<PathBuf>,
+    /// Source reads in flight.
+    #[arg(long, default_value_t = 4)]
+    jobs: usize,
+    /// Source bytes per transform tile, in KiB (memory per read in flight).
+    #[arg(long, default_value_t = 512)]
+    tile_kib: usize,
+    /// Throw away a partial install of another plan instead of refusing.
+    #[arg(long)]
+    discard_partial: bool,
+    /// Replace an existing output directory (swapped in atomically at the end).
+    #[arg(long)]
+    overwrite: bool,
     /// Largest wait accepted from a server's Retry-After, in seconds.
     #[arg(long, default_value_t = 300)]
     max_retry_wait: u64,
@@ -154,7 +169,10 @@ impl From<family::FamilyError> for Failure {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.global.verbose);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("gturbo: cannot start the async runtime: {e}");
@@ -301,7 +319,14 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
             Box::new(HttpSource::new(config).map_err(|e| Failure::usage(e.to_string()))?)
         }
     };
-    note(quiet, &format!("gturbo: planning {} from {}", family.id(), source.describe()));
+    note(
+        quiet,
+        &format!(
+            "gturbo: planning {} from {}",
+            family.id(),
+            source.describe()
+        ),
+    );
     let settings = PrepareSettings {
         family: family.clone(),
         index_pin,
@@ -323,16 +348,94 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
         .unwrap_or_else(|| PathBuf::from(format!("{}.gturbo", family.id())));
     let report = report::DryRunReport::new(&family, &source.describe(), &prepared, &out);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
     } else {
         print!("{}", report.to_text());
     }
-    if !args.dry_run {
-        return Err(Failure::usage(
-            "the streaming install is not implemented yet; this build plans only (--dry-run)",
-        ));
+    if args.dry_run {
+        return Ok(());
     }
+    let abort_after_reads = std::env::var(crate::env::GTURBO_TEST_ABORT_AFTER_READS)
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let options = ExecuteOptions {
+        out: out.clone(),
+        jobs: args.jobs.max(1),
+        tile_bytes: args.tile_kib.max(1) * 1024,
+        discard_partial: args.discard_partial,
+        overwrite: args.overwrite,
+        abort_after_reads,
+    };
+    let reporter = TextReporter::new(quiet, prepared.plan.source_bytes_read());
+    let source: Arc<dyn RangeSource> = Arc::from(source);
+    let summary = execute::execute(source.clone(), &prepared, &options, &reporter).await?;
+    let stats = source.stats();
+    note(
+        quiet,
+        &format!(
+            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} retries",
+            out.display(),
+            summary.elapsed_s,
+            summary.bytes_read,
+            summary.bytes_written,
+            summary.bytes_read as f64 / 1e6 / summary.elapsed_s.max(1e-9),
+            summary.reads_fetched,
+            summary.reads_kept,
+            summary.reads_damaged,
+            stats.retries
+        ),
+    );
     Ok(())
+}
+
+/// Progress as plain lines on stderr (bars arrive with the progress work).
+struct TextReporter {
+    quiet: u8,
+    total: u64,
+    done: std::sync::atomic::AtomicU64,
+    last: std::sync::Mutex<std::time::Instant>,
+    started: std::time::Instant,
+}
+
+impl TextReporter {
+    fn new(quiet: u8, total: u64) -> TextReporter {
+        let now = std::time::Instant::now();
+        TextReporter {
+            quiet,
+            total,
+            done: 0.into(),
+            last: std::sync::Mutex::new(now),
+            started: now,
+        }
+    }
+}
+
+impl InstallReporter for TextReporter {
+    fn phase(&self, name: &str, detail: &str) {
+        note(self.quiet, &format!("gturbo: {name}: {detail}"));
+    }
+
+    fn read_done(&self, bytes: u64) {
+        use std::sync::atomic::Ordering;
+        let done = self.done.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.elapsed() >= Duration::from_secs(2) || done == self.total {
+            *last = std::time::Instant::now();
+            let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+            note(
+                self.quiet,
+                &format!(
+                    "gturbo: stream: {done} / {} B ({:.1}%), {:.1} MB/s",
+                    self.total,
+                    100.0 * done as f64 / self.total.max(1) as f64,
+                    done as f64 / 1e6 / secs
+                ),
+            );
+        }
+    }
 }
 
 fn families_cmd(json: bool) -> Result<(), Failure> {

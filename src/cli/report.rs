@@ -197,7 +197,11 @@ impl DryRunReport {
     pub fn to_text(&self) -> String {
         let mut s = String::new();
         let src = &self.source;
-        let _ = writeln!(s, "gturbo install --dry-run: {} ({})", self.family, self.family_name);
+        let _ = writeln!(
+            s,
+            "gturbo install --dry-run: {} ({})",
+            self.family, self.family_name
+        );
         let _ = writeln!(s, "  source          {}", src.describe);
         let _ = writeln!(
             s,
@@ -208,8 +212,14 @@ impl DryRunReport {
         let _ = writeln!(
             s,
             "  index sha256    {} ({})",
-            src.index_sha256.as_deref().unwrap_or("(single-file repo, no index)"),
-            if src.index_pinned { "matches the pin" } else { "not pinned" }
+            src.index_sha256
+                .as_deref()
+                .unwrap_or("(single-file repo, no index)"),
+            if src.index_pinned {
+                "matches the pin"
+            } else {
+                "not pinned"
+            }
         );
         let _ = writeln!(
             s,
@@ -230,7 +240,12 @@ impl DryRunReport {
         );
         let o = &self.outputs;
         let _ = writeln!(s, "  output          {}", self.out);
-        let _ = writeln!(s, "    resident      {:>20}  ({} entries)", bytes(o.resident), self.resident_entries);
+        let _ = writeln!(
+            s,
+            "    resident      {:>20}  ({} entries)",
+            bytes(o.resident),
+            self.resident_entries
+        );
         for g in &self.expert_pools {
             let label = match &g.sidecar {
                 None => "experts".to_string(),
@@ -262,7 +277,12 @@ impl DryRunReport {
             );
         }
         let _ = writeln!(s, "    tokenizer     {:>20}", bytes(o.copied));
-        let _ = writeln!(s, "    total         {:>20}  ({} files)", bytes(o.total), o.files);
+        let _ = writeln!(
+            s,
+            "    total         {:>20}  ({} files)",
+            bytes(o.total),
+            o.files
+        );
         for sc in &self.sidecars {
             let _ = writeln!(s, "  sidecar         {sc}");
         }
@@ -274,7 +294,11 @@ impl DryRunReport {
             c.excluded.tensors,
             bytes(c.excluded.bytes)
         );
-        for (label, row) in [("int4_g64", &c.int4), ("int8_g64", &c.int8), ("passthrough", &c.passthrough)] {
+        for (label, row) in [
+            ("int4_g64", &c.int4),
+            ("int8_g64", &c.int8),
+            ("passthrough", &c.passthrough),
+        ] {
             let _ = writeln!(
                 s,
                 "  census {label:<12} {:>6} tensors {:>20} params -> {}",
@@ -308,7 +332,7 @@ fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -349,13 +373,18 @@ impl FamilyRow {
 /// The families table.
 pub fn families_text(rows: &[FamilyRow]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "{:<16} {:<36} {:<14} {:<10} runner", "family", "source repo", "revision pin", "index pin");
+    let _ = writeln!(
+        s,
+        "{:<16} {:<36} {:<14} {:<10} runner",
+        "family", "source repo", "revision pin", "index pin"
+    );
     for r in rows {
         let runner = match &r.runner {
             Some(name) => name.clone(),
             None => format!("none (needs {})", r.required_axes.join(", ")),
         };
-        let short = |h: &Option<String>, n: usize| h.as_deref().map(|c| c[..n.min(c.len())].to_string());
+        let short =
+            |h: &Option<String>, n: usize| h.as_deref().map(|c| c[..n.min(c.len())].to_string());
         let _ = writeln!(
             s,
             "{:<16} {:<36} {:<14} {:<10} {runner}",

@@ -331,21 +331,21 @@ impl Family {
                 format!("{:?} is not a plain identifier", file.id),
             ));
         }
-        if let Some(rev) = &file.source.revision {
-            if !is_commit(rev) {
-                return Err(invalid(
-                    "source.revision",
-                    format!("{rev:?} is not a 40-hex commit"),
-                ));
-            }
+        if let Some(rev) = &file.source.revision
+            && !is_commit(rev)
+        {
+            return Err(invalid(
+                "source.revision",
+                format!("{rev:?} is not a 40-hex commit"),
+            ));
         }
-        if let Some(h) = &file.source.index_sha256 {
-            if !is_sha256(h) {
-                return Err(invalid(
-                    "source.index_sha256",
-                    format!("{h:?} is not 64 lowercase hex digits"),
-                ));
-            }
+        if let Some(h) = &file.source.index_sha256
+            && !is_sha256(h)
+        {
+            return Err(invalid(
+                "source.index_sha256",
+                format!("{h:?} is not 64 lowercase hex digits"),
+            ));
         }
         let mut rules = Vec::with_capacity(file.tensors.len());
         for (i, rule) in file.tensors.iter().enumerate() {
@@ -365,13 +365,13 @@ impl Family {
                     ));
                 }
             }
-            if let Some(s) = &rule.sidecar {
-                if !file.sidecars.contains_key(s) {
-                    return Err(invalid(
-                        &format!("tensors[{i}].sidecar"),
-                        format!("sidecar `{s}` is not declared in `sidecars`"),
-                    ));
-                }
+            if let Some(s) = &rule.sidecar
+                && !file.sidecars.contains_key(s)
+            {
+                return Err(invalid(
+                    &format!("tensors[{i}].sidecar"),
+                    format!("sidecar `{s}` is not declared in `sidecars`"),
+                ));
             }
             rules.push(p);
         }

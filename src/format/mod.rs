@@ -82,7 +82,7 @@ impl QuantSizes {
     /// Sizes for `[rows, cols]` at `bits`; `None` when `cols` is not a multiple of 64
     /// or the sizes overflow.
     pub fn new(rows: u64, cols: u64, bits: u32) -> Option<QuantSizes> {
-        if cols == 0 || cols % GROUP_SIZE != 0 {
+        if cols == 0 || !cols.is_multiple_of(GROUP_SIZE) {
             return None;
         }
         let weights = rows.checked_mul(cols)?.checked_mul(bits as u64)? / 8;

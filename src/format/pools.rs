@@ -102,4 +102,3 @@ pub struct RowPool {
     /// File size.
     pub file_bytes: u64,
 }
-

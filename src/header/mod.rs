@@ -5,14 +5,24 @@
 //! bytes usually covers both the length and the JSON; a second read fetches the rest
 //! when it does not.
 //!
-//! (Skeleton: the helper owning this module replaces the bodies.)
+//! Everything in a header is hostile input (DESIGN §6): the length is capped, the JSON
+//! is read key by key so duplicate names are caught ([`json`]), every tensor's
+//! `dtype × shape` must equal its byte span, and the spans must tile the data section
+//! exactly, from 0 to the end of the file. Refusals are [`HeaderError`]s naming the
+//! shard, tensor and field.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use serde::de::DeserializeSeed;
 use serde::{Deserialize, Serialize};
 
 use crate::source::{RangeSource, SourceError};
+
+mod error;
+mod json;
+
+pub use error::HeaderError;
 
 /// Bytes fetched by the first, speculative header read.
 pub const SPECULATIVE_READ: u64 = 64 * 1024;
@@ -51,6 +61,30 @@ impl Dtype {
         }
     }
 
+    /// Every dtype, in declaration order.
+    pub const ALL: [Dtype; 15] = [
+        Dtype::BOOL,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::F8_E5M2,
+        Dtype::F8_E4M3,
+        Dtype::I16,
+        Dtype::U16,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::I32,
+        Dtype::U32,
+        Dtype::F32,
+        Dtype::F64,
+        Dtype::I64,
+        Dtype::U64,
+    ];
+
+    /// The dtype a header names (`BF16`, ...), exactly as [`Dtype::name`] writes it.
+    pub fn from_name(name: &str) -> Option<Dtype> {
+        Dtype::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     /// The name as written in headers (`BF16`, `I64`, ...).
     pub fn name(self) -> &'static str {
         match self {
@@ -70,6 +104,12 @@ impl Dtype {
             Dtype::I64 => "I64",
             Dtype::U64 => "U64",
         }
+    }
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -108,20 +148,6 @@ impl ShardHeader {
     }
 }
 
-/// A header that cannot be trusted. Every variant names the shard, and the tensor and
-/// field where there is one.
-#[derive(Debug, thiserror::Error)]
-pub enum HeaderError {
-    /// Placeholder until the real variants land.
-    #[error("{shard}: {detail}")]
-    Invalid {
-        /// Shard.
-        shard: String,
-        /// What.
-        detail: String,
-    },
-}
-
 /// A header that could not be fetched or could not be trusted.
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
@@ -133,25 +159,216 @@ pub enum ShardError {
     Header(#[from] HeaderError),
 }
 
+fn check_file_size(shard: &str, file_size: u64) -> Result<(), HeaderError> {
+    if file_size < 8 {
+        return Err(HeaderError::FileTooSmall {
+            shard: shard.to_string(),
+            file_size,
+        });
+    }
+    Ok(())
+}
+
+/// Check that a file of `file_size` bytes can hold a header, and read the header
+/// length from `bytes`; returns `8 + n`, the bytes the whole header needs.
+fn header_extent(shard: &str, file_size: u64, bytes: &[u8]) -> Result<u64, HeaderError> {
+    check_file_size(shard, file_size)?;
+    let Some(len_bytes) = bytes.first_chunk::<8>() else {
+        return Err(HeaderError::Truncated {
+            shard: shard.to_string(),
+            needed: 8,
+            got: bytes.len() as u64,
+        });
+    };
+    let len = u64::from_le_bytes(*len_bytes);
+    if len == 0 {
+        return Err(HeaderError::EmptyHeader {
+            shard: shard.to_string(),
+        });
+    }
+    if len > MAX_HEADER_LEN {
+        return Err(HeaderError::HeaderTooLarge {
+            shard: shard.to_string(),
+            len,
+            max: MAX_HEADER_LEN,
+        });
+    }
+    // len <= MAX_HEADER_LEN, so 8 + len cannot overflow.
+    if 8 + len > file_size {
+        return Err(HeaderError::HeaderPastEof {
+            shard: shard.to_string(),
+            len,
+            file_size,
+        });
+    }
+    Ok(8 + len)
+}
+
 /// Validate `bytes` (at least the first `8 + n` bytes of the shard) as the header of
-/// `shard`, a file of `file_size` bytes.
+/// `shard`, a file of `file_size` bytes. Bytes past `8 + n` are ignored.
 pub fn parse_header(shard: &str, file_size: u64, bytes: &[u8]) -> Result<ShardHeader, HeaderError> {
-    let _ = (file_size, bytes);
-    Err(HeaderError::Invalid {
+    let needed = header_extent(shard, file_size, bytes)?;
+    let header_len = needed - 8;
+    let json = usize::try_from(needed)
+        .ok()
+        .and_then(|end| bytes.get(8..end))
+        .ok_or_else(|| HeaderError::Truncated {
+            shard: shard.to_string(),
+            needed,
+            got: bytes.len() as u64,
+        })?;
+    let text = std::str::from_utf8(json).map_err(|e| HeaderError::NotUtf8 {
         shard: shard.to_string(),
-        detail: "header parsing not implemented yet".into(),
+        offset: 8 + e.valid_up_to() as u64,
+    })?;
+    if !text.starts_with('{') {
+        return Err(HeaderError::NotObject {
+            shard: shard.to_string(),
+            found: describe_first_char(text),
+        });
+    }
+
+    let ctx = json::Ctx::new(shard);
+    let mut de = serde_json::Deserializer::from_str(text);
+    // `end()` allows only JSON whitespace after the object: the spaces writers pad
+    // with (and the newlines some tools add, which the safetensors crate accepts too).
+    let parsed = json::TopSeed(&ctx)
+        .deserialize(&mut de)
+        .and_then(|raw| de.end().map(|()| raw));
+    let raw = match (parsed, ctx.problem.into_inner()) {
+        (_, Some(problem)) => return Err(problem),
+        (Ok(raw), None) => raw,
+        (Err(source), None) => {
+            return Err(HeaderError::Json {
+                shard: shard.to_string(),
+                source,
+            });
+        }
+    };
+
+    let tensors = check_layout(shard, file_size - needed, raw.tensors)?;
+    Ok(ShardHeader {
+        shard: shard.to_string(),
+        file_size,
+        header_len,
+        tensors,
+        metadata: raw.metadata,
     })
 }
 
+fn describe_first_char(text: &str) -> String {
+    match text.chars().next() {
+        None => "nothing".to_string(),
+        Some(c) if c.is_ascii_graphic() => format!("`{c}`"),
+        Some(c) => format!("{c:?} (U+{:04X})", u32::from(c)),
+    }
+}
+
+/// Span checks per tensor (in file order), then the layout of the data section:
+/// sorted by offset, contiguous from 0, ending exactly at the end of the file.
+fn check_layout(
+    shard: &str,
+    data_len: u64,
+    raw: Vec<json::RawTensor>,
+) -> Result<Vec<TensorHeader>, HeaderError> {
+    let mut tensors = Vec::with_capacity(raw.len());
+    for t in raw {
+        // A zero dimension makes the tensor empty however large the others are.
+        let elements = if t.shape.contains(&0) {
+            Some(0)
+        } else {
+            t.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        };
+        let Some(expected) = elements.and_then(|n| n.checked_mul(t.dtype.size())) else {
+            return Err(HeaderError::SizeOverflow {
+                shard: shard.to_string(),
+                tensor: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+            });
+        };
+        let declared = t.end - t.begin;
+        if declared != expected {
+            return Err(HeaderError::SpanMismatch {
+                shard: shard.to_string(),
+                tensor: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+                declared,
+                expected,
+            });
+        }
+        tensors.push(TensorHeader {
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+            data: t.begin..t.end,
+        });
+    }
+    // Names break ties so the order never depends on the header's key order.
+    tensors.sort_by(|a, b| {
+        (a.data.start, a.data.end, &a.name).cmp(&(b.data.start, b.data.end, &b.name))
+    });
+
+    let mut cursor = 0u64;
+    let mut prev: Option<&TensorHeader> = None;
+    for t in &tensors {
+        if t.data.start > cursor {
+            return Err(HeaderError::Gap {
+                shard: shard.to_string(),
+                before: prev.map(|p| p.name.clone()),
+                after: t.name.clone(),
+                gap: cursor..t.data.start,
+            });
+        }
+        if let Some(p) = prev.filter(|_| t.data.start < cursor) {
+            return Err(HeaderError::Overlap {
+                shard: shard.to_string(),
+                first: p.name.clone(),
+                first_span: p.data.clone(),
+                second: t.name.clone(),
+                second_span: t.data.clone(),
+            });
+        }
+        cursor = t.data.end;
+        prev = Some(t);
+    }
+    if cursor != data_len {
+        return Err(HeaderError::DataEndMismatch {
+            shard: shard.to_string(),
+            last_tensor: prev.map(|p| p.name.clone()),
+            covered: cursor,
+            data_len,
+        });
+    }
+    Ok(tensors)
+}
+
 /// Read and validate the header of `shard` (of `file_size` bytes) from `source`, with
-/// one speculative ranged read and, when the header is longer, one more.
+/// one speculative ranged read of `min(SPECULATIVE_READ, file_size)` bytes and, when
+/// the header is longer, exactly one more read for the rest of it. Nothing past
+/// `8 + n` is requested beyond what the speculative read covered.
 pub async fn read_header(
     source: &dyn RangeSource,
     shard: &str,
     file_size: u64,
 ) -> Result<ShardHeader, ShardError> {
+    // A file too small to hold the length is refused without a request.
+    check_file_size(shard, file_size)?;
     let first = source
         .read_range(shard, 0..SPECULATIVE_READ.min(file_size))
         .await?;
-    Ok(parse_header(shard, file_size, &first)?)
+    let needed = header_extent(shard, file_size, &first)?;
+    let have = first.len() as u64;
+    if needed <= have {
+        return Ok(parse_header(shard, file_size, &first)?);
+    }
+    let rest = source.read_range(shard, have..needed).await?;
+    let mut whole = Vec::with_capacity(first.len() + rest.len());
+    whole.extend_from_slice(&first);
+    whole.extend_from_slice(&rest);
+    Ok(parse_header(shard, file_size, &whole)?)
 }
+
+#[cfg(test)]
+mod tests;

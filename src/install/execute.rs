@@ -30,7 +30,10 @@ use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 
 use crate::format::Scheme;
-use crate::format::manifest::{self, Manifest, ManifestArch, ManifestFile, ManifestResident, ManifestSource, ManifestTool, QuantizedAtInstall};
+use crate::format::manifest::{
+    self, Manifest, ManifestArch, ManifestFile, ManifestResident, ManifestSource, ManifestTool,
+    QuantizedAtInstall,
+};
 use crate::format::resident::MAGIC;
 use crate::plan::placement::{TensorPlacement, output_file_paths};
 use crate::plan::{Dest, Plan, QuantMode, RangeRead};
@@ -133,7 +136,12 @@ fn segments(plan: &Plan, placements: &[Option<TensorPlacement>], read: &RangeRea
         }
         let row0 = (s - t.src[0]) / p.src_row_bytes;
         let row1 = (e - t.src[0]).div_ceil(p.src_row_bytes);
-        out.push(Segment { tensor: ti, src_start: s, row0, row1 });
+        out.push(Segment {
+            tensor: ti,
+            src_start: s,
+            row0,
+            row1,
+        });
     }
     out
 }
@@ -189,10 +197,14 @@ impl<'a> ReadWriter<'a> {
                 self.pos += skip as u64;
                 continue;
             }
-            let p = self.placements[seg.tensor].as_ref().ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+            let p = self.placements[seg.tensor]
+                .as_ref()
+                .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
             if self.tile.is_empty() && self.tile_rows == 0 {
-                self.tile_row0 = (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes;
-                self.tile_rows = ((tile_bytes as u64 / p.src_row_bytes).max(1)).min(seg.row1 - self.tile_row0);
+                self.tile_row0 =
+                    (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes;
+                self.tile_rows =
+                    ((tile_bytes as u64 / p.src_row_bytes).max(1)).min(seg.row1 - self.tile_row0);
             }
             let want = (self.tile_rows * p.src_row_bytes) as usize - self.tile.len();
             let take = want.min(chunk.len());
@@ -211,7 +223,9 @@ impl<'a> ReadWriter<'a> {
 
     fn flush_tile(&mut self, seg: &Segment) -> Result<(), InstallError> {
         let t = &self.plan.tensors[seg.tensor];
-        let p = self.placements[seg.tensor].as_ref().ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+        let p = self.placements[seg.tensor]
+            .as_ref()
+            .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
         let n = self.tile_rows;
         let (ow, os, ob) = p.out_row;
         match p.scheme {
@@ -220,22 +234,28 @@ impl<'a> ReadWriter<'a> {
                 self.out[0].extend_from_slice(&self.tile);
             }
             scheme => {
-                let bits = if scheme == Scheme::Int4G64 { Bits::Four } else { Bits::Eight };
+                let bits = if scheme == Scheme::Int4G64 {
+                    Bits::Four
+                } else {
+                    Bits::Eight
+                };
                 for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
                     buf.clear();
                     buf.resize((per * n) as usize, 0);
                 }
                 let [w, s, b] = &mut self.out;
-                quant::quantize_rows_le_bytes(&self.tile, p.cols as usize, bits, w, s, b).map_err(|e| match e {
-                    quant::QuantError::NonFinite { index } => InstallError::NonFinite {
-                        tensor: t.name.clone(),
-                        element: self.tile_row0 * p.cols + index as u64,
+                quant::quantize_rows_le_bytes(&self.tile, p.cols as usize, bits, w, s, b).map_err(
+                    |e| match e {
+                        quant::QuantError::NonFinite { index } => InstallError::NonFinite {
+                            tensor: t.name.clone(),
+                            element: self.tile_row0 * p.cols + index as u64,
+                        },
+                        other => InstallError::Transform {
+                            tensor: t.name.clone(),
+                            detail: other.to_string(),
+                        },
                     },
-                    other => InstallError::Transform {
-                        tensor: t.name.clone(),
-                        detail: other.to_string(),
-                    },
-                })?;
+                )?;
             }
         }
         for stream in 0..3 {
@@ -243,7 +263,9 @@ impl<'a> ReadWriter<'a> {
             for (file, off, len, first) in runs(p, self.tile_row0, self.tile_row0 + n, stream) {
                 let at = ((first - self.tile_row0) * per) as usize;
                 let bytes = &self.out[stream][at..at + len as usize];
-                self.files[file].write_all_at(bytes, off).map_err(|e| io_err(&self.paths[file], e))?;
+                self.files[file]
+                    .write_all_at(bytes, off)
+                    .map_err(|e| io_err(&self.paths[file], e))?;
                 self.hashers[stream].update(bytes);
                 self.touched.insert(file);
                 self.written += len;
@@ -266,16 +288,26 @@ impl<'a> ReadWriter<'a> {
 }
 
 /// The digest a read's bytes on disk should have, recomputed from the files.
-fn digest_on_disk(plan: &Plan, placements: &[Option<TensorPlacement>], files: &[File], paths: &[PathBuf], read: &RangeRead) -> Result<String, InstallError> {
+fn digest_on_disk(
+    plan: &Plan,
+    placements: &[Option<TensorPlacement>],
+    files: &[File],
+    paths: &[PathBuf],
+    read: &RangeRead,
+) -> Result<String, InstallError> {
     let mut digest = Sha256::new();
     let mut buf = Vec::new();
     for seg in segments(plan, placements, read) {
-        let Some(p) = &placements[seg.tensor] else { continue };
+        let Some(p) = &placements[seg.tensor] else {
+            continue;
+        };
         for stream in 0..3 {
             let mut h = Sha256::new();
             for (file, off, len, _) in runs(p, seg.row0, seg.row1, stream) {
                 buf.resize(len as usize, 0);
-                files[file].read_exact_at(&mut buf, off).map_err(|e| io_err(&paths[file], e))?;
+                files[file]
+                    .read_exact_at(&mut buf, off)
+                    .map_err(|e| io_err(&paths[file], e))?;
                 h.update(&buf);
             }
             digest.update(h.finalize());
@@ -291,7 +323,11 @@ struct Journal {
 
 impl Journal {
     /// Open or create; returns completed (read, digest) entries.
-    fn open(path: &Path, fingerprint: &str, discard: bool) -> Result<(Journal, Vec<(usize, String)>), InstallError> {
+    fn open(
+        path: &Path,
+        fingerprint: &str,
+        discard: bool,
+    ) -> Result<(Journal, Vec<(usize, String)>), InstallError> {
         let mut done = Vec::new();
         if path.exists() && !discard {
             let f = File::open(path).map_err(|e| io_err(path, e))?;
@@ -300,7 +336,10 @@ impl Journal {
                 Some(Ok(l)) => serde_json::from_str(&l).unwrap_or(serde_json::Value::Null),
                 _ => serde_json::Value::Null,
             };
-            let theirs = head.get("fingerprint").and_then(|v| v.as_str()).unwrap_or("");
+            let theirs = head
+                .get("fingerprint")
+                .and_then(|v| v.as_str())
+                .unwrap_or("");
             if !theirs.is_empty() && theirs != fingerprint {
                 return Err(InstallError::PlanChanged {
                     journal: path.display().to_string(),
@@ -311,20 +350,40 @@ impl Journal {
             if !theirs.is_empty() {
                 for l in lines.map_while(Result::ok) {
                     // A torn last line (a crash mid-append) simply does not count.
-                    let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) else { continue };
-                    if let (Some(r), Some(d)) = (v.get("read").and_then(|r| r.as_u64()), v.get("digest").and_then(|d| d.as_str())) {
+                    let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) else {
+                        continue;
+                    };
+                    if let (Some(r), Some(d)) = (
+                        v.get("read").and_then(|r| r.as_u64()),
+                        v.get("digest").and_then(|d| d.as_str()),
+                    ) {
                         done.push((r as usize, d.to_string()));
                     }
                 }
-                let file = OpenOptions::new().append(true).open(path).map_err(|e| io_err(path, e))?;
-                return Ok((Journal { path: path.to_path_buf(), file }, done));
+                let file = OpenOptions::new()
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| io_err(path, e))?;
+                return Ok((
+                    Journal {
+                        path: path.to_path_buf(),
+                        file,
+                    },
+                    done,
+                ));
             }
         }
         let mut file = File::create(path).map_err(|e| io_err(path, e))?;
         let head = serde_json::json!({ "journal": "gturbo-install", "version": 1, "fingerprint": fingerprint });
         writeln!(file, "{head}").map_err(|e| io_err(path, e))?;
         file.sync_all().map_err(|e| io_err(path, e))?;
-        Ok((Journal { path: path.to_path_buf(), file }, done))
+        Ok((
+            Journal {
+                path: path.to_path_buf(),
+                file,
+            },
+            done,
+        ))
     }
 
     fn record(&mut self, read: usize, digest: &str) -> Result<(), InstallError> {
@@ -349,17 +408,26 @@ fn sha256_file(path: &Path) -> Result<String, InstallError> {
 }
 
 fn sync_dir(path: &Path) -> Result<(), InstallError> {
-    File::open(path).and_then(|d| d.sync_all()).map_err(|e| io_err(path, e))
+    File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_err(path, e))
 }
 
 /// Run the install. Returns the summary; the `.gturbo` directory is published at
 /// `options.out` on success.
-pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options: &ExecuteOptions, reporter: &dyn InstallReporter) -> Result<ExecuteSummary, InstallError> {
+pub async fn execute(
+    source: Arc<dyn RangeSource>,
+    prepared: &Prepared,
+    options: &ExecuteOptions,
+    reporter: &dyn InstallReporter,
+) -> Result<ExecuteSummary, InstallError> {
     let started = Instant::now();
     let plan = &prepared.plan;
     let out = &options.out;
     if out.exists() && !options.overwrite {
-        return Err(InstallError::OutputExists { path: out.display().to_string() });
+        return Err(InstallError::OutputExists {
+            path: out.display().to_string(),
+        });
     }
     let staging = with_suffix(out, ".partial");
     let lock_path = with_suffix(out, ".partial.lock");
@@ -371,7 +439,9 @@ pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options:
     match lock.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
-            return Err(InstallError::Locked { path: lock_path.display().to_string() });
+            return Err(InstallError::Locked {
+                path: lock_path.display().to_string(),
+            });
         }
         Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&lock_path, e)),
     }
@@ -395,7 +465,13 @@ pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options:
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
         }
-        let f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| io_err(&path, e))?;
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| io_err(&path, e))?;
         let len = f.metadata().map_err(|e| io_err(&path, e))?.len();
         if len != *size {
             f.set_len(*size).map_err(|e| io_err(&path, e))?;
@@ -411,19 +487,31 @@ pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options:
         let mut head = Vec::with_capacity(16 + r.index_len as usize);
         head.extend_from_slice(MAGIC);
         head.extend_from_slice(&r.index_len.to_le_bytes());
-        head.extend_from_slice(&serde_json::to_vec(&r.index).map_err(|e| InstallError::Internal(e.to_string()))?);
-        files[0].write_all_at(&head, 0).map_err(|e| io_err(&paths[0], e))?;
+        head.extend_from_slice(
+            &serde_json::to_vec(&r.index).map_err(|e| InstallError::Internal(e.to_string()))?,
+        );
+        files[0]
+            .write_all_at(&head, 0)
+            .map_err(|e| io_err(&paths[0], e))?;
     }
 
     let placements: Vec<Option<TensorPlacement>> = plan
-        .tensors.iter().map(|t| TensorPlacement::new(plan, t)).collect();
+        .tensors
+        .iter()
+        .map(|t| TensorPlacement::new(plan, t))
+        .collect();
 
     // Which reads are already done and intact?
     reporter.phase("resume-check", &format!("{} journaled reads", done.len()));
-    let mut summary = ExecuteSummary { reads_total: plan.reads.len() as u64, ..Default::default() };
+    let mut summary = ExecuteSummary {
+        reads_total: plan.reads.len() as u64,
+        ..Default::default()
+    };
     let mut complete = vec![false; plan.reads.len()];
     for (ri, digest) in &done {
-        let Some(read) = plan.reads.get(*ri) else { continue };
+        let Some(read) = plan.reads.get(*ri) else {
+            continue;
+        };
         if complete[*ri] {
             continue;
         }
@@ -437,7 +525,14 @@ pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options:
 
     // Stream the rest.
     let pending: Vec<usize> = (0..plan.reads.len()).filter(|i| !complete[*i]).collect();
-    reporter.phase("stream", &format!("{} reads to fetch, {} kept", pending.len(), summary.reads_kept));
+    reporter.phase(
+        "stream",
+        &format!(
+            "{} reads to fetch, {} kept",
+            pending.len(),
+            summary.reads_kept
+        ),
+    );
     let files = Arc::new(files);
     let paths = Arc::new(paths);
     let shared_plan = Arc::new(plan.clone());
@@ -548,7 +643,11 @@ pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options:
             return Err(SourceError::BadRange {
                 path: c.source.clone(),
                 range: 0..c.bytes,
-                detail: format!("{} bytes arrived, the listing says {}", bytes.len(), c.bytes),
+                detail: format!(
+                    "{} bytes arrived, the listing says {}",
+                    bytes.len(),
+                    c.bytes
+                ),
             }
             .into());
         }
@@ -560,19 +659,46 @@ pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options:
     }
 
     // Hash every file, write the manifest last, publish.
-    reporter.phase("hash", &format!("{} files", rel.len() + plan.outputs.copied.len()));
-    let mut listed: Vec<(String, String)> = rel.iter().enumerate().map(|(i, r)| {
-        let kind = if i == 0 { "resident" } else if i <= plan.outputs.expert_pools.len() { "experts" } else { "rows" };
-        (r.clone(), kind.to_string())
-    }).collect();
-    listed.extend(plan.outputs.copied.iter().map(|c| (c.file.clone(), "tokenizer".to_string())));
+    reporter.phase(
+        "hash",
+        &format!("{} files", rel.len() + plan.outputs.copied.len()),
+    );
+    let mut listed: Vec<(String, String)> = rel
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let kind = if i == 0 {
+                "resident"
+            } else if i <= plan.outputs.expert_pools.len() {
+                "experts"
+            } else {
+                "rows"
+            };
+            (r.clone(), kind.to_string())
+        })
+        .collect();
+    listed.extend(
+        plan.outputs
+            .copied
+            .iter()
+            .map(|c| (c.file.clone(), "tokenizer".to_string())),
+    );
     let hashed = tokio::task::block_in_place(|| -> Result<Vec<ManifestFile>, InstallError> {
         let mut v = Vec::new();
         for (r, kind) in &listed {
             let path = staging.join(r);
-            let bytes = std::fs::metadata(&path).map_err(|e| io_err(&path, e))?.len();
-            File::open(&path).and_then(|f| f.sync_all()).map_err(|e| io_err(&path, e))?;
-            v.push(ManifestFile { path: r.clone(), bytes, sha256: sha256_file(&path)?, kind: kind.clone() });
+            let bytes = std::fs::metadata(&path)
+                .map_err(|e| io_err(&path, e))?
+                .len();
+            File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| io_err(&path, e))?;
+            v.push(ManifestFile {
+                path: r.clone(),
+                bytes,
+                sha256: sha256_file(&path)?,
+                kind: kind.clone(),
+            });
         }
         v.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(v)
@@ -581,7 +707,8 @@ pub async fn execute(source: Arc<dyn RangeSource>, prepared: &Prepared, options:
     let mpath = staging.join(manifest::FILE_NAME);
     {
         let mut f = File::create(&mpath).map_err(|e| io_err(&mpath, e))?;
-        f.write_all(&manifest.to_canonical_bytes()).map_err(|e| io_err(&mpath, e))?;
+        f.write_all(&manifest.to_canonical_bytes())
+            .map_err(|e| io_err(&mpath, e))?;
         f.sync_all().map_err(|e| io_err(&mpath, e))?;
     }
     for dir in ["packed_experts", "ple", "tokenizer", ""] {
@@ -641,7 +768,8 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
             bits,
             group_size: 64,
             overrides,
-            parity_gate: "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)".into(),
+            parity_gate: "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)"
+                .into(),
             quality_gate: None,
         },
         files,
@@ -653,7 +781,14 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
         expert_pools: plan.outputs.expert_pools.clone(),
         row_pools: plan.outputs.row_pools.clone(),
         sidecars: prepared.sidecars.clone(),
-        excluded_tensors: plan.tensors.iter().filter(|t| matches!(t.dest, Dest::Excluded { .. })).count() as u64,
-        tool: ManifestTool { name: "gturbo".into(), version: env!("CARGO_PKG_VERSION").into() },
+        excluded_tensors: plan
+            .tensors
+            .iter()
+            .filter(|t| matches!(t.dest, Dest::Excluded { .. }))
+            .count() as u64,
+        tool: ManifestTool {
+            name: "gturbo".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
     }
 }

@@ -91,7 +91,9 @@ pub enum InstallError {
     #[error(transparent)]
     Family(#[from] FamilyError),
     /// The index does not hash to the pin: the hard gate.
-    #[error("{file}: SHA-256 mismatch ({origin})\n  Expected: {expected}\n  Computed: {computed}\n\nhint: the repo changed or this is not the pinned snapshot; pass `--index-sha256 {computed}` only if you trust this index")]
+    #[error(
+        "{file}: SHA-256 mismatch ({origin})\n  Expected: {expected}\n  Computed: {computed}\n\nhint: the repo changed or this is not the pinned snapshot; pass `--index-sha256 {computed}` only if you trust this index"
+    )]
     IndexHashMismatch {
         /// The index file.
         file: String,
@@ -112,7 +114,9 @@ pub enum InstallError {
         source: std::io::Error,
     },
     /// A weight is inf or NaN.
-    #[error("tensor `{tensor}`: non-finite weight (inf or NaN) at element {element}; refusing to quantize a defective checkpoint")]
+    #[error(
+        "tensor `{tensor}`: non-finite weight (inf or NaN) at element {element}; refusing to quantize a defective checkpoint"
+    )]
     NonFinite {
         /// Tensor.
         tensor: String,
@@ -128,7 +132,9 @@ pub enum InstallError {
         detail: String,
     },
     /// The partial install was made by another plan.
-    #[error("{journal}: the partial install was planned with fingerprint {theirs}, this plan is {ours} (another revision, family or flags); refusing to mix them\n\nhint: rerun with the original flags to resume, or pass --discard-partial to start over")]
+    #[error(
+        "{journal}: the partial install was planned with fingerprint {theirs}, this plan is {ours} (another revision, family or flags); refusing to mix them\n\nhint: rerun with the original flags to resume, or pass --discard-partial to start over"
+    )]
     PlanChanged {
         /// Journal path.
         journal: String,
@@ -202,14 +208,22 @@ fn parse_index(bytes: &[u8]) -> Result<Index, InstallError> {
     let total_size = match v.get("metadata").and_then(|m| m.get("total_size")) {
         None => None,
         Some(t) => Some(t.as_u64().ok_or_else(|| {
-            invalid(INDEX_FILE, "metadata.total_size", format!("{t} is not a non-negative integer"))
+            invalid(
+                INDEX_FILE,
+                "metadata.total_size",
+                format!("{t} is not a non-negative integer"),
+            )
         })?),
     };
     let mut weight_map = BTreeMap::new();
     let mut shards = BTreeSet::new();
     for (name, file) in map {
         let file = file.as_str().ok_or_else(|| {
-            invalid(INDEX_FILE, &format!("weight_map.{name}"), "value is not a file name string")
+            invalid(
+                INDEX_FILE,
+                &format!("weight_map.{name}"),
+                "value is not a file name string",
+            )
         })?;
         check_repo_path(&format!("{INDEX_FILE} weight_map[{name:?}]"), file)?;
         shards.insert(file.to_string());
@@ -226,11 +240,18 @@ fn parse_index(bytes: &[u8]) -> Result<Index, InstallError> {
 }
 
 /// Resolve, gate the index, read config and headers, and plan.
-pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Result<Prepared, InstallError> {
+pub async fn prepare(
+    source: &dyn RangeSource,
+    settings: &PrepareSettings,
+) -> Result<Prepared, InstallError> {
     let started = Instant::now();
     let mut warnings = Vec::new();
     let repo = source.resolve().await?;
-    let sizes: BTreeMap<String, u64> = repo.files.iter().map(|f| (f.path.clone(), f.size)).collect();
+    let sizes: BTreeMap<String, u64> = repo
+        .files
+        .iter()
+        .map(|f| (f.path.clone(), f.size))
+        .collect();
     let sha: BTreeMap<String, String> = repo
         .files
         .iter()
@@ -239,7 +260,10 @@ pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Re
 
     let (expected, origin) = match &settings.index_pin {
         IndexPin::None => (None, String::new()),
-        IndexPin::Family(h) => (Some(h.clone()), format!("pinned by {}", settings.family.origin)),
+        IndexPin::Family(h) => (
+            Some(h.clone()),
+            format!("pinned by {}", settings.family.origin),
+        ),
         IndexPin::Flag(h) => (Some(h.clone()), "pinned by --index-sha256".to_string()),
     };
     let (index, index_sha) = if sizes.contains_key(INDEX_FILE) {
@@ -265,7 +289,9 @@ pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Re
             return Err(invalid(
                 INDEX_FILE,
                 "(file)",
-                format!("the pin expects an index with SHA-256 {e}, but {repo} has only {SINGLE_FILE}"),
+                format!(
+                    "the pin expects an index with SHA-256 {e}, but {repo} has only {SINGLE_FILE}"
+                ),
             ));
         }
         (None, None)
@@ -339,8 +365,14 @@ pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Re
             }
         }
         if in_headers != ix.weight_map.len() {
-            let present: BTreeSet<&str> = headers.iter().flat_map(|h| h.tensors.iter().map(|t| t.name.as_str())).collect();
-            let missing = ix.weight_map.iter().find(|(n, _)| !present.contains(n.as_str()));
+            let present: BTreeSet<&str> = headers
+                .iter()
+                .flat_map(|h| h.tensors.iter().map(|t| t.name.as_str()))
+                .collect();
+            let missing = ix
+                .weight_map
+                .iter()
+                .find(|(n, _)| !present.contains(n.as_str()));
             if let Some((n, f)) = missing {
                 return Err(invalid(
                     INDEX_FILE,
@@ -366,8 +398,15 @@ pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Re
         repo_files: &sizes,
         options: &settings.options,
     })?;
-    if !plan.outputs.copied.iter().any(|c| c.source == "tokenizer.json") {
-        warnings.push(format!("{repo} has no tokenizer.json; `gturbo run` will not be able to tokenize"));
+    if !plan
+        .outputs
+        .copied
+        .iter()
+        .any(|c| c.source == "tokenizer.json")
+    {
+        warnings.push(format!(
+            "{repo} has no tokenizer.json; `gturbo run` will not be able to tokenize"
+        ));
     }
     let family_overrides = settings
         .family
@@ -383,7 +422,11 @@ pub async fn prepare(source: &dyn RangeSource, settings: &PrepareSettings) -> Re
         .sidecars
         .keys()
         .map(|k| {
-            let state = if settings.options.skip_sidecars.contains(k) { "skipped" } else { "carried" };
+            let state = if settings.options.skip_sidecars.contains(k) {
+                "skipped"
+            } else {
+                "carried"
+            };
             (k.clone(), state.to_string())
         })
         .collect();

@@ -62,7 +62,11 @@ enum Kind {
         parts: Vec<(u64, u64, u64, u64)>,
     },
     /// Row pool region.
-    Rows { file: usize, base: u64, blocks: RowBlocks },
+    Rows {
+        file: usize,
+        base: u64,
+        blocks: RowBlocks,
+    },
 }
 
 impl TensorPlacement {
@@ -83,7 +87,12 @@ impl TensorPlacement {
                 let e = &plan.outputs.resident.index.tensors[*entry];
                 let base = plan.outputs.resident.payload_start;
                 match (e.data, e.weights, e.scales, e.biases) {
-                    (Some(d), ..) => Kind::Linear { file: 0, w: base + d.offset, s: 0, b: 0 },
+                    (Some(d), ..) => Kind::Linear {
+                        file: 0,
+                        w: base + d.offset,
+                        s: 0,
+                        b: 0,
+                    },
                     (None, Some(w), Some(s), Some(b)) => Kind::Linear {
                         file: 0,
                         w: base + w.offset,
@@ -97,7 +106,12 @@ impl TensorPlacement {
                 let p = &plan.outputs.expert_pools[*pool];
                 let offs = |want: ExpertPart| {
                     p.parts.iter().find(|bp| bp.part == want).map(|bp| {
-                        (bp.rows, bp.offset, bp.offset + bp.weights, bp.offset + bp.weights + bp.scales)
+                        (
+                            bp.rows,
+                            bp.offset,
+                            bp.offset + bp.weights,
+                            bp.offset + bp.weights + bp.scales,
+                        )
                     })
                 };
                 let parts: Vec<(u64, u64, u64, u64)> = match part {
@@ -108,7 +122,13 @@ impl TensorPlacement {
                     Dest::Expert { expert, .. } => (*expert, rows),
                     _ => (0, parts.iter().map(|p| p.0).sum()),
                 };
-                Kind::Experts { file: 1 + pool, stride: p.stride, first_expert, rows_per_expert, parts }
+                Kind::Experts {
+                    file: 1 + pool,
+                    stride: p.stride,
+                    first_expert,
+                    rows_per_expert,
+                    parts,
+                }
             }
             Dest::Rows { pool, shard } => {
                 let p = &plan.outputs.row_pools[*pool];
@@ -120,7 +140,14 @@ impl TensorPlacement {
                 }
             }
         };
-        Some(TensorPlacement { scheme: t.scheme, src_row_bytes: cols * elem, cols, rows, out_row, kind })
+        Some(TensorPlacement {
+            scheme: t.scheme,
+            src_row_bytes: cols * elem,
+            cols,
+            rows,
+            out_row,
+            kind,
+        })
     }
 
     /// Destination of source row `row`.
@@ -133,7 +160,13 @@ impl TensorPlacement {
                 scales: s + row * os,
                 biases: b + row * os,
             },
-            Kind::Experts { file, stride, first_expert, rows_per_expert, parts } => {
+            Kind::Experts {
+                file,
+                stride,
+                first_expert,
+                rows_per_expert,
+                parts,
+            } => {
                 let e = first_expert + row / rows_per_expert;
                 let mut r = row % rows_per_expert;
                 let base = e * stride;
@@ -149,11 +182,21 @@ impl TensorPlacement {
                     r -= n;
                 }
                 // Unreachable for rows < self.rows: parts cover rows_per_expert.
-                RowDest { file: *file, weights: base, scales: base, biases: base }
+                RowDest {
+                    file: *file,
+                    weights: base,
+                    scales: base,
+                    biases: base,
+                }
             }
             Kind::Rows { file, base, blocks } => {
                 let at = base + blocks.row_offset(row);
-                RowDest { file: *file, weights: at, scales: at + ow, biases: at + ow + os }
+                RowDest {
+                    file: *file,
+                    weights: at,
+                    scales: at + ow,
+                    biases: at + ow + os,
+                }
             }
         }
     }

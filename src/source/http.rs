@@ -1,1 +1,951 @@
-//! (in progress)
+//! Byte ranges from a Hugging Face-compatible endpoint (the hub, a mirror, the test hub).
+//!
+//! # Flow
+//!
+//! 1. **Resolve the revision once.** `GET {endpoint}/api/models/{repo}/revision/{rev}`
+//!    gives the commit (`sha`); skipped when the revision already is a 40-hex commit.
+//!    Everything after is pinned to that commit, so a push to `main` mid-install cannot
+//!    mix two snapshots.
+//! 2. **List the tree once.** `GET {endpoint}/api/models/{repo}/tree/{commit}?recursive=true`,
+//!    following `Link: <…>; rel="next"` pagination (RFC 8288). Every path is checked with
+//!    [`check_repo_path`] (a hostile listing cannot name `../x`); `lfs.oid` is the file's
+//!    SHA-256.
+//! 3. **Resolve each file once.** The first ranged `GET` of a file goes to
+//!    `{endpoint}/{repo}/resolve/{commit}/{path}`. Redirects are followed by hand
+//!    (`redirect::Policy::none()`) so that `Authorization` is sent only to the endpoint's
+//!    own origin, never to a CDN on another host, and so the final location can be cached:
+//!    later ranges of the file go straight there, because the hub's rate limits count
+//!    resolver requests. If a cached location answers 403/404/410 (an expired signed URL),
+//!    the file is resolved again, once.
+//! 4. **Check every ranged answer** (RFC 9110 §14): it must be `206 Partial Content` with
+//!    `Content-Range: bytes a-b/total` naming exactly the bytes asked for and the listed
+//!    size, a `Content-Length` (when sent) of exactly that length, and a body of exactly
+//!    that length. A `200` (the server ignored `Range`) or any mismatch is
+//!    [`SourceError::BadRange`] with the header values seen; we never slice a full body.
+//! 5. **Retry transient faults only** ([`super::retry`]): 408/429/5xx, resets, timeouts and
+//!    bodies that end early, with exponential backoff and jitter; a `Retry-After`
+//!    (RFC 9110 §10.2.3, seconds or HTTP-date) replaces the computed delay, and one over
+//!    `max_retry_after` is refused with [`SourceError::RetryAfterTooLong`]. 401/403 is
+//!    [`SourceError::Unauthorized`] and 404 [`SourceError::NotFound`] at once: one request,
+//!    no retries.
+//!
+//! The token ([`HfToken`]) is only ever written into the `Authorization` header (marked
+//! sensitive); URLs in errors lose their query string, which may hold a CDN signature.
+//! Every request (redirect hops and retries included), every retry and every body byte
+//! is counted in [`SourceStats`].
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::future::Future;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use backon::Retryable as _;
+use bytes::{Bytes, BytesMut};
+use reqwest::header::{self, HeaderMap};
+use reqwest::{StatusCode, Url};
+use serde::Deserialize;
+
+use super::retry::{self, RetryPolicy, TransportFault};
+use super::token::HfToken;
+use super::{RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path};
+
+/// Redirect hops followed per request.
+const MAX_REDIRECTS: usize = 10;
+/// Largest revision or tree-page JSON accepted.
+const MAX_API_BODY: usize = 64 * 1024 * 1024;
+/// Tree pages followed before the listing is declared endless.
+const MAX_TREE_PAGES: usize = 100_000;
+
+/// Where to read from and how patiently.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    /// Base URL: `https://huggingface.co`, a mirror, or the test hub.
+    pub endpoint: String,
+    /// `org/name`.
+    pub repo: String,
+    /// Branch, tag or 40-hex commit.
+    pub revision: String,
+    /// Sent as `Authorization: Bearer` to the endpoint's own origin only.
+    pub token: Option<HfToken>,
+    /// Longest `Retry-After` slept on; more is an error.
+    pub max_retry_after: Duration,
+    /// Attempts per request, the first included.
+    pub max_attempts: usize,
+    /// First backoff delay (doubles per retry, plus jitter).
+    pub base_delay: Duration,
+    /// Cap on a computed backoff delay.
+    pub max_delay: Duration,
+    /// Limit on establishing a connection.
+    pub connect_timeout: Duration,
+    /// Limit on the wait for each read of an answer: a stalled transfer fails and is
+    /// retried instead of hanging an install.
+    pub read_timeout: Duration,
+    /// `User-Agent` header.
+    pub user_agent: String,
+}
+
+impl HttpConfig {
+    /// Defaults: no token, 6 attempts, 250 ms base delay, 30 s cap, 300 s Retry-After limit.
+    pub fn new(
+        endpoint: impl Into<String>,
+        repo: impl Into<String>,
+        revision: impl Into<String>,
+    ) -> Self {
+        let policy = RetryPolicy::default();
+        Self {
+            endpoint: endpoint.into(),
+            repo: repo.into(),
+            revision: revision.into(),
+            token: None,
+            max_retry_after: policy.max_retry_after,
+            max_attempts: policy.max_attempts,
+            base_delay: policy.base_delay,
+            max_delay: policy.max_delay,
+            connect_timeout: Duration::from_secs(30),
+            read_timeout: Duration::from_secs(60),
+            user_agent: format!("gturbo/{}", env!("CARGO_PKG_VERSION")),
+        }
+    }
+
+    fn policy(&self) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: self.max_attempts.max(1),
+            base_delay: self.base_delay,
+            max_delay: self.max_delay,
+            max_retry_after: self.max_retry_after,
+        }
+    }
+}
+
+/// A [`RangeSource`] over HTTP. See the module doc for the flow.
+pub struct HttpSource {
+    config: HttpConfig,
+    endpoint: Url,
+    repo_segments: Vec<String>,
+    client: reqwest::Client,
+    policy: RetryPolicy,
+    resolved: tokio::sync::OnceCell<ResolvedRepo>,
+    /// Per file, the location a redirect led to, reused for later ranges.
+    locations: Mutex<HashMap<String, Url>>,
+    requests: AtomicU64,
+    retries: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl fmt::Debug for HttpSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpSource")
+            .field("endpoint", &display_url(&self.endpoint))
+            .field("repo", &self.config.repo)
+            .field("revision", &self.config.revision)
+            .field("token", &self.config.token)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why one attempt failed, as the retry loop sees it.
+#[derive(Debug)]
+enum Failure {
+    /// Worth another attempt; `retry_after` replaces the backoff delay.
+    Transient {
+        error: SourceError,
+        status: Option<u16>,
+        retry_after: Option<Duration>,
+    },
+    /// An answer; asking again would not change it.
+    Fatal(SourceError),
+    /// A cached redirect location no longer works (403/404/410): resolve the file again.
+    Stale(SourceError),
+}
+
+impl Failure {
+    fn into_error(self) -> SourceError {
+        match self {
+            Self::Transient { error, .. } | Self::Fatal(error) | Self::Stale(error) => error,
+        }
+    }
+}
+
+/// A URL fit for messages and logs: no user info, no query (it may carry a signature).
+fn display_url(url: &Url) -> String {
+    let mut u = url.clone();
+    let _ = u.set_username("");
+    let _ = u.set_password(None);
+    u.set_query(None);
+    u.set_fragment(None);
+    u.to_string()
+}
+
+fn is_commit(rev: &str) -> bool {
+    rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn is_sha256(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// The `rel="next"` target of a `Link` header (RFC 8288), if any.
+pub fn parse_link_next(value: &str) -> Option<&str> {
+    let mut rest = value;
+    while let Some(open) = rest.find('<') {
+        let after = &rest[open + 1..];
+        let close = after.find('>')?;
+        let target = &after[..close];
+        let params_all = &after[close + 1..];
+        let params = params_all.split_once('<').map_or(params_all, |(p, _)| p);
+        let is_next = params.split(';').any(|p| {
+            let p = p.trim().trim_end_matches(',').trim();
+            p.split_once('=').is_some_and(|(k, v)| {
+                k.trim().eq_ignore_ascii_case("rel")
+                    && v.trim()
+                        .trim_matches('"')
+                        .split_ascii_whitespace()
+                        .any(|r| r.eq_ignore_ascii_case("next"))
+            })
+        });
+        if is_next {
+            return Some(target);
+        }
+        rest = &after[close + 1..];
+    }
+    None
+}
+
+/// How a transport error counts for retrying.
+fn transport_fault(e: &reqwest::Error) -> TransportFault {
+    if e.is_timeout() {
+        TransportFault::Timeout
+    } else if e.is_connect() {
+        TransportFault::Connect
+    } else if e.is_body() || e.is_decode() {
+        TransportFault::TruncatedBody
+    } else if e.is_request() {
+        TransportFault::Reset
+    } else {
+        TransportFault::Other
+    }
+}
+
+/// The error text with its causes, without the URL (the caller names a safe one).
+fn error_text(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut text = e.to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        src = s.source();
+    }
+    text
+}
+
+#[derive(Debug, Deserialize)]
+struct RevisionInfo {
+    sha: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TreeEntry {
+    #[serde(rename = "type")]
+    kind: String,
+    path: String,
+    size: Option<u64>,
+    lfs: Option<TreeLfs>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TreeLfs {
+    oid: String,
+}
+
+impl HttpSource {
+    /// A source for `config`. Checks the endpoint URL and the repo name; sends nothing.
+    pub fn new(config: HttpConfig) -> Result<Self, SourceError> {
+        // reqwest is built with `rustls-no-provider`: a provider must be installed before
+        // the first client. A second install fails harmlessly.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let endpoint = Url::parse(config.endpoint.trim_end_matches('/')).map_err(|e| {
+            SourceError::Config(format!("endpoint {:?} is not a URL: {e}", config.endpoint))
+        })?;
+        if !matches!(endpoint.scheme(), "http" | "https") || endpoint.cannot_be_a_base() {
+            return Err(SourceError::Config(format!(
+                "endpoint {:?}: expected an http:// or https:// URL",
+                config.endpoint
+            )));
+        }
+        let origin = format!("repo name {:?}", config.repo);
+        check_repo_path(&origin, &config.repo)?;
+        let repo_segments: Vec<String> = config.repo.split('/').map(str::to_string).collect();
+        if repo_segments.len() > 2 {
+            return Err(SourceError::Config(format!(
+                "repo {:?}: expected ORG/NAME",
+                config.repo
+            )));
+        }
+        if config.revision.is_empty() {
+            return Err(SourceError::Config("empty revision".into()));
+        }
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .user_agent(config.user_agent.clone())
+            .connect_timeout(config.connect_timeout)
+            .read_timeout(config.read_timeout)
+            .build()
+            .map_err(|e| SourceError::Config(format!("HTTP client: {}", error_text(e))))?;
+        Ok(Self {
+            policy: config.policy(),
+            endpoint,
+            repo_segments,
+            client,
+            config,
+            resolved: tokio::sync::OnceCell::new(),
+            locations: Mutex::new(HashMap::new()),
+            requests: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// The endpoint URL with `segments` appended (each percent-encoded).
+    fn url_with<'a>(
+        &self,
+        segments: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Url, SourceError> {
+        let mut url = self.endpoint.clone();
+        {
+            let mut path = url.path_segments_mut().map_err(|()| {
+                SourceError::Config(format!("endpoint {}: cannot take a path", self.endpoint))
+            })?;
+            path.pop_if_empty();
+            path.extend(segments);
+        }
+        Ok(url)
+    }
+
+    fn api_url(&self, kind: &str, rev: &str) -> Result<Url, SourceError> {
+        let mut segs = vec!["api", "models"];
+        segs.extend(self.repo_segments.iter().map(String::as_str));
+        segs.extend([kind, rev]);
+        self.url_with(segs)
+    }
+
+    fn resolve_url(&self, commit: &str, path: &str) -> Result<Url, SourceError> {
+        let mut segs: Vec<&str> = self.repo_segments.iter().map(String::as_str).collect();
+        segs.extend(["resolve", commit]);
+        segs.extend(path.split('/'));
+        self.url_with(segs)
+    }
+
+    fn lock_locations(&self) -> std::sync::MutexGuard<'_, HashMap<String, Url>> {
+        self.locations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Run `attempt` until it succeeds, fails for good, or the retry policy is spent.
+    async fn with_retries<T, F, Fut>(&self, mut attempt: F) -> Result<T, Failure>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, Failure>>,
+    {
+        let mut attempts: u32 = 1;
+        let max_delay = self.policy.max_delay;
+        let result = (|| attempt())
+            .retry(retry::backoff(&self.policy))
+            .when(|f| matches!(f, Failure::Transient { .. }))
+            .adjust(|f, computed| {
+                let retry_after = match f {
+                    Failure::Transient { retry_after, .. } => *retry_after,
+                    _ => None,
+                };
+                retry::next_delay(computed, retry_after, max_delay)
+            })
+            .notify(|f, wait| {
+                attempts += 1;
+                self.retries.fetch_add(1, Ordering::Relaxed);
+                let status = match f {
+                    Failure::Transient { status, .. } => *status,
+                    _ => None,
+                };
+                tracing::debug!(
+                    status = status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                    attempt = attempts,
+                    wait_ms = wait.as_millis() as u64,
+                    error = %f.error_ref(),
+                    "retrying"
+                );
+            })
+            .await;
+        result.map_err(|mut f| {
+            if let Failure::Transient {
+                error: SourceError::Network { attempts: a, .. },
+                ..
+            } = &mut f
+            {
+                *a = attempts;
+            }
+            f
+        })
+    }
+
+    /// One request, following redirects by hand. Returns the final answer and its URL.
+    async fn send(
+        &self,
+        start: &Url,
+        range: Option<&Range<u64>>,
+    ) -> Result<(reqwest::Response, Url), Failure> {
+        let mut url = start.clone();
+        for _ in 0..=MAX_REDIRECTS {
+            let mut req = self.client.get(url.clone());
+            if let Some(r) = range {
+                req = req.header(header::RANGE, format!("bytes={}-{}", r.start, r.end - 1));
+            }
+            // Credentials go to the endpoint's own origin only, never to a CDN host.
+            if let Some(token) = self
+                .config
+                .token
+                .as_ref()
+                .filter(|_| url.origin() == self.endpoint.origin())
+            {
+                req = req.bearer_auth(token.expose());
+            }
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let resp = req
+                .send()
+                .await
+                .map_err(|e| self.transport_failure(&url, range.cloned(), e, "request failed"))?;
+            let location = resp
+                .headers()
+                .get(header::LOCATION)
+                .filter(|_| resp.status().is_redirection());
+            if let Some(loc) = location {
+                let next = loc
+                    .to_str()
+                    .ok()
+                    .and_then(|l| url.join(l).ok())
+                    .filter(|u| matches!(u.scheme(), "http" | "https"));
+                let Some(next) = next else {
+                    return Err(Failure::Fatal(SourceError::Malformed {
+                        url: display_url(&url),
+                        field: "Location".into(),
+                        detail: format!(
+                            "{:?} is not an http(s) URL",
+                            String::from_utf8_lossy(loc.as_bytes())
+                        ),
+                    }));
+                };
+                url = next;
+                continue;
+            }
+            return Ok((resp, url));
+        }
+        Err(Failure::Fatal(SourceError::Status {
+            url: display_url(start),
+            status: 310,
+            range: range.cloned(),
+            detail: format!("more than {MAX_REDIRECTS} redirects"),
+        }))
+    }
+
+    fn transport_failure(
+        &self,
+        url: &Url,
+        range: Option<Range<u64>>,
+        e: reqwest::Error,
+        context: &str,
+    ) -> Failure {
+        let fault = transport_fault(&e);
+        let error = SourceError::Network {
+            url: display_url(url),
+            range,
+            attempts: 1,
+            detail: format!("{context}: {}", error_text(e)),
+        };
+        if retry::is_retryable_fault(fault) {
+            Failure::Transient {
+                error,
+                status: None,
+                retry_after: None,
+            }
+        } else {
+            Failure::Fatal(error)
+        }
+    }
+
+    /// The failure for a non-success status. `what` says what was looked for.
+    fn status_failure(
+        &self,
+        url: &Url,
+        range: Option<Range<u64>>,
+        status: StatusCode,
+        headers: &HeaderMap,
+        what: &str,
+    ) -> Failure {
+        let code = status.as_u16();
+        let shown = display_url(url);
+        let error_code = headers
+            .get("x-error-code")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        match code {
+            401 | 403 => {
+                return Failure::Fatal(SourceError::Unauthorized {
+                    url: shown,
+                    status: code,
+                });
+            }
+            404 => {
+                let what = match error_code {
+                    "RepoNotFound" => format!("repo {}", self.config.repo),
+                    "RevisionNotFound" => {
+                        format!("revision {} of {}", self.config.revision, self.config.repo)
+                    }
+                    _ => what.to_string(),
+                };
+                return Failure::Fatal(SourceError::NotFound { url: shown, what });
+            }
+            _ => {}
+        }
+        let mut detail = status
+            .canonical_reason()
+            .unwrap_or("unexpected status")
+            .to_string();
+        if !error_code.is_empty() {
+            detail.push_str(&format!(" ({error_code})"));
+        }
+        if !retry::is_retryable_status(code) {
+            return Failure::Fatal(SourceError::Status {
+                url: shown,
+                status: code,
+                range,
+                detail,
+            });
+        }
+        let mut retry_after = None;
+        if let Some(v) = headers.get(header::RETRY_AFTER) {
+            let text = String::from_utf8_lossy(v.as_bytes()).into_owned();
+            match retry::parse_retry_after(&text, SystemTime::now(), self.policy.max_retry_after) {
+                Ok(d) => {
+                    retry_after = Some(d);
+                    detail.push_str(&format!(" (Retry-After: {text})"));
+                }
+                Err(e @ retry::RetryAfterError::TooLong { .. }) => {
+                    return Failure::Fatal(e.into_source_error(&shown, &text));
+                }
+                // An unreadable hint: fall back to our own backoff.
+                Err(retry::RetryAfterError::Unparsable) => {}
+            }
+        }
+        Failure::Transient {
+            error: SourceError::Status {
+                url: shown,
+                status: code,
+                range,
+                detail,
+            },
+            status: Some(code),
+            retry_after,
+        }
+    }
+
+    /// One attempt at a JSON API answer. Returns it with its headers and final URL.
+    async fn get_json<T: serde::de::DeserializeOwned>(
+        &self,
+        url: &Url,
+        what: &str,
+    ) -> Result<(T, HeaderMap, Url), Failure> {
+        let (mut resp, final_url) = self.send(url, None).await?;
+        if resp.status() != StatusCode::OK {
+            return Err(self.status_failure(&final_url, None, resp.status(), resp.headers(), what));
+        }
+        let headers = resp.headers().clone();
+        let mut body = BytesMut::new();
+        loop {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => {
+                    self.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    if body.len() + chunk.len() > MAX_API_BODY {
+                        return Err(Failure::Fatal(SourceError::Malformed {
+                            url: display_url(&final_url),
+                            field: "body".into(),
+                            detail: format!("more than {MAX_API_BODY} bytes"),
+                        }));
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(self.transport_failure(&final_url, None, e, "reading the answer"));
+                }
+            }
+        }
+        let value = serde_json::from_slice(&body).map_err(|e| {
+            Failure::Fatal(SourceError::Malformed {
+                url: display_url(&final_url),
+                field: "body".into(),
+                detail: format!("not the expected JSON: {e}"),
+            })
+        })?;
+        Ok((value, headers, final_url))
+    }
+
+    async fn resolve_uncached(&self) -> Result<ResolvedRepo, SourceError> {
+        let repo = &self.config.repo;
+        let revision = &self.config.revision;
+        let commit = if is_commit(revision) {
+            revision.to_ascii_lowercase()
+        } else {
+            let url = self.api_url("revision", revision)?;
+            let what = format!("revision {revision} of {repo}");
+            let (info, _, final_url): (RevisionInfo, _, _) = self
+                .with_retries(|| self.get_json(&url, &what))
+                .await
+                .map_err(Failure::into_error)?;
+            match info.sha {
+                Some(sha) if is_commit(&sha) => sha.to_ascii_lowercase(),
+                other => {
+                    return Err(SourceError::Malformed {
+                        url: display_url(&final_url),
+                        field: "sha".into(),
+                        detail: format!("{other:?} is not a 40-hex commit"),
+                    });
+                }
+            }
+        };
+        let mut page_url = self.api_url("tree", &commit)?;
+        page_url.query_pairs_mut().append_pair("recursive", "true");
+        let origin = format!("tree listing of {repo}@{commit}");
+        let mut files = Vec::new();
+        let mut seen_paths = BTreeSet::new();
+        let mut seen_pages = BTreeSet::new();
+        let what = format!("tree of {repo}@{commit}");
+        loop {
+            if seen_pages.len() >= MAX_TREE_PAGES || !seen_pages.insert(page_url.to_string()) {
+                return Err(SourceError::Malformed {
+                    url: display_url(&page_url),
+                    field: "Link".into(),
+                    detail: "pagination loops or never ends".into(),
+                });
+            }
+            let (entries, headers, final_url): (Vec<TreeEntry>, _, _) = self
+                .with_retries(|| self.get_json(&page_url, &what))
+                .await
+                .map_err(Failure::into_error)?;
+            for e in entries {
+                if e.kind != "file" {
+                    continue;
+                }
+                check_repo_path(&origin, &e.path)?;
+                let malformed = |field: &str, detail: String| SourceError::Malformed {
+                    url: display_url(&final_url),
+                    field: format!("{}: {field}", e.path),
+                    detail,
+                };
+                let Some(size) = e.size else {
+                    return Err(malformed("size", "missing".into()));
+                };
+                let sha256 = match &e.lfs {
+                    Some(lfs) if is_sha256(&lfs.oid) => Some(lfs.oid.to_ascii_lowercase()),
+                    Some(lfs) => {
+                        return Err(malformed(
+                            "lfs.oid",
+                            format!("{:?} is not a SHA-256 hex digest", lfs.oid),
+                        ));
+                    }
+                    None => None,
+                };
+                if !seen_paths.insert(e.path.clone()) {
+                    return Err(malformed("path", "listed twice".into()));
+                }
+                files.push(RepoFile {
+                    path: e.path,
+                    size,
+                    sha256,
+                });
+            }
+            let next = headers
+                .get(header::LINK)
+                .and_then(|v| v.to_str().ok())
+                .and_then(parse_link_next)
+                .map(|n| final_url.join(n));
+            match next {
+                None => break,
+                Some(Ok(u)) => page_url = u,
+                Some(Err(e)) => {
+                    return Err(SourceError::Malformed {
+                        url: display_url(&final_url),
+                        field: "Link".into(),
+                        detail: format!("next page is not a URL: {e}"),
+                    });
+                }
+            }
+        }
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(ResolvedRepo {
+            repo: repo.clone(),
+            revision: revision.clone(),
+            commit: Some(commit),
+            files,
+        })
+    }
+
+    /// One attempt at `range` of `file` from `url`.
+    async fn range_attempt(
+        &self,
+        url: &Url,
+        file: &RepoFile,
+        range: &Range<u64>,
+        from_cache: bool,
+    ) -> Result<Bytes, Failure> {
+        let path = &file.path;
+        let (mut resp, final_url) = self.send(url, Some(range)).await?;
+        let status = resp.status();
+        let bad = |detail: String| SourceError::BadRange {
+            path: path.clone(),
+            range: range.clone(),
+            detail,
+        };
+        if from_cache && matches!(status.as_u16(), 403 | 404 | 410) {
+            return Err(Failure::Stale(SourceError::Status {
+                url: display_url(&final_url),
+                status: status.as_u16(),
+                range: Some(range.clone()),
+                detail: "cached location no longer valid".into(),
+            }));
+        }
+        if status == StatusCode::OK {
+            return Err(Failure::Fatal(bad(format!(
+                "HTTP 200 with the whole file instead of 206 Partial Content (Content-Length: {}); the server ignored Range",
+                header_text(resp.headers(), header::CONTENT_LENGTH)
+            ))));
+        }
+        if status != StatusCode::PARTIAL_CONTENT {
+            let what = format!("file {path}");
+            return Err(self.status_failure(
+                &final_url,
+                Some(range.clone()),
+                status,
+                resp.headers(),
+                &what,
+            ));
+        }
+        let len = range.end - range.start;
+        let want = format!("bytes {}-{}/{}", range.start, range.end - 1, file.size);
+        let got = header_text(resp.headers(), header::CONTENT_RANGE);
+        if got != want {
+            return Err(Failure::Fatal(bad(format!(
+                "Content-Range: {got}, expected {want}"
+            ))));
+        }
+        let content_length = resp.headers().get(header::CONTENT_LENGTH);
+        if let Some(cl) = content_length
+            .filter(|cl| cl.to_str().ok().and_then(|v| v.parse::<u64>().ok()) != Some(len))
+        {
+            return Err(Failure::Fatal(bad(format!(
+                "Content-Length: {}, expected {len}",
+                String::from_utf8_lossy(cl.as_bytes())
+            ))));
+        }
+        if final_url != *url {
+            self.lock_locations()
+                .insert(path.clone(), final_url.clone());
+        }
+        let cap = usize::try_from(len)
+            .map_err(|_| Failure::Fatal(bad(format!("{len} bytes do not fit in memory"))))?;
+        let mut body = BytesMut::with_capacity(cap);
+        loop {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => {
+                    self.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    if body.len() + chunk.len() > cap {
+                        return Err(Failure::Fatal(bad(format!(
+                            "body longer than the {len} bytes asked for"
+                        ))));
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    let context = format!("body failed after {} of {len} bytes", body.len());
+                    return Err(self.transport_failure(
+                        &final_url,
+                        Some(range.clone()),
+                        e,
+                        &context,
+                    ));
+                }
+            }
+        }
+        if body.len() != cap {
+            return Err(Failure::Transient {
+                error: bad(format!("body ended after {} of {len} bytes", body.len())),
+                status: Some(status.as_u16()),
+                retry_after: None,
+            });
+        }
+        Ok(body.freeze())
+    }
+
+    async fn fetch_range(
+        &self,
+        url: &Url,
+        file: &RepoFile,
+        range: &Range<u64>,
+        from_cache: bool,
+    ) -> Result<Bytes, Failure> {
+        self.with_retries(|| self.range_attempt(url, file, range, from_cache))
+            .await
+    }
+}
+
+impl Failure {
+    fn error_ref(&self) -> &SourceError {
+        match self {
+            Self::Transient { error, .. } | Self::Fatal(error) | Self::Stale(error) => error,
+        }
+    }
+}
+
+fn header_text(headers: &HeaderMap, name: header::HeaderName) -> String {
+    match headers.get(&name) {
+        Some(v) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
+        None => "(absent)".into(),
+    }
+}
+
+#[async_trait]
+impl RangeSource for HttpSource {
+    fn describe(&self) -> String {
+        format!("{} {}", display_url(&self.endpoint), self.config.repo)
+    }
+
+    async fn resolve(&self) -> Result<ResolvedRepo, SourceError> {
+        self.resolved
+            .get_or_try_init(|| self.resolve_uncached())
+            .await
+            .cloned()
+    }
+
+    async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
+        let repo = self.resolve().await?;
+        let Some(file) = repo.file(path) else {
+            return Err(SourceError::MissingFile {
+                repo: self.config.repo.clone(),
+                path: path.to_string(),
+            });
+        };
+        if range.start > range.end || range.end > file.size {
+            return Err(SourceError::BadRange {
+                path: path.to_string(),
+                range,
+                detail: format!("outside the file's {} bytes", file.size),
+            });
+        }
+        if range.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let commit = repo.commit.as_deref().unwrap_or(&self.config.revision);
+        let resolve_url = self.resolve_url(commit, path)?;
+        let cached = self.lock_locations().get(path).cloned();
+        if let Some(location) = cached {
+            match self.fetch_range(&location, file, &range, true).await {
+                Err(Failure::Stale(e)) => {
+                    tracing::debug!(path, error = %e, "cached location refused; resolving again");
+                    self.lock_locations().remove(path);
+                }
+                other => return other.map_err(Failure::into_error),
+            }
+        }
+        self.fetch_range(&resolve_url, file, &range, false)
+            .await
+            .map_err(Failure::into_error)
+    }
+
+    async fn read_file(&self, path: &str, max_len: u64) -> Result<Bytes, SourceError> {
+        let repo = self.resolve().await?;
+        let Some(file) = repo.file(path) else {
+            return Err(SourceError::MissingFile {
+                repo: self.config.repo.clone(),
+                path: path.to_string(),
+            });
+        };
+        if file.size > max_len {
+            return Err(SourceError::TooLarge {
+                path: path.to_string(),
+                size: file.size,
+                max: max_len,
+            });
+        }
+        self.read_range(path, 0..file.size).await
+    }
+
+    fn stats(&self) -> SourceStats {
+        SourceStats {
+            requests: self.requests.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_next_is_found() {
+        let cases = [
+            (
+                r#"<https://h/api?cursor=abc>; rel="next""#,
+                Some("https://h/api?cursor=abc"),
+            ),
+            (
+                r#"<https://h/p1>; rel="prev", <https://h/p3>; rel="next""#,
+                Some("https://h/p3"),
+            ),
+            (r#"<https://h/p3>; rel=next"#, Some("https://h/p3")),
+            (
+                r#"<https://h/p3>; title="x"; rel="last next""#,
+                Some("https://h/p3"),
+            ),
+            (r#"<https://h/p1>; rel="prev""#, None),
+            ("", None),
+            ("<broken", None),
+        ];
+        for (value, want) in cases {
+            assert_eq!(parse_link_next(value), want, "{value}");
+        }
+    }
+
+    #[test]
+    fn urls_in_messages_lose_query_and_credentials() {
+        let u = Url::parse("https://user:pw@cdn.example/x/y?X-Amz-Signature=abc#f").unwrap();
+        assert_eq!(display_url(&u), "https://cdn.example/x/y");
+    }
+
+    #[test]
+    fn config_errors_name_the_value() {
+        let e = HttpSource::new(HttpConfig::new("ftp://x", "a/b", "main")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "endpoint \"ftp://x\": expected an http:// or https:// URL"
+        );
+        let e = HttpSource::new(HttpConfig::new("http://x", "a/../b", "main")).unwrap_err();
+        assert!(e.to_string().contains("unsafe file name"), "{e}");
+    }
+
+    #[test]
+    fn debug_output_hides_the_token() {
+        let mut c = HttpConfig::new("http://127.0.0.1:9", "a/b", "main");
+        c.token = HfToken::new("hf_supersecret");
+        let s = HttpSource::new(c.clone()).unwrap();
+        let text = format!("{s:?} {c:?}");
+        assert!(!text.contains("hf_supersecret"), "{text}");
+        assert!(text.contains("HfToken(***)"), "{text}");
+    }
+}

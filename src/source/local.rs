@@ -1,1 +1,679 @@
-//! (in progress)
+//! A snapshot directory on disk (`--from DIR`) as a [`RangeSource`].
+//!
+//! Two layouts are understood:
+//! - a plain directory: every regular file below it (skipping `.git`, `.cache` and
+//!   `.gturbo-hub`) is a repo file; a symlink is followed only when it resolves inside
+//!   the directory; the commit is unknown;
+//! - a Hugging Face cache snapshot `.../models--ORG--NAME/snapshots/<commit>/`, or the
+//!   `models--ORG--NAME` folder itself (the snapshot then comes from
+//!   `refs/<revision or main>`): files are symlinks into `../../blobs/`, accepted when
+//!   they stay inside `models--ORG--NAME`; the commit is the snapshot folder's name, and
+//!   a blob named by 64 hex digits (an LFS file) gives the file's SHA-256.
+//!
+//! The directory is walked once, in [`LocalSource::open`]; each file's resolved location
+//! is kept, so later reads never follow a link again (a link swapped after the walk
+//! cannot redirect a read). Reads are positional and exact.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Read;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::{RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path};
+
+/// Folders never listed: VCS data, caches, the test hub's own state.
+const SKIPPED_DIRS: [&str; 3] = [".git", ".cache", ".gturbo-hub"];
+
+/// A local snapshot directory.
+#[derive(Debug)]
+pub struct LocalSource {
+    /// The directory the user named.
+    dir: PathBuf,
+    repo: ResolvedRepo,
+    /// Repo path → resolved file on disk.
+    paths: BTreeMap<String, PathBuf>,
+    requests: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// How the directory was recognised.
+struct Layout {
+    /// The folder whose files are the repo.
+    snapshot: PathBuf,
+    /// Symlinks must resolve inside this folder.
+    jail: PathBuf,
+    /// Whether symlinks into `jail/blobs` carry hashes.
+    hf_cache: bool,
+    repo: String,
+    revision: String,
+    commit: Option<String>,
+}
+
+impl LocalSource {
+    /// Open `dir` (a plain snapshot directory or a Hugging Face cache folder) and list
+    /// its files. `revision_hint` picks the ref of a `models--ORG--NAME` folder and is
+    /// checked against a snapshot folder's commit.
+    pub fn open(dir: &Path, revision_hint: Option<&str>) -> Result<LocalSource, SourceError> {
+        let canonical = fs::canonicalize(dir).map_err(|e| io_err(dir, e))?;
+        if !canonical.is_dir() {
+            return Err(SourceError::Config(format!(
+                "{}: not a directory",
+                dir.display()
+            )));
+        }
+        let layout = detect_layout(&canonical, revision_hint)?;
+        let mut files = Vec::new();
+        let mut paths = BTreeMap::new();
+        walk(&layout, &layout.snapshot, "", &mut files, &mut paths)?;
+        files.sort_by(|a: &RepoFile, b| a.path.cmp(&b.path));
+        Ok(LocalSource {
+            dir: dir.to_path_buf(),
+            repo: ResolvedRepo {
+                repo: layout.repo,
+                revision: layout.revision,
+                commit: layout.commit,
+                files,
+            },
+            paths,
+            requests: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// The resolved file for `path`, after the name check.
+    fn locate(&self, path: &str) -> Result<(PathBuf, u64), SourceError> {
+        check_repo_path("requested path", path)?;
+        match (self.paths.get(path), self.repo.file(path)) {
+            (Some(disk), Some(f)) => Ok((disk.clone(), f.size)),
+            _ => Err(SourceError::MissingFile {
+                repo: self.repo.repo.clone(),
+                path: path.to_string(),
+            }),
+        }
+    }
+
+    fn count(&self, bytes: usize) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+#[async_trait]
+impl RangeSource for LocalSource {
+    fn describe(&self) -> String {
+        format!("local {}", self.dir.display())
+    }
+
+    async fn resolve(&self) -> Result<ResolvedRepo, SourceError> {
+        Ok(self.repo.clone())
+    }
+
+    async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
+        let (disk, size) = self.locate(path)?;
+        let bad = |detail: String| SourceError::BadRange {
+            path: path.to_string(),
+            range: range.clone(),
+            detail,
+        };
+        if range.start > range.end {
+            return Err(bad("range starts after it ends".into()));
+        }
+        if range.end > size {
+            return Err(bad(format!("file is {size} bytes")));
+        }
+        let len = usize::try_from(range.end - range.start)
+            .map_err(|_| bad("range does not fit in memory".into()))?;
+        let start = range.start;
+        let read = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
+            let file = fs::File::open(&disk)?;
+            let mut buf = vec![0u8; len];
+            file.read_exact_at(&mut buf, start)?;
+            Ok(buf)
+        })
+        .await
+        .map_err(|e| SourceError::Io {
+            path: path.to_string(),
+            source: std::io::Error::other(e),
+        })?;
+        let buf = match read {
+            Ok(buf) => buf,
+            // The file shrank since the walk.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(bad("file ended before the range did".into()));
+            }
+            Err(source) => {
+                return Err(SourceError::Io {
+                    path: path.to_string(),
+                    source,
+                });
+            }
+        };
+        self.count(buf.len());
+        Ok(Bytes::from(buf))
+    }
+
+    async fn read_file(&self, path: &str, max_len: u64) -> Result<Bytes, SourceError> {
+        let (disk, size) = self.locate(path)?;
+        let too_large = |size| SourceError::TooLarge {
+            path: path.to_string(),
+            size,
+            max: max_len,
+        };
+        if size > max_len {
+            return Err(too_large(size));
+        }
+        let read = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
+            // One byte over the cap tells a file that grew since the walk.
+            let mut buf = Vec::new();
+            fs::File::open(&disk)?
+                .take(max_len.saturating_add(1))
+                .read_to_end(&mut buf)?;
+            Ok(buf)
+        })
+        .await
+        .map_err(|e| SourceError::Io {
+            path: path.to_string(),
+            source: std::io::Error::other(e),
+        })?
+        .map_err(|source| SourceError::Io {
+            path: path.to_string(),
+            source,
+        })?;
+        if read.len() as u64 > max_len {
+            return Err(too_large(read.len() as u64));
+        }
+        self.count(read.len());
+        Ok(Bytes::from(read))
+    }
+
+    fn stats(&self) -> SourceStats {
+        SourceStats {
+            requests: self.requests.load(Ordering::Relaxed),
+            retries: 0,
+            bytes: self.bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn io_err(path: &Path, source: std::io::Error) -> SourceError {
+    SourceError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn file_name(p: &Path) -> Option<&str> {
+    p.file_name().and_then(|n| n.to_str())
+}
+
+/// `models--ORG--NAME` → `ORG/NAME` (`models--NAME` → `NAME`).
+fn hf_repo_name(folder: &str) -> Option<String> {
+    let rest = folder.strip_prefix("models--")?;
+    if rest.is_empty() {
+        return None;
+    }
+    Some(match rest.split_once("--") {
+        Some((org, name)) => format!("{org}/{name}"),
+        None => rest.to_string(),
+    })
+}
+
+/// Read `refs/<name>` of an HF cache repo folder: a 40-hex commit.
+fn read_ref(repo_root: &Path, name: &str) -> Result<Option<String>, SourceError> {
+    check_repo_path("revision", name)?;
+    let path = repo_root.join("refs").join(name);
+    let text = match fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err(&path, e)),
+    };
+    let commit = text.trim();
+    if !is_hex(commit, 40) {
+        return Err(SourceError::Malformed {
+            url: path.display().to_string(),
+            field: "ref".into(),
+            detail: format!("expected a 40-hex commit, found {:?}", clip(commit)),
+        });
+    }
+    Ok(Some(commit.to_ascii_lowercase()))
+}
+
+fn clip(s: &str) -> String {
+    s.chars().take(80).collect()
+}
+
+/// For `.../models--ORG--NAME/snapshots/<40-hex>`: the `models--ORG--NAME` folder and
+/// `ORG/NAME`.
+fn hf_snapshot_parent(dir: &Path) -> Option<(&Path, String)> {
+    let parent = dir.parent()?;
+    let grand = parent.parent()?;
+    if file_name(parent) != Some("snapshots") || !is_hex(file_name(dir)?, 40) {
+        return None;
+    }
+    Some((grand, hf_repo_name(file_name(grand)?)?))
+}
+
+fn detect_layout(dir: &Path, hint: Option<&str>) -> Result<Layout, SourceError> {
+    let name = file_name(dir).unwrap_or_default();
+    // `models--ORG--NAME/snapshots/<commit>`
+    if let Some((grand, repo)) = hf_snapshot_parent(dir) {
+        let commit = name.to_ascii_lowercase();
+        if let Some(hint) = hint {
+            let wanted = if is_hex(hint, 40) {
+                Some(hint.to_ascii_lowercase())
+            } else {
+                read_ref(grand, hint)?
+            };
+            match wanted {
+                Some(wanted) if wanted != commit => {
+                    return Err(SourceError::Config(format!(
+                        "{}: snapshot is commit {commit}, but revision {hint} is {wanted}",
+                        dir.display()
+                    )));
+                }
+                _ => {}
+            }
+        }
+        return Ok(Layout {
+            snapshot: dir.to_path_buf(),
+            jail: grand.to_path_buf(),
+            hf_cache: true,
+            repo,
+            revision: hint.unwrap_or(&commit).to_string(),
+            commit: Some(commit),
+        });
+    }
+    // `models--ORG--NAME` itself.
+    if let Some(repo) = hf_repo_name(name).filter(|_| dir.join("snapshots").is_dir()) {
+        let revision = hint.unwrap_or("main");
+        let commit = if is_hex(revision, 40) {
+            revision.to_ascii_lowercase()
+        } else {
+            read_ref(dir, revision)?.ok_or_else(|| {
+                SourceError::Config(format!(
+                    "{}: no refs/{revision} in this Hugging Face cache folder; pass the revision or a snapshot folder",
+                    dir.display()
+                ))
+            })?
+        };
+        let snapshot = dir.join("snapshots").join(&commit);
+        if !snapshot.is_dir() {
+            return Err(SourceError::Config(format!(
+                "{}: revision {revision} is commit {commit}, which has no snapshot folder",
+                dir.display()
+            )));
+        }
+        return Ok(Layout {
+            snapshot,
+            jail: dir.to_path_buf(),
+            hf_cache: true,
+            repo,
+            revision: revision.to_string(),
+            commit: Some(commit),
+        });
+    }
+    Ok(Layout {
+        snapshot: dir.to_path_buf(),
+        jail: dir.to_path_buf(),
+        hf_cache: false,
+        repo: name.to_string(),
+        revision: hint.unwrap_or("local").to_string(),
+        commit: None,
+    })
+}
+
+/// List the files under `dir` (whose repo path is `prefix`), depth first.
+fn walk(
+    layout: &Layout,
+    dir: &Path,
+    prefix: &str,
+    files: &mut Vec<RepoFile>,
+    paths: &mut BTreeMap<String, PathBuf>,
+) -> Result<(), SourceError> {
+    let origin = format!("local directory {}", layout.snapshot.display());
+    let entries = fs::read_dir(dir).map_err(|e| io_err(dir, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| io_err(dir, e))?;
+        let disk = entry.path();
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            return Err(SourceError::UnsafePath {
+                origin,
+                name: entry.file_name().to_string_lossy().into_owned(),
+                why: "name is not UTF-8".into(),
+            });
+        };
+        let rel = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}/{name}")
+        };
+        let kind = entry.file_type().map_err(|e| io_err(&disk, e))?;
+        if kind.is_dir() {
+            if !SKIPPED_DIRS.contains(&name.as_str()) {
+                check_repo_path(&origin, &rel)?;
+                walk(layout, &disk, &rel, files, paths)?;
+            }
+            continue;
+        }
+        let (target, sha256) = if kind.is_symlink() {
+            let refuse = |why: String| SourceError::UnsafePath {
+                origin: origin.clone(),
+                name: rel.clone(),
+                why,
+            };
+            let target = fs::canonicalize(&disk).map_err(|e| io_err(&disk, e))?;
+            if !target.starts_with(&layout.jail) {
+                return Err(refuse(format!(
+                    "symlink resolves outside {} (to {})",
+                    layout.jail.display(),
+                    target.display()
+                )));
+            }
+            if target.is_dir() {
+                return Err(refuse("symlink to a directory; not followed".into()));
+            }
+            // LFS blobs are named by their SHA-256; other blobs by a git SHA-1.
+            let sha = if layout.hf_cache {
+                file_name(&target)
+                    .filter(|n| is_hex(n, 64))
+                    .map(str::to_ascii_lowercase)
+            } else {
+                None
+            };
+            (target, sha)
+        } else if kind.is_file() {
+            (disk, None)
+        } else {
+            // Sockets, FIFOs, devices: not repo content.
+            continue;
+        };
+        check_repo_path(&origin, &rel)?;
+        let meta = fs::metadata(&target).map_err(|e| io_err(&target, e))?;
+        if !meta.is_file() {
+            continue;
+        }
+        files.push(RepoFile {
+            path: rel.clone(),
+            size: meta.len(),
+            sha256,
+        });
+        paths.insert(rel, target);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+
+    fn write(path: &Path, bytes: &[u8]) {
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).unwrap();
+        }
+        fs::write(path, bytes).unwrap();
+    }
+
+    /// 0, 1, 2, ... 255, 0, 1, ...
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| i as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn plain_directory_lists_sorted_files_and_skips_tool_folders() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("my-model");
+        write(&root.join("model.safetensors"), &pattern(1000));
+        write(&root.join("config.json"), b"{}");
+        write(&root.join("sub/b.txt"), b"bb");
+        write(&root.join(".git/HEAD"), b"ref");
+        write(&root.join(".cache/huggingface/x"), b"x");
+        write(&root.join("sub/.gturbo-hub/state"), b"s");
+        symlink("model.safetensors", root.join("alias.safetensors")).unwrap();
+
+        let src = LocalSource::open(&root, None).unwrap();
+        let repo = src.resolve().await.unwrap();
+        assert_eq!(repo.repo, "my-model");
+        assert_eq!(repo.commit, None);
+        assert_eq!(repo.revision, "local");
+        let listed: Vec<(&str, u64, Option<&str>)> = repo
+            .files
+            .iter()
+            .map(|f| (f.path.as_str(), f.size, f.sha256.as_deref()))
+            .collect();
+        assert_eq!(
+            listed,
+            vec![
+                ("alias.safetensors", 1000, None),
+                ("config.json", 2, None),
+                ("model.safetensors", 1000, None),
+                ("sub/b.txt", 2, None),
+            ]
+        );
+        assert_eq!(src.describe(), format!("local {}", root.display()));
+        assert_eq!(src.stats(), SourceStats::default());
+    }
+
+    #[tokio::test]
+    async fn ranges_are_exact_and_counted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let data = pattern(5000);
+        write(&tmp.path().join("m.safetensors"), &data);
+        write(&tmp.path().join("config.json"), b"{\"a\":1}");
+        let src = LocalSource::open(tmp.path(), None).unwrap();
+
+        let got = src.read_range("m.safetensors", 4090..4100).await.unwrap();
+        assert_eq!(&got[..], &data[4090..4100]);
+        let got = src.read_range("m.safetensors", 0..5000).await.unwrap();
+        assert_eq!(&got[..], &data[..]);
+        let got = src.read_range("m.safetensors", 5000..5000).await.unwrap();
+        assert!(got.is_empty());
+        let got = src.read_file("config.json", 7).await.unwrap();
+        assert_eq!(&got[..], b"{\"a\":1}");
+        assert_eq!(
+            src.stats(),
+            SourceStats {
+                requests: 4,
+                retries: 0,
+                bytes: 10 + 5000 + 7,
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn short_file_and_oversize_reads_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        write(&tmp.path().join("m.safetensors"), &pattern(100));
+        write(&tmp.path().join("config.json"), &[b' '; 64]);
+        let src = LocalSource::open(tmp.path(), None).unwrap();
+
+        let err = src.read_range("m.safetensors", 90..101).await.unwrap_err();
+        assert!(matches!(err, SourceError::BadRange { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            "m.safetensors bytes 90-100: bad ranged answer: file is 100 bytes"
+        );
+
+        // The file shrinks after the listing: the read itself comes up short.
+        fs::write(tmp.path().join("m.safetensors"), pattern(50)).unwrap();
+        let err = src.read_range("m.safetensors", 40..60).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "m.safetensors bytes 40-59: bad ranged answer: file ended before the range did"
+        );
+
+        let err = src.read_file("config.json", 63).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SourceError::TooLarge {
+                    size: 64,
+                    max: 63,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "config.json: 64 bytes, more than the 63 bytes accepted for this file"
+        );
+        assert_eq!(src.stats().requests, 0, "refused reads are not counted");
+    }
+
+    #[tokio::test]
+    async fn traversal_and_unknown_paths_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("snap");
+        write(&root.join("a.json"), b"{}");
+        write(&tmp.path().join("secret"), b"secret");
+        let src = LocalSource::open(&root, None).unwrap();
+
+        for bad in ["../secret", "/etc/passwd", "a/../../secret"] {
+            let err = src.read_range(bad, 0..1).await.unwrap_err();
+            assert!(
+                matches!(err, SourceError::UnsafePath { .. }),
+                "{bad}: {err:?}"
+            );
+            assert!(
+                err.to_string()
+                    .starts_with("requested path: unsafe file name"),
+                "{err}"
+            );
+            let err = src.read_file(bad, 100).await.unwrap_err();
+            assert!(
+                matches!(err, SourceError::UnsafePath { .. }),
+                "{bad}: {err:?}"
+            );
+        }
+        let err = src.read_file("b.json", 100).await.unwrap_err();
+        assert_eq!(err.to_string(), "b.json: not in the snapshot of snap");
+
+        // A symlink out of a plain directory refuses the whole directory.
+        symlink(tmp.path().join("secret"), root.join("leak")).unwrap();
+        let err = LocalSource::open(&root, None).unwrap_err();
+        assert!(
+            matches!(err, SourceError::UnsafePath { ref name, .. } if name == "leak"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("symlink resolves outside"),
+            "{err}"
+        );
+    }
+
+    const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+    const LFS_OID: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+    const GIT_OID: &str = "a94a8fe5ccb19ba61c4c0873d391e987982fbbd3";
+
+    /// `models--Org--Name` with one LFS blob, one git blob, a nested file and refs/main.
+    fn hf_cache(base: &Path) -> PathBuf {
+        let repo = base.join("hub/models--Org--Name");
+        write(&repo.join("blobs").join(LFS_OID), &pattern(300));
+        write(&repo.join("blobs").join(GIT_OID), b"{\"model_type\":\"x\"}");
+        write(&repo.join("refs/main"), COMMIT.as_bytes());
+        let snap = repo.join("snapshots").join(COMMIT);
+        fs::create_dir_all(snap.join("sub")).unwrap();
+        symlink(
+            Path::new("../../blobs").join(LFS_OID),
+            snap.join("model.safetensors"),
+        )
+        .unwrap();
+        symlink(
+            Path::new("../../blobs").join(GIT_OID),
+            snap.join("config.json"),
+        )
+        .unwrap();
+        symlink(
+            Path::new("../../../blobs").join(GIT_OID),
+            snap.join("sub/copy.json"),
+        )
+        .unwrap();
+        repo
+    }
+
+    fn summary(repo: &ResolvedRepo) -> Vec<(String, u64, Option<String>)> {
+        repo.files
+            .iter()
+            .map(|f| (f.path.clone(), f.size, f.sha256.clone()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn hf_cache_snapshot_yields_commit_repo_and_lfs_sha256() {
+        let tmp = tempfile::tempdir().unwrap();
+        let repo_dir = hf_cache(tmp.path());
+        let snap = repo_dir.join("snapshots").join(COMMIT);
+
+        let want = vec![
+            ("config.json".to_string(), 18, None),
+            (
+                "model.safetensors".to_string(),
+                300,
+                Some(LFS_OID.to_string()),
+            ),
+            ("sub/copy.json".to_string(), 18, None),
+        ];
+        let src = LocalSource::open(&snap, None).unwrap();
+        let repo = src.resolve().await.unwrap();
+        assert_eq!(repo.repo, "Org/Name");
+        assert_eq!(repo.commit.as_deref(), Some(COMMIT));
+        assert_eq!(repo.revision, COMMIT);
+        assert_eq!(summary(&repo), want);
+        let got = src.read_range("model.safetensors", 250..300).await.unwrap();
+        assert_eq!(&got[..], &pattern(300)[250..]);
+
+        // The repo folder: refs/main picks the same snapshot.
+        let src = LocalSource::open(&repo_dir, None).unwrap();
+        let repo = src.resolve().await.unwrap();
+        assert_eq!(repo.repo, "Org/Name");
+        assert_eq!(repo.commit.as_deref(), Some(COMMIT));
+        assert_eq!(repo.revision, "main");
+        assert_eq!(summary(&repo), want);
+
+        // A revision hint that names another commit is refused.
+        let err = LocalSource::open(&snap, Some(&"f".repeat(40))).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("snapshot is commit {COMMIT}")),
+            "{err}"
+        );
+        let err = LocalSource::open(&repo_dir, Some("dev")).unwrap_err();
+        assert!(err.to_string().contains("no refs/dev"), "{err}");
+    }
+
+    #[test]
+    fn hf_cache_symlink_escaping_the_repo_folder_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let repo_dir = hf_cache(tmp.path());
+        // A sibling repo's blob is outside `models--Org--Name`.
+        let other = tmp.path().join("hub/models--Evil--X/blobs/b");
+        write(&other, b"evil");
+        let snap = repo_dir.join("snapshots").join(COMMIT);
+        symlink(
+            "../../../models--Evil--X/blobs/b",
+            snap.join("tokenizer.json"),
+        )
+        .unwrap();
+        let err = LocalSource::open(&snap, None).unwrap_err();
+        assert!(
+            matches!(err, SourceError::UnsafePath { ref name, .. } if name == "tokenizer.json"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("symlink resolves outside"),
+            "{err}"
+        );
+    }
+}

@@ -20,7 +20,8 @@ pub mod retry;
 pub mod token;
 
 /// Chunks of one ranged read.
-pub type ByteStream = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Bytes, SourceError>> + Send>>;
+pub type ByteStream =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Bytes, SourceError>> + Send>>;
 
 /// One file of the resolved repository snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -89,7 +90,9 @@ pub trait RangeSource: Send + Sync {
     /// delivers [`RangeSource::read_range`] as one chunk.
     async fn stream_range(&self, path: &str, range: Range<u64>) -> Result<ByteStream, SourceError> {
         let bytes = self.read_range(path, range).await?;
-        Ok(Box::pin(futures_util::stream::once(async move { Ok(bytes) })))
+        Ok(Box::pin(futures_util::stream::once(
+            async move { Ok(bytes) },
+        )))
     }
 
     /// A whole small file (index, config, tokenizer). `max_len` bounds what is accepted.

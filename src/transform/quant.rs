@@ -186,10 +186,10 @@ fn check_shapes(
     scales: usize,
     biases: usize,
 ) -> Result<(), ShapeError> {
-    if cols == 0 || cols % GROUP != 0 {
+    if cols == 0 || !cols.is_multiple_of(GROUP) {
         return Err(ShapeError::Cols { cols });
     }
-    if n_elems % cols != 0 {
+    if !n_elems.is_multiple_of(cols) {
         return Err(ShapeError::InputLen { len: n_elems, cols });
     }
     let groups = n_elems / GROUP;
@@ -249,7 +249,7 @@ pub fn quantize_rows_le_bytes(
     scales: &mut [u8],
     biases: &mut [u8],
 ) -> Result<(), QuantError> {
-    if src.len() % 2 != 0 {
+    if !src.len().is_multiple_of(2) {
         return Err(ShapeError::OddBytes { len: src.len() }.into());
     }
     let n = src.len() / 2;

@@ -1,1 +1,441 @@
-//! (in progress)
+//! `HttpSource` against the in-process hub: resolve once, exact ranges, redirect reuse,
+//! and every scripted network fault (retried or refused, with the exact error text).
+
+use std::time::{Duration, Instant};
+
+use gturbo::source::http::{HttpConfig, HttpSource};
+use gturbo::source::token::HfToken;
+use gturbo::source::{RangeSource, SourceError};
+use gturbo::testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, RouteKind};
+
+use crate::support;
+
+const REPO: &str = "gturbo-test/tiny";
+const BIN: &str = "weights/blob.bin";
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    hub: Hub,
+    repo: HubRepo,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+impl Fixture {
+    async fn new(config: HubConfig) -> Self {
+        let tmp = support::temp_dir();
+        let files = support::write_small_snapshot(tmp.path());
+        let (hub, repo) = support::start_hub(
+            REPO,
+            tmp.path(),
+            HubConfig {
+                lfs_threshold: 1024 * 1024,
+                ..config
+            },
+        )
+        .await;
+        Self {
+            _tmp: tmp,
+            hub,
+            repo,
+            files,
+        }
+    }
+
+    fn bytes(&self, path: &str) -> &[u8] {
+        &self
+            .files
+            .iter()
+            .find(|(p, _)| p == path)
+            .expect("fixture file")
+            .1
+    }
+
+    /// Short delays so retry tests stay fast.
+    fn config(&self) -> HttpConfig {
+        let mut c = HttpConfig::new(self.hub.url(), REPO, "main");
+        c.base_delay = Duration::from_millis(5);
+        c.max_delay = Duration::from_millis(50);
+        c
+    }
+
+    fn source(&self) -> HttpSource {
+        HttpSource::new(self.config()).expect("http source")
+    }
+
+    fn resolve_url(&self, path: &str) -> String {
+        format!(
+            "{}/{REPO}/resolve/{}/{path}",
+            self.hub.url(),
+            self.repo.commit
+        )
+    }
+}
+
+#[tokio::test]
+async fn resolve_pins_the_commit_lists_sha256_and_follows_pagination() {
+    let fx = Fixture::new(HubConfig {
+        tree_page_size: 2,
+        ..HubConfig::default()
+    })
+    .await;
+    let src = fx.source();
+    let resolved = src.resolve().await.unwrap();
+    assert_eq!(resolved.commit.as_deref(), Some(fx.repo.commit.as_str()));
+    assert_eq!(resolved.revision, "main");
+    let listed: Vec<(&str, u64)> = resolved
+        .files
+        .iter()
+        .map(|f| (f.path.as_str(), f.size))
+        .collect();
+    let want: Vec<(&str, u64)> = fx
+        .files
+        .iter()
+        .map(|(p, b)| (p.as_str(), b.len() as u64))
+        .collect();
+    assert_eq!(listed, want);
+    for f in &resolved.files {
+        let lfs = f.path == BIN || f.path == "model.safetensors";
+        let want = lfs.then(|| support::sha256_hex(fx.bytes(&f.path)));
+        assert_eq!(f.sha256, want, "{}", f.path);
+    }
+    // A second resolve is served from the cache.
+    let again = src.resolve().await.unwrap();
+    assert_eq!(again, resolved);
+    let stats = fx.hub.stats();
+    assert_eq!(stats.revision, 1);
+    // 4 files + 3 directories, 2 per page.
+    assert_eq!(stats.tree, 4);
+    assert_eq!(src.stats().requests, 5);
+    assert_eq!(src.stats().retries, 0);
+}
+
+#[tokio::test]
+async fn a_commit_revision_skips_the_revision_api() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let mut c = fx.config();
+    c.revision = fx.repo.commit.clone();
+    let src = HttpSource::new(c).unwrap();
+    let resolved = src.resolve().await.unwrap();
+    assert_eq!(resolved.commit.as_deref(), Some(fx.repo.commit.as_str()));
+    assert_eq!(fx.hub.stats().revision, 0);
+    assert_eq!(fx.hub.stats().tree, 1);
+}
+
+#[tokio::test]
+async fn ranged_reads_return_exactly_the_bytes_asked() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    let data = fx.bytes(BIN);
+    let n = data.len() as u64;
+    for r in [0..1, 0..8, 1000..5000, n - 1..n, 0..n, 1_234_567..2_345_678] {
+        let got = src.read_range(BIN, r.clone()).await.unwrap();
+        assert!(got == data[r.start as usize..r.end as usize], "{r:?}");
+    }
+    assert!(src.read_range(BIN, 5..5).await.unwrap().is_empty());
+    let cfg = src.read_file("config.json", 1 << 20).await.unwrap();
+    assert_eq!(&cfg[..], fx.bytes("config.json"));
+    let ranges = fx.hub.stats().file(REPO, BIN).ranges;
+    assert_eq!(ranges[2].as_deref(), Some("bytes=1000-4999"));
+
+    let e = src.read_range(BIN, n - 1..n + 1).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{BIN} bytes {}-{}: bad ranged answer: outside the file's {n} bytes",
+            n - 1,
+            n
+        )
+    );
+    let e = src.read_file(BIN, 1000).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("{BIN}: {n} bytes, more than the 1000 bytes accepted for this file")
+    );
+    let e = src.read_range("nope.bin", 0..1).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("nope.bin: not in the snapshot of {REPO}")
+    );
+}
+
+#[tokio::test]
+async fn the_redirected_location_is_reused_and_re_resolved_when_it_expires() {
+    let fx = Fixture::new(HubConfig {
+        redirect_to_cdn: true,
+        ..HubConfig::default()
+    })
+    .await;
+    let src = fx.source();
+    let data = fx.bytes(BIN);
+    for r in [0..100u64, 100..200, 5000..9000] {
+        let got = src.read_range(BIN, r.clone()).await.unwrap();
+        assert!(got == data[r.start as usize..r.end as usize], "{r:?}");
+    }
+    let f = fx.hub.stats().file(REPO, BIN);
+    assert_eq!(
+        (f.resolve, f.cdn),
+        (1, 3),
+        "one resolve, then the CDN: {f:?}"
+    );
+
+    // The signed URL expires: the next read resolves once more and carries on.
+    fx.hub
+        .faults()
+        .push(Fault::status(403).route(RouteKind::Cdn).path(BIN));
+    let got = src.read_range(BIN, 10..20).await.unwrap();
+    assert_eq!(&got[..], &data[10..20]);
+    let f = fx.hub.stats().file(REPO, BIN);
+    assert_eq!((f.resolve, f.cdn), (2, 5), "{f:?}");
+    assert_eq!(src.stats().retries, 0);
+}
+
+#[tokio::test]
+async fn the_token_goes_to_the_endpoint_only_never_to_another_host() {
+    let fx = Fixture::new(HubConfig {
+        redirect_to_cdn: true,
+        gated: vec![REPO.into()],
+        token: Some("hf_right_token".into()),
+        ..HubConfig::default()
+    })
+    .await;
+    // The CDN listens on another port: another origin.
+    assert_ne!(fx.hub.cdn_url(), Some(fx.hub.url()));
+    let mut c = fx.config();
+    c.token = HfToken::new("hf_right_token");
+    let src = HttpSource::new(c).unwrap();
+    for r in [0..10u64, 10..20] {
+        src.read_range(BIN, r).await.unwrap();
+    }
+    let f = fx.hub.stats().file(REPO, BIN);
+    assert_eq!((f.resolve, f.cdn, f.with_auth), (1, 2, 1), "{f:?}");
+}
+
+#[tokio::test]
+async fn retry_after_seconds_is_waited_for() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    src.resolve().await.unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::too_many_requests("1").path(BIN));
+    let t = Instant::now();
+    let got = src.read_range(BIN, 0..64).await.unwrap();
+    let waited = t.elapsed();
+    assert_eq!(&got[..], &fx.bytes(BIN)[..64]);
+    assert!(waited >= Duration::from_secs(1), "waited only {waited:?}");
+    assert_eq!(src.stats().retries, 1);
+    assert_eq!(fx.hub.stats().file(REPO, BIN).ranges.len(), 2);
+}
+
+#[tokio::test]
+async fn retry_after_http_date_is_waited_for() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    src.resolve().await.unwrap();
+    // HTTP-dates have one-second resolution: now + 2 s is at least 1 s away.
+    let at = std::time::SystemTime::now() + Duration::from_secs(2);
+    fx.hub
+        .faults()
+        .push(Fault::too_many_requests(httpdate::fmt_http_date(at)).path(BIN));
+    let t = Instant::now();
+    src.read_range(BIN, 0..64).await.unwrap();
+    let waited = t.elapsed();
+    assert!(waited >= Duration::from_secs(1), "waited only {waited:?}");
+    assert_eq!(src.stats().retries, 1);
+}
+
+#[tokio::test]
+async fn absurd_retry_after_is_refused_with_the_values() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    src.resolve().await.unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::too_many_requests("86400").path(BIN));
+    let e = src.read_range(BIN, 0..64).await.unwrap_err();
+    assert!(matches!(e, SourceError::RetryAfterTooLong { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: server asked to wait 86400 s (Retry-After: 86400), over the 300 s limit",
+            fx.resolve_url(BIN)
+        )
+    );
+    assert_eq!(fx.hub.stats().file(REPO, BIN).ranges.len(), 1);
+}
+
+#[tokio::test]
+async fn transient_statuses_are_retried_to_success() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    // The revision API and the tree listing retry too.
+    fx.hub
+        .faults()
+        .push(Fault::status(503).route(RouteKind::Revision));
+    fx.hub
+        .faults()
+        .push(Fault::status(502).route(RouteKind::Tree));
+    fx.hub.faults().push(Fault::status(503).times(2).path(BIN));
+    let got = src.read_range(BIN, 100..200).await.unwrap();
+    assert_eq!(&got[..], &fx.bytes(BIN)[100..200]);
+    assert_eq!(src.stats().retries, 4);
+    assert_eq!(fx.hub.faults().pending(), 0);
+}
+
+#[tokio::test]
+async fn statuses_stop_after_max_attempts_with_the_range_in_the_error() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let mut c = fx.config();
+    c.max_attempts = 3;
+    let src = HttpSource::new(c).unwrap();
+    src.resolve().await.unwrap();
+    fx.hub.faults().push(Fault::status(503).times(10).path(BIN));
+    let e = src.read_range(BIN, 0..10).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: HTTP 503 (bytes 0-9): Service Unavailable (ScriptedFault)",
+            fx.resolve_url(BIN)
+        )
+    );
+    assert_eq!(fx.hub.stats().file(REPO, BIN).ranges.len(), 3);
+}
+
+#[tokio::test]
+async fn reset_and_truncated_bodies_are_retried_to_success() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    let data = fx.bytes(BIN);
+    src.resolve().await.unwrap();
+    for kind in [FaultKind::ResetMidBody, FaultKind::TruncatedBody] {
+        let before = src.stats().retries;
+        fx.hub.faults().push(Fault::new(kind.clone()).path(BIN));
+        let got = src.read_range(BIN, 0..2_000_000).await.unwrap();
+        assert!(got == data[..2_000_000], "{kind:?}");
+        assert_eq!(src.stats().retries, before + 1, "{kind:?}");
+    }
+}
+
+#[tokio::test]
+async fn network_errors_after_all_attempts_name_the_range_and_count() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let mut c = fx.config();
+    c.max_attempts = 2;
+    let src = HttpSource::new(c).unwrap();
+    src.resolve().await.unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::ResetMidBody).times(2).path(BIN));
+    let e = src.read_range(BIN, 0..1_000_000).await.unwrap_err();
+    let text = e.to_string();
+    let head = format!(
+        "{} (bytes 0-999999): network error after 2 attempt(s): body failed after",
+        fx.resolve_url(BIN)
+    );
+    assert!(text.starts_with(&head), "{text}");
+}
+
+#[tokio::test]
+async fn a_200_for_a_range_is_a_bad_range_error() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::FullBodyFor206).path(BIN));
+    let e = src.read_range(BIN, 10..20).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{BIN} bytes 10-19: bad ranged answer: HTTP 200 with the whole file instead of 206 Partial Content (Content-Length: 3000000); the server ignored Range"
+        )
+    );
+    assert_eq!(src.stats().retries, 0);
+}
+
+#[tokio::test]
+async fn a_wrong_content_range_is_a_bad_range_error() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::WrongContentRange).path(BIN));
+    let e = src.read_range(BIN, 10..20).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{BIN} bytes 10-19: bad ranged answer: Content-Range: bytes 11-20/3000000, expected bytes 10-19/3000000"
+        )
+    );
+}
+
+#[tokio::test]
+async fn not_found_fails_fast_with_one_request() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    src.resolve().await.unwrap();
+    let before = src.stats().requests;
+    fx.hub.faults().push(Fault::status(404).path(BIN));
+    let e = src.read_range(BIN, 0..10).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("{}: HTTP 404: not found (file {BIN})", fx.resolve_url(BIN))
+    );
+    assert_eq!(src.stats().requests, before + 1);
+
+    let mut c = fx.config();
+    c.repo = "gturbo-test/missing".into();
+    let src = HttpSource::new(c).unwrap();
+    let e = src.resolve().await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}/api/models/gturbo-test/missing/revision/main: HTTP 404: not found (repo gturbo-test/missing)",
+            fx.hub.url()
+        )
+    );
+    assert_eq!(src.stats().requests, 1);
+
+    let mut c = fx.config();
+    c.revision = "v9".into();
+    let src = HttpSource::new(c).unwrap();
+    let e = src.resolve().await.unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("HTTP 404: not found (revision v9 of gturbo-test/tiny)"),
+        "{e}"
+    );
+    assert_eq!(src.stats().requests, 1);
+}
+
+#[tokio::test]
+async fn a_gated_repo_fails_fast_and_never_shows_the_token() {
+    let secret = "hf_wrong_token_0123456789";
+    let fx = Fixture::new(HubConfig {
+        gated: vec![REPO.into()],
+        token: Some("hf_the_right_one".into()),
+        ..HubConfig::default()
+    })
+    .await;
+    let mut c = fx.config();
+    c.token = HfToken::new(secret);
+    let src = HttpSource::new(c).unwrap();
+    let e = src.resolve().await.unwrap_err();
+    let text = e.to_string();
+    assert_eq!(
+        text,
+        format!(
+            "{}/api/models/{REPO}/revision/main: HTTP 401: access denied; the repo may be gated or private (set HF_TOKEN or log in with `hf auth login`, and accept the repo's terms on the hub)",
+            fx.hub.url()
+        )
+    );
+    let debug = format!("{e:?} {src:?}");
+    assert!(!text.contains(secret) && !debug.contains(secret), "{debug}");
+    assert!(debug.contains("HfToken(***)"), "{debug}");
+    assert_eq!(src.stats().requests, 1);
+
+    let mut c = fx.config();
+    c.token = HfToken::new("hf_the_right_one");
+    let src = HttpSource::new(c).unwrap();
+    let got = src.read_file("config.json", 4096).await.unwrap();
+    assert_eq!(&got[..], fx.bytes("config.json"));
+}

@@ -1,1 +1,102 @@
-//! (in progress)
+//! Shared test helpers: temp dirs, small snapshot fixtures, the in-process hub, and the
+//! paths of the built binaries. Generic on purpose; each test module uses a subset.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use gturbo::testkit::hub::{self, Hub, HubConfig, HubRepo};
+
+/// The `gturbo` binary built for this test run.
+pub fn gturbo_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gturbo"))
+}
+
+/// The `gturbo-dev` binary built for this test run.
+pub fn gturbo_dev_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gturbo-dev"))
+}
+
+/// A fresh temporary directory, removed on drop.
+pub fn temp_dir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("create a temp dir")
+}
+
+/// Write `bytes` to `dir/rel`, creating parent folders.
+pub fn write_file(dir: &Path, rel: &str, bytes: &[u8]) -> PathBuf {
+    let path = dir.join(rel);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).expect("create parent dir");
+    }
+    std::fs::write(&path, bytes).expect("write fixture file");
+    path
+}
+
+/// `len` deterministic pseudo-random bytes (xorshift64*, seeded).
+pub fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        out.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// A minimal valid safetensors file, written by hand: one F32 tensor `w` of shape [2, 2].
+pub fn tiny_safetensors() -> Vec<u8> {
+    let mut header =
+        br#"{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#
+            .to_vec();
+    // The header is padded with spaces to a multiple of 8, as writers do.
+    while !header.len().is_multiple_of(8) {
+        header.push(b' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    for v in [1.0f32, -2.0, 0.5, 3.25] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// A small snapshot: `config.json`, `model.safetensors`, a 3 MB `weights/blob.bin` and a
+/// nested `nested/deeper/tokenizer.json`. Returns `(path, content)` sorted by path.
+pub fn write_small_snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let files: Vec<(String, Vec<u8>)> = vec![
+        (
+            "config.json".into(),
+            br#"{"model_type":"llama","hidden_size":4,"num_hidden_layers":1}"#.to_vec(),
+        ),
+        ("model.safetensors".into(), tiny_safetensors()),
+        (
+            "nested/deeper/tokenizer.json".into(),
+            br#"{"version":"1.0","model":{"type":"BPE","vocab":{}}}"#.to_vec(),
+        ),
+        ("weights/blob.bin".into(), pseudo_random(3_000_000, 7)),
+    ];
+    for (rel, bytes) in &files {
+        write_file(dir, rel, bytes);
+    }
+    files
+}
+
+/// Start the in-process hub serving one repo from `dir`, with `config`'s other settings.
+pub async fn start_hub(repo: &str, dir: &Path, config: HubConfig) -> (Hub, HubRepo) {
+    let r = HubRepo::new(repo, dir);
+    let hub = hub::start(HubConfig {
+        repos: vec![r.clone()],
+        ..config
+    })
+    .await
+    .expect("start the test hub");
+    (hub, r)
+}
+
+/// SHA-256 of `bytes`, lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(bytes))
+}

@@ -257,7 +257,7 @@ impl FlashNextSpec {
 
     /// Whether layer `i` uses indexed attention.
     pub fn is_indexed(&self, layer: u64) -> bool {
-        (layer + 1) % self.full_attention_interval == 0
+        (layer + 1).is_multiple_of(self.full_attention_interval)
     }
 
     /// Total n-gram hash heads, `(ngram_size - 1) × heads_per_ngram`.
@@ -275,12 +275,12 @@ impl FlashNextSpec {
         let rows: u64 = self.ngram_shard_rows.iter().sum();
         let problem = if self.full_attention_interval == 0 {
             Some("full_attention_interval must be positive".to_string())
-        } else if heads == 0 || self.ple_embed_dim % heads != 0 {
+        } else if heads == 0 || !self.ple_embed_dim.is_multiple_of(heads) {
             Some(format!(
                 "ple_embed_dim {} is not a multiple of the {heads} n-gram heads",
                 self.ple_embed_dim
             ))
-        } else if rows % heads != 0 {
+        } else if !rows.is_multiple_of(heads) {
             Some(format!(
                 "{rows} n-gram rows do not split evenly over {heads} heads"
             ))

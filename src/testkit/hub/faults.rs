@@ -1,0 +1,221 @@
+//! Scripted faults for the test hub: each [`Fault`] applies to the next N requests that
+//! match it (route kind, optionally one file), then disarms itself.
+//!
+//! Faults are checked in the order they were pushed; the first armed fault that matches a
+//! request is used (and only one per request). Body faults only match answers that would
+//! carry file bytes (a `GET` of `/resolve` that is not redirected, or of `/cdn`); header
+//! faults only match file answers (`/resolve`, `/cdn`); status faults match any route.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// The kinds of request the hub counts and faults can target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RouteKind {
+    /// `GET /api/models/{repo}/revision/{rev}`.
+    Revision,
+    /// `GET /api/models/{repo}/tree/{rev}`.
+    Tree,
+    /// `HEAD`/`GET /{repo}/resolve/{rev}/{path}`.
+    Resolve,
+    /// `HEAD`/`GET /cdn/...` (the redirect target in CDN mode).
+    Cdn,
+}
+
+/// What goes wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FaultKind {
+    /// Answer with this status and an empty body, with `Retry-After` when given
+    /// (delta-seconds or an HTTP-date, sent verbatim).
+    Status {
+        /// The HTTP status (429, 503, 403, ...).
+        code: u16,
+        /// The `Retry-After` header value, if any.
+        retry_after: Option<String>,
+    },
+    /// Send about half of the body, then drop the connection with an error.
+    ResetMidBody,
+    /// Declare the full `Content-Length`, send about half of the body, then close cleanly.
+    TruncatedBody,
+    /// Ignore `Range`: answer `200` with the whole file.
+    FullBodyFor206,
+    /// Answer `206` with the right bytes but a `Content-Range` shifted by one byte.
+    WrongContentRange,
+    /// Announce a different `ETag` / `X-Linked-Etag` than the file's.
+    ChangedEtag,
+    /// Announce a different `X-Repo-Commit` than the repo's.
+    ChangedCommit,
+}
+
+impl FaultKind {
+    fn is_body_fault(&self) -> bool {
+        matches!(
+            self,
+            Self::ResetMidBody
+                | Self::TruncatedBody
+                | Self::FullBodyFor206
+                | Self::WrongContentRange
+        )
+    }
+
+    fn is_file_fault(&self) -> bool {
+        matches!(self, Self::ChangedEtag | Self::ChangedCommit)
+    }
+}
+
+/// One scripted fault.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    /// What happens.
+    pub kind: FaultKind,
+    /// How many matching requests it still applies to.
+    pub times: u32,
+    /// Only requests for this repo-relative file path (`None`: any).
+    pub path: Option<String>,
+    /// Only this kind of request (`None`: any).
+    pub route: Option<RouteKind>,
+}
+
+impl Fault {
+    /// A fault for the next matching request.
+    pub fn new(kind: FaultKind) -> Self {
+        Self {
+            kind,
+            times: 1,
+            path: None,
+            route: None,
+        }
+    }
+
+    /// `status` with no `Retry-After`.
+    pub fn status(code: u16) -> Self {
+        Self::new(FaultKind::Status {
+            code,
+            retry_after: None,
+        })
+    }
+
+    /// `429 Too Many Requests` with `Retry-After: value`.
+    pub fn too_many_requests(retry_after: impl Into<String>) -> Self {
+        Self::new(FaultKind::Status {
+            code: 429,
+            retry_after: Some(retry_after.into()),
+        })
+    }
+
+    /// Apply to the next `n` matching requests.
+    pub fn times(mut self, n: u32) -> Self {
+        self.times = n;
+        self
+    }
+
+    /// Only requests for this repo-relative file path.
+    pub fn path(mut self, path: impl Into<String>) -> Self {
+        self.path = Some(path.into());
+        self
+    }
+
+    /// Only this kind of request.
+    pub fn route(mut self, route: RouteKind) -> Self {
+        self.route = Some(route);
+        self
+    }
+}
+
+/// A handle to script faults on a running hub; cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    armed: Arc<Mutex<Vec<Fault>>>,
+}
+
+/// What a request is, for matching faults.
+pub(crate) struct RequestShape<'a> {
+    pub route: RouteKind,
+    pub path: Option<&'a str>,
+    /// The answer would carry file bytes.
+    pub file_body: bool,
+}
+
+impl Faults {
+    /// Arm a fault.
+    pub fn push(&self, fault: Fault) {
+        self.lock().push(fault);
+    }
+
+    /// Disarm every fault.
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// How many request-applications are still armed, over all faults.
+    pub fn pending(&self) -> u32 {
+        self.lock().iter().map(|f| f.times).sum()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Fault>> {
+        // A panic while holding this lock cannot leave the list inconsistent.
+        self.armed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Take one application of the first armed fault that matches `req`.
+    pub(crate) fn take(&self, req: &RequestShape<'_>) -> Option<FaultKind> {
+        let mut armed = self.lock();
+        let idx = armed.iter().position(|f| {
+            f.times > 0
+                && f.route.is_none_or(|r| r == req.route)
+                && f.path.as_deref().is_none_or(|p| req.path == Some(p))
+                && (!f.kind.is_body_fault() || req.file_body)
+                && (!f.kind.is_file_fault()
+                    || matches!(req.route, RouteKind::Resolve | RouteKind::Cdn))
+        })?;
+        let fault = &mut armed[idx];
+        fault.times -= 1;
+        let kind = fault.kind.clone();
+        if fault.times == 0 {
+            armed.remove(idx);
+        }
+        Some(kind)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn faults_match_route_path_and_body_and_disarm_after_n() {
+        let faults = Faults::default();
+        faults.push(Fault::new(FaultKind::TruncatedBody).times(2).path("a.bin"));
+        faults.push(Fault::status(503).route(RouteKind::Tree));
+        let head = RequestShape {
+            route: RouteKind::Resolve,
+            path: Some("a.bin"),
+            file_body: false,
+        };
+        assert_eq!(faults.take(&head), None, "a body fault never hits a HEAD");
+        let get_b = RequestShape {
+            route: RouteKind::Resolve,
+            path: Some("b.bin"),
+            file_body: true,
+        };
+        assert_eq!(faults.take(&get_b), None, "path filter");
+        let get_a = RequestShape {
+            route: RouteKind::Cdn,
+            path: Some("a.bin"),
+            file_body: true,
+        };
+        assert_eq!(faults.take(&get_a), Some(FaultKind::TruncatedBody));
+        assert_eq!(faults.take(&get_a), Some(FaultKind::TruncatedBody));
+        assert_eq!(faults.take(&get_a), None, "disarmed after 2");
+        let tree = RequestShape {
+            route: RouteKind::Tree,
+            path: None,
+            file_body: false,
+        };
+        assert_eq!(faults.pending(), 1);
+        assert!(matches!(
+            faults.take(&tree),
+            Some(FaultKind::Status { code: 503, .. })
+        ));
+        assert_eq!(faults.pending(), 0);
+    }
+}
