@@ -118,6 +118,10 @@ struct InstallArgs {
     /// Also write the whole plan (every tensor and read) as JSON to this file.
     #[arg(long, value_name = "FILE")]
     emit_plan: Option<PathBuf>,
+    /// Largest coalesced source read, in MiB (smaller loses less to an interruption,
+    /// costs more requests). Part of the plan: changing it changes the fingerprint.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    range_mib: u64,
     /// Source reads in flight.
     #[arg(long, default_value_t = 4)]
     jobs: usize,
@@ -289,6 +293,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
     };
     let mut options = PlanOptions {
         quant: args.quant,
+        coalesce_max: args.range_mib << 20,
         ..PlanOptions::default()
     };
     if args.skip_mtp {
@@ -373,8 +378,9 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
     let source: Arc<dyn RangeSource> = Arc::from(source);
     let summary = execute::execute(source.clone(), &prepared, &options, &reporter).await?;
     let stats = source.stats();
+    // The outcome is shown unless -qq.
     note(
-        quiet,
+        quiet.saturating_sub(1),
         &format!(
             "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} retries",
             out.display(),

@@ -199,7 +199,7 @@ impl DryRunReport {
         let src = &self.source;
         let _ = writeln!(
             s,
-            "gturbo install --dry-run: {} ({})",
+            "gturbo install plan: {} ({})",
             self.family, self.family_name
         );
         let _ = writeln!(s, "  source          {}", src.describe);

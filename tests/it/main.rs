@@ -2,6 +2,7 @@
 
 mod dry_run;
 mod hub_protocol;
+mod install_e2e;
 mod quant_parity;
 mod replica;
 mod source_http;

@@ -1,0 +1,470 @@
+//! The streaming install end to end through the real binary: dry-run bytes equal
+//! installed bytes, the manifest's hashes match the disk, and interrupted installs
+//! (a test hook that exits like a kill after N journaled reads, and a real SIGKILL)
+//! resume to byte-identical output, refetching only what was not journaled.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use gturbo::testkit::hub::HubConfig;
+use gturbo::testkit::replica::{self, FlashNextSpec};
+use serde_json::Value;
+
+use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
+
+struct Replica {
+    _tmp: tempfile::TempDir,
+    dir: PathBuf,
+    index_sha: String,
+}
+
+fn scaled_replica() -> Replica {
+    let tmp = temp_dir();
+    let dir = tmp.path().join("snapshot");
+    replica::write_flash_next(&dir, &FlashNextSpec::scaled()).unwrap();
+    let index_sha = sha256_hex(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap());
+    Replica {
+        _tmp: tmp,
+        dir,
+        index_sha,
+    }
+}
+
+fn install(r: &Replica, out: &Path, extra: &[&str], abort_after: Option<u64>) -> Output {
+    let mut c = Command::new(gturbo_bin());
+    c.args(["-q", "install", "qwen38flashnext", "--from"])
+        .arg(&r.dir)
+        .args(["--index-sha256", &r.index_sha, "--out"])
+        .arg(out)
+        .args(extra)
+        .env_remove("HF_ENDPOINT");
+    if let Some(n) = abort_after {
+        c.env("GTURBO_TEST_ABORT_AFTER_READS", n.to_string());
+    }
+    c.output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// path → sha256 of every file under `dir`.
+fn tree_hashes(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                out.insert(rel, sha256_hex(&std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out
+}
+
+fn summary_numbers(stderr: &str) -> (u64, u64, u64) {
+    // "... N reads fetched, K kept from a previous run, D damaged and redone, ..."
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("reads fetched"))
+        .unwrap_or_else(|| panic!("no summary in: {stderr}"));
+    let num = |key: &str| -> u64 {
+        let before = &line[..line.find(key).unwrap()];
+        before
+            .trim_end()
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    (
+        num(" reads fetched"),
+        num(" kept from"),
+        num(" damaged and"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
+    let r = scaled_replica();
+    let config = HubConfig {
+        redirect_to_cdn: true,
+        ..HubConfig::default()
+    };
+    let (hub, repo) = start_hub("Qwen/Qwen3.8-Flash-Next", &r.dir, config).await;
+    let url = hub.url().to_string();
+    let out = r.dir.parent().unwrap().join("flash.gturbo");
+    let (plan, inst) = {
+        let (url, out, sha, commit) = (
+            url.clone(),
+            out.clone(),
+            r.index_sha.clone(),
+            repo.commit.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let base = [
+                "install",
+                "qwen38flashnext",
+                "--endpoint",
+                &url,
+                "--revision",
+                &commit,
+                "--index-sha256",
+                &sha,
+                "--json",
+                "--jobs",
+                "3",
+                "--tile-kib",
+                "16",
+                "--out",
+            ];
+            let mut dry = base.to_vec();
+            dry.push(out.to_str().unwrap());
+            dry.push("--dry-run");
+            let plan = Command::new(gturbo_bin()).args(&dry).output().unwrap();
+            let inst = Command::new(gturbo_bin())
+                .args(base)
+                .arg(&out)
+                .output()
+                .unwrap();
+            (plan, inst)
+        })
+        .await
+        .unwrap()
+    };
+    assert!(plan.status.success(), "{}", text(&plan));
+    assert!(inst.status.success(), "{}", text(&inst));
+    let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
+
+    // Dry-run bytes == installed bytes, file by file kind and in total.
+    let manifest: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    let on_disk = tree_hashes(&out);
+    let mut total = 0u64;
+    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+    for f in manifest["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        let bytes = std::fs::metadata(out.join(path)).unwrap().len();
+        assert_eq!(f["bytes"].as_u64(), Some(bytes), "{path}");
+        assert_eq!(
+            on_disk.get(path).map(String::as_str),
+            f["sha256"].as_str(),
+            "{path}: manifest hash vs disk"
+        );
+        total += bytes;
+        *by_kind
+            .entry(f["kind"].as_str().unwrap().to_string())
+            .or_default() += bytes;
+    }
+    assert_eq!(Some(total), plan["outputs"]["total"].as_u64());
+    assert_eq!(
+        by_kind.get("resident").copied(),
+        plan["outputs"]["resident"].as_u64()
+    );
+    assert_eq!(
+        by_kind.get("rows").copied(),
+        plan["outputs"]["rows"].as_u64()
+    );
+    let experts = plan["outputs"]["experts"].as_u64().unwrap()
+        + plan["outputs"]["sidecar_experts"].as_u64().unwrap();
+    assert_eq!(by_kind.get("experts").copied(), Some(experts));
+    // Nothing but the listed files, the manifest, and no staging leftovers.
+    assert_eq!(
+        on_disk.len(),
+        manifest["files"].as_array().unwrap().len() + 1
+    );
+    assert!(
+        !r.dir
+            .parent()
+            .unwrap()
+            .join("flash.gturbo.partial")
+            .exists()
+    );
+    assert!(
+        !r.dir
+            .parent()
+            .unwrap()
+            .join("flash.gturbo.partial.journal")
+            .exists()
+    );
+    assert_eq!(
+        manifest["source"]["commit"].as_str(),
+        Some(repo.commit.as_str())
+    );
+    assert_eq!(manifest["plan_fingerprint"], plan["fingerprint"]);
+    assert_eq!(
+        manifest["arch"]["requiredAxes"].as_array().unwrap().len(),
+        9
+    );
+
+    // The resident file opens with its magic and index length.
+    let head = std::fs::read(out.join("resident.bin")).unwrap();
+    assert_eq!(&head[..8], b"GTRBRES1");
+
+    // An independent check of every region (Python + MLX), where the peers exist.
+    check_with_python(&r.dir, &out);
+}
+
+/// `scripts/check_install.py` recomputes every output region from the source tensors
+/// with numpy and MLX; CI requires it (GTURBO_REQUIRE_PY=1).
+fn check_with_python(snapshot: &Path, out: &Path) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_install.py");
+    let probe = Command::new("python3")
+        .args(["-c", "import numpy, mlx.core"])
+        .status();
+    let available = script.exists() && matches!(probe, Ok(s) if s.success());
+    if !available {
+        assert!(
+            std::env::var("GTURBO_REQUIRE_PY").as_deref() != Ok("1"),
+            "GTURBO_REQUIRE_PY=1 but scripts/check_install.py or numpy/mlx is missing"
+        );
+        eprintln!(
+            "SKIPPED independent check: scripts/check_install.py with numpy and mlx[cpu] not available"
+        );
+        return;
+    }
+    let o = Command::new("python3")
+        .arg(script)
+        .arg(snapshot)
+        .arg(out)
+        .arg("--all")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "independent check failed:\n{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Small ranges (1 MiB) give the scaled replica enough reads to interrupt it at many
+/// points.
+const SMALL_RANGES: &[&str] = &["--range-mib", "1", "--jobs", "2"];
+
+#[test]
+fn killed_installs_resume_to_identical_bytes_refetching_only_unjournaled_reads() {
+    let r = scaled_replica();
+    let base = r.dir.parent().unwrap();
+    let reference = base.join("reference.gturbo");
+    let o = install(&r, &reference, SMALL_RANGES, None);
+    assert!(o.status.success(), "{}", text(&o));
+    let (total_reads, kept, _) = summary_numbers(&text(&o));
+    assert_eq!(kept, 0);
+    assert!(
+        total_reads >= 20,
+        "only {total_reads} reads; the test needs more interruption points"
+    );
+    let want = tree_hashes(&reference);
+
+    for (i, k) in [1, 3, 7, total_reads / 2, total_reads - 1]
+        .into_iter()
+        .enumerate()
+    {
+        let out = base.join(format!("kill{i}.gturbo"));
+        let o = install(&r, &out, SMALL_RANGES, Some(k));
+        assert_eq!(o.status.code(), Some(137), "abort after {k}: {}", text(&o));
+        assert!(!out.exists(), "nothing is published before the end");
+        let o = install(&r, &out, SMALL_RANGES, None);
+        assert!(o.status.success(), "resume after {k}: {}", text(&o));
+        let (fetched, kept, damaged) = summary_numbers(&text(&o));
+        // Every journaled read is kept; only the rest (including what was in flight
+        // at the kill) is fetched again.
+        assert_eq!(
+            (kept, damaged, fetched),
+            (k, 0, total_reads - k),
+            "resume after {k}"
+        );
+        assert_eq!(
+            tree_hashes(&out),
+            want,
+            "resume after {k}: bytes differ from the uninterrupted install"
+        );
+    }
+}
+
+#[test]
+fn real_sigkill_mid_stream_resumes_to_identical_bytes() {
+    let r = scaled_replica();
+    let base = r.dir.parent().unwrap();
+    let reference = base.join("reference.gturbo");
+    assert!(install(&r, &reference, SMALL_RANGES, None).status.success());
+    let out = base.join("killed.gturbo");
+    let journal = base.join("killed.gturbo.partial.journal");
+    let mut child = Command::new(gturbo_bin())
+        .args(["-q", "install", "qwen38flashnext", "--from"])
+        .arg(&r.dir)
+        .args(["--index-sha256", &r.index_sha, "--out"])
+        .arg(&out)
+        .args(["--range-mib", "1", "--jobs", "1", "--tile-kib", "4"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill -9 once a few reads are journaled (the journal's first line is its header).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut killed_mid_stream = false;
+    while Instant::now() < deadline {
+        let lines = std::fs::read_to_string(&journal)
+            .map(|t| t.lines().count())
+            .unwrap_or(0);
+        if lines >= 4 {
+            child.kill().unwrap(); // SIGKILL
+            killed_mid_stream = true;
+            break;
+        }
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = child.wait();
+    assert!(
+        killed_mid_stream,
+        "the install finished before it could be killed"
+    );
+    assert!(!out.exists());
+    let o = install(&r, &out, SMALL_RANGES, None);
+    assert!(o.status.success(), "{}", text(&o));
+    let (_, kept, _) = summary_numbers(&text(&o));
+    assert!(kept >= 3, "journaled reads were not kept: {}", text(&o));
+    assert_eq!(tree_hashes(&out), tree_hashes(&reference));
+}
+
+#[test]
+fn another_plan_refuses_the_partial_install_and_damage_is_redone() {
+    let r = scaled_replica();
+    let base = r.dir.parent().unwrap();
+    let reference = base.join("reference.gturbo");
+    assert!(install(&r, &reference, SMALL_RANGES, None).status.success());
+    let out = base.join("p.gturbo");
+    assert_eq!(
+        install(&r, &out, SMALL_RANGES, Some(6)).status.code(),
+        Some(137)
+    );
+
+    // Other flags, other fingerprint: refused, exit 1, the journal named.
+    let o = install(&r, &out, &["--range-mib", "2"], None);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = text(&o);
+    assert!(
+        err.contains("p.gturbo.partial.journal: the partial install was planned with fingerprint"),
+        "{err}"
+    );
+    assert!(err.contains("--discard-partial"), "{err}");
+
+    // Damage one byte that a journaled read wrote: find, through the emitted plan, a
+    // resident tensor inside the first journaled read, and flip its first byte.
+    let plan_path = base.join("plan.json");
+    let o = install(
+        &r,
+        &base.join("unused.gturbo"),
+        &[
+            "--range-mib",
+            "1",
+            "--dry-run",
+            "--emit-plan",
+            plan_path.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let plan: Value = serde_json::from_slice(&std::fs::read(&plan_path).unwrap()).unwrap();
+    let journal = std::fs::read_to_string(base.join("p.gturbo.partial.journal")).unwrap();
+    let journaled: Vec<usize> = journal
+        .lines()
+        .skip(1)
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["read"]
+                .as_u64()
+                .unwrap() as usize
+        })
+        .collect();
+    assert_eq!(journaled.len(), 6);
+    let payload_start = plan["outputs"]["resident"]["payload_start"]
+        .as_u64()
+        .unwrap();
+    let entries = plan["outputs"]["resident"]["index"]["tensors"]
+        .as_array()
+        .unwrap();
+    let target = journaled.iter().find_map(|&ri| {
+        let read = &plan["reads"][ri];
+        plan["tensors"].as_array().unwrap().iter().find_map(|t| {
+            let inside = t["shard"] == read["shard"]
+                && t["src"][0].as_u64() >= read["start"].as_u64()
+                && t["src"][1].as_u64() <= read["end"].as_u64();
+            (inside && t["dest"]["kind"] == "resident").then(|| {
+                let e = &entries[t["dest"]["entry"].as_u64().unwrap() as usize];
+                let span = if e["data"].is_object() {
+                    &e["data"]
+                } else {
+                    &e["weights"]
+                };
+                payload_start + span["offset"].as_u64().unwrap()
+            })
+        })
+    });
+    let at = target.expect("a journaled read holding a resident tensor") as usize;
+    let resident = base.join("p.gturbo.partial/resident.bin");
+    let mut bytes = std::fs::read(&resident).unwrap();
+    bytes[at] ^= 0x5a;
+    std::fs::write(&resident, &bytes).unwrap();
+    let o = install(&r, &out, SMALL_RANGES, None);
+    assert!(o.status.success(), "{}", text(&o));
+    let (_, kept, damaged) = summary_numbers(&text(&o));
+    assert!(
+        damaged >= 1,
+        "the damaged read was not detected: {}",
+        text(&o)
+    );
+    assert_eq!(kept + damaged, 6);
+    assert_eq!(tree_hashes(&out), tree_hashes(&reference));
+
+    // --discard-partial starts over under another plan.
+    let out2 = base.join("q.gturbo");
+    assert_eq!(
+        install(&r, &out2, SMALL_RANGES, Some(2)).status.code(),
+        Some(137)
+    );
+    let o = install(&r, &out2, &["--range-mib", "2", "--discard-partial"], None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(summary_numbers(&text(&o)).1, 0);
+}
+
+#[test]
+fn an_existing_output_and_a_held_lock_are_refused() {
+    let r = scaled_replica();
+    let base = r.dir.parent().unwrap();
+    let out = base.join("x.gturbo");
+    assert!(install(&r, &out, &[], None).status.success());
+    let before = tree_hashes(&out);
+    let o = install(&r, &out, &[], None);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("x.gturbo already exists; pass --overwrite to replace it"),
+        "{}",
+        text(&o)
+    );
+    let o = install(&r, &out, &["--overwrite"], None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(tree_hashes(&out), before);
+
+    let other = base.join("y.gturbo");
+    let lock = std::fs::File::create(base.join("y.gturbo.partial.lock")).unwrap();
+    lock.lock().unwrap();
+    let o = install(&r, &other, &[], None);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("y.gturbo.partial.lock is locked by another gturbo install"),
+        "{}",
+        text(&o)
+    );
+    drop(lock);
+}
