@@ -56,7 +56,7 @@ struct GlobalArgs {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Plan (--dry-run) or perform an install. Prints the plan summary on stdout.
-    Install(InstallArgs),
+    Install(Box<InstallArgs>),
     /// Re-prove every byte and the layout of an installed `.gturbo` directory.
     VerifyInstall {
         /// The `.gturbo` directory.
@@ -210,7 +210,7 @@ fn init_logging(verbose: u8) {
 async fn run(cli: Cli) -> Result<(), Failure> {
     let quiet = cli.global.quiet;
     match cli.command {
-        Command::Install(args) => install_cmd(args, quiet).await,
+        Command::Install(args) => install_cmd(*args, quiet).await,
         Command::VerifyInstall { dir } => Err(Failure::usage(format!(
             "{}: verify-install is not implemented yet (tracked as the verify-install issue)",
             dir.display()
