@@ -17,7 +17,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::family::{self, Family};
 use std::sync::Arc;
 
-use crate::install::execute::{self, ExecuteOptions, InstallReporter};
+use crate::install::execute::{self, ExecuteOptions};
 use crate::install::{self, IndexPin, PrepareSettings};
 use crate::plan::{PlanOptions, QuantMode};
 use crate::source::RangeSource;
@@ -25,6 +25,7 @@ use crate::source::http::{HttpConfig, HttpSource};
 use crate::source::local::LocalSource;
 use crate::source::token;
 
+mod progress;
 mod report;
 
 /// gturbo installs huge sharded Hugging Face models into a page-aligned,
@@ -51,6 +52,9 @@ struct GlobalArgs {
     /// More logging on stderr: -v debug, -vv trace (RUST_LOG overrides).
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
+    /// Plain progress lines instead of a bar (also GTURBO_NO_PROGRESS=1).
+    #[arg(long, global = true, env = crate::env::GTURBO_NO_PROGRESS)]
+    no_progress: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -106,7 +110,7 @@ struct InstallArgs {
     /// Output directory (`<name>.gturbo`); defaults to `./<family>.gturbo`.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Print one JSON document instead of text.
+    /// Print one JSON document instead of text; on a real install, JSON Lines events.
     #[arg(long)]
     json: bool,
     /// Quantization: the family's INT4 policy, or everything at its source dtype.
@@ -210,7 +214,7 @@ fn init_logging(verbose: u8) {
 async fn run(cli: Cli) -> Result<(), Failure> {
     let quiet = cli.global.quiet;
     match cli.command {
-        Command::Install(args) => install_cmd(*args, quiet).await,
+        Command::Install(args) => install_cmd(*args, quiet, cli.global.no_progress).await,
         Command::VerifyInstall { dir } => Err(Failure::usage(format!(
             "{}: verify-install is not implemented yet (tracked as the verify-install issue)",
             dir.display()
@@ -223,19 +227,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
-fn note(quiet: u8, msg: &str) {
-    if quiet == 0 {
-        eprintln!("{msg}");
-    }
-}
-
 fn warn(quiet: u8, msg: &str) {
     if quiet < 2 {
         eprintln!("warning: {msg}");
     }
 }
 
-async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
+async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<(), Failure> {
     let target_is_repo = args.target.contains('/');
     let family = match (&args.family_file, &args.family) {
         (Some(p), _) => Family::from_path(p)?,
@@ -324,20 +322,24 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
             Box::new(HttpSource::new(config).map_err(|e| Failure::usage(e.to_string()))?)
         }
     };
-    note(
-        quiet,
-        &format!(
-            "gturbo: planning {} from {}",
-            family.id(),
-            source.describe()
-        ),
-    );
+    let reporter = progress::for_install(args.json && !args.dry_run, quiet, no_progress);
+    let detail = format!("{} from {}", family.id(), source.describe());
+    reporter.phase("resolve", &detail);
     let settings = PrepareSettings {
         family: family.clone(),
         index_pin,
         options,
     };
     let prepared = install::prepare(source.as_ref(), &settings).await?;
+    let plan = &prepared.plan;
+    let detail = format!(
+        "{} shards, {} tensors, {} reads, {} source bytes",
+        plan.shards.len(),
+        plan.tensors.len(),
+        plan.reads.len(),
+        plan.source_bytes_read()
+    );
+    reporter.phase("plan", &detail);
     for w in &prepared.warnings {
         warn(quiet, w);
     }
@@ -352,7 +354,9 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("{}.gturbo", family.id())));
     let report = report::DryRunReport::new(&family, &source.describe(), &prepared, &out);
-    if args.json {
+    if args.json && !args.dry_run {
+        reporter.plan(&serde_json::to_value(&report).unwrap_or_default());
+    } else if args.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&report).unwrap_or_default()
@@ -374,74 +378,11 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
         overwrite: args.overwrite,
         abort_after_reads,
     };
-    let reporter = TextReporter::new(quiet, prepared.plan.source_bytes_read());
+    reporter.set_total(prepared.plan.source_bytes_read());
     let source: Arc<dyn RangeSource> = Arc::from(source);
-    let summary = execute::execute(source.clone(), &prepared, &options, &reporter).await?;
-    let stats = source.stats();
-    // The outcome is shown unless -qq.
-    note(
-        quiet.saturating_sub(1),
-        &format!(
-            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} retries",
-            out.display(),
-            summary.elapsed_s,
-            summary.bytes_read,
-            summary.bytes_written,
-            summary.bytes_read as f64 / 1e6 / summary.elapsed_s.max(1e-9),
-            summary.reads_fetched,
-            summary.reads_kept,
-            summary.reads_damaged,
-            stats.retries
-        ),
-    );
+    let summary = execute::execute(source.clone(), &prepared, &options, reporter.as_ref()).await?;
+    reporter.done(&progress::Done::new(&out, &summary, source.stats().retries));
     Ok(())
-}
-
-/// Progress as plain lines on stderr (bars arrive with the progress work).
-struct TextReporter {
-    quiet: u8,
-    total: u64,
-    done: std::sync::atomic::AtomicU64,
-    last: std::sync::Mutex<std::time::Instant>,
-    started: std::time::Instant,
-}
-
-impl TextReporter {
-    fn new(quiet: u8, total: u64) -> TextReporter {
-        let now = std::time::Instant::now();
-        TextReporter {
-            quiet,
-            total,
-            done: 0.into(),
-            last: std::sync::Mutex::new(now),
-            started: now,
-        }
-    }
-}
-
-impl InstallReporter for TextReporter {
-    fn phase(&self, name: &str, detail: &str) {
-        note(self.quiet, &format!("gturbo: {name}: {detail}"));
-    }
-
-    fn read_done(&self, bytes: u64) {
-        use std::sync::atomic::Ordering;
-        let done = self.done.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        if last.elapsed() >= Duration::from_secs(2) || done == self.total {
-            *last = std::time::Instant::now();
-            let secs = self.started.elapsed().as_secs_f64().max(1e-9);
-            note(
-                self.quiet,
-                &format!(
-                    "gturbo: stream: {done} / {} B ({:.1}%), {:.1} MB/s",
-                    self.total,
-                    100.0 * done as f64 / self.total.max(1) as f64,
-                    done as f64 / 1e6 / secs
-                ),
-            );
-        }
-    }
 }
 
 fn families_cmd(json: bool) -> Result<(), Failure> {

@@ -90,6 +90,9 @@ pub trait InstallReporter: Send + Sync {
     fn phase(&self, name: &str, detail: &str);
     /// A read finished: its source bytes.
     fn read_done(&self, bytes: u64);
+    /// Before streaming: source bytes of the reads kept from a previous run, so
+    /// progress starts where that run left off.
+    fn bytes_kept(&self, _bytes: u64) {}
 }
 
 /// Reporter that shows nothing.
@@ -524,6 +527,14 @@ pub async fn execute(
     }
 
     // Stream the rest.
+    reporter.bytes_kept(
+        plan.reads
+            .iter()
+            .zip(&complete)
+            .filter(|(_, c)| **c)
+            .map(|(r, _)| r.end - r.start)
+            .sum(),
+    );
     let pending: Vec<usize> = (0..plan.reads.len()).filter(|i| !complete[*i]).collect();
     reporter.phase(
         "stream",
