@@ -53,7 +53,8 @@ struct GlobalArgs {
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
     /// Plain progress lines instead of a bar (also GTURBO_NO_PROGRESS=1).
-    #[arg(long, global = true, env = crate::env::GTURBO_NO_PROGRESS)]
+    #[arg(long, global = true, env = crate::env::GTURBO_NO_PROGRESS,
+          value_parser = clap::builder::FalseyValueParser::new())]
     no_progress: bool,
 }
 
