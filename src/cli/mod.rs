@@ -122,6 +122,10 @@ struct InstallArgs {
     /// costs more requests). Part of the plan: changing it changes the fingerprint.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
     range_mib: u64,
+    /// Do not read and hash whole source shards against their published SHA-256
+    /// (reads then skip excluded tensors and headers).
+    #[arg(long)]
+    no_verify_source: bool,
     /// Source reads in flight.
     #[arg(long, default_value_t = 4)]
     jobs: usize,
@@ -294,6 +298,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
     let mut options = PlanOptions {
         quant: args.quant,
         coalesce_max: args.range_mib << 20,
+        verify_source: !args.no_verify_source,
         ..PlanOptions::default()
     };
     if args.skip_mtp {
@@ -382,7 +387,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
     note(
         quiet.saturating_sub(1),
         &format!(
-            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} retries",
+            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} source shards verified, {} retries",
             out.display(),
             summary.elapsed_s,
             summary.bytes_read,
@@ -391,6 +396,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8) -> Result<(), Failure> {
             summary.reads_fetched,
             summary.reads_kept,
             summary.reads_damaged,
+            summary.shards_verified,
             stats.retries
         ),
     );
