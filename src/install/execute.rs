@@ -750,9 +750,9 @@ pub async fn execute(
             Some(ResumableSha256::default())
         };
         let mut steps = Vec::new();
-        for j in ri..end {
+        for (j, done) in complete.iter().enumerate().take(end).skip(ri) {
             let hashed = j >= ri + prefix;
-            if hashed || !complete[j] {
+            if hashed || !done {
                 steps.push((j, hashed));
             }
         }
