@@ -104,6 +104,11 @@ impl InstallReporter for NoReport {
 }
 
 fn io_err(path: &Path, e: std::io::Error) -> InstallError {
+    if e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(28) {
+        return InstallError::NoSpace {
+            path: path.display().to_string(),
+        };
+    }
     InstallError::Io {
         path: path.display().to_string(),
         source: e,
@@ -446,6 +451,40 @@ fn sha256_file(path: &Path) -> Result<String, InstallError> {
     Ok(hex::encode(h.finalize()))
 }
 
+/// Bytes kept free beyond what the install still needs: 1 % of the output, at least
+/// 64 MiB (filesystems misbehave when full, and other programs need room too).
+fn space_reserve(total: u64) -> u64 {
+    (total / 100).max(64 << 20)
+}
+
+/// Refuse to start writing when the output's filesystem cannot hold what remains.
+fn space_preflight(
+    staging: &Path,
+    files: &[File],
+    paths: &[PathBuf],
+    total: u64,
+) -> Result<(), InstallError> {
+    if std::env::var_os(crate::env::GTURBO_TEST_SKIP_SPACE_CHECK).is_some() {
+        return Ok(());
+    }
+    use std::os::unix::fs::MetadataExt;
+    let mut allocated = 0u64;
+    for (f, p) in files.iter().zip(paths) {
+        allocated += f.metadata().map_err(|e| io_err(p, e))?.blocks() * 512;
+    }
+    let remaining = total.saturating_sub(allocated);
+    let available = fs4::available_space(staging).map_err(|e| io_err(staging, e))?;
+    let needed = remaining + space_reserve(total);
+    if available < needed {
+        return Err(InstallError::NotEnoughSpace {
+            path: staging.display().to_string(),
+            needed,
+            available,
+        });
+    }
+    Ok(())
+}
+
 fn sync_dir(path: &Path) -> Result<(), InstallError> {
     File::open(path)
         .and_then(|d| d.sync_all())
@@ -675,7 +714,12 @@ pub async fn execute(
         paths.push(path);
         files.push(f);
     }
-    let _ = needed;
+    space_preflight(
+        &staging,
+        &files,
+        &paths,
+        needed + plan.outputs.copied.iter().map(|c| c.bytes).sum::<u64>(),
+    )?;
 
     // The resident file's head: magic, index length, index.
     {

@@ -156,6 +156,26 @@ pub enum InstallError {
         /// Hash of the bytes read.
         computed: String,
     },
+    /// The output filesystem cannot hold the rest of the install (checked before writing).
+    #[error(
+        "{path}: not enough free space: the rest of the install needs {needed} bytes (with a reserve), {available} are available\n\nhint: free space or choose another --out; the partial install is kept and resumes"
+    )]
+    NotEnoughSpace {
+        /// Staging directory.
+        path: String,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
+    /// The disk filled up while writing.
+    #[error(
+        "{path}: no space left on device\n\nhint: the partial install is kept: free space and rerun the same command to resume"
+    )]
+    NoSpace {
+        /// File being written.
+        path: String,
+    },
     /// The output exists.
     #[error("{path} already exists; pass --overwrite to replace it")]
     OutputExists {

@@ -624,3 +624,86 @@ async fn a_shard_that_does_not_match_its_published_hash_is_refused() {
         "nothing is published after a source mismatch"
     );
 }
+
+/// A tmpfs of a given size, unmounted on drop (root only; CI runs as root).
+struct SmallDisk {
+    path: PathBuf,
+}
+
+impl SmallDisk {
+    fn mount(path: PathBuf, mib: u64) -> Option<SmallDisk> {
+        std::fs::create_dir_all(&path).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(&path)
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        ok.then_some(SmallDisk { path })
+    }
+
+    fn grow(&self, mib: u64) {
+        let ok = Command::new("mount")
+            .args(["-o", &format!("remount,size={mib}m")])
+            .arg(&self.path)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "remount {}", self.path.display());
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.path).status();
+    }
+}
+
+#[test]
+fn a_full_disk_is_refused_up_front_and_enospc_mid_install_stays_resumable() {
+    let r = scaled_replica();
+    let base = r.dir.parent().unwrap();
+    let reference = base.join("reference.gturbo");
+    assert!(install(&r, &reference, SMALL_RANGES, None).status.success());
+    let Some(disk) = SmallDisk::mount(base.join("disk"), 8) else {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs as root and must be able to mount a tmpfs"
+        );
+        eprintln!("SKIPPED: cannot mount a tmpfs here (not root?)");
+        return;
+    };
+    let out = disk.path.join("m.gturbo");
+
+    // The 12 MB install does not fit 8 MB: refused before writing, with the figures.
+    let o = install(&r, &out, SMALL_RANGES, None);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = text(&o);
+    assert!(
+        err.contains("m.gturbo.partial: not enough free space: the rest of the install needs"),
+        "{err}"
+    );
+
+    // Past the preflight, the disk fills up mid-stream: a clear error, and resumable.
+    let o = Command::new(gturbo_bin())
+        .args(["-q", "install", "qwen38flashnext", "--from"])
+        .arg(&r.dir)
+        .args(["--index-sha256", &r.index_sha, "--out"])
+        .arg(&out)
+        .args(SMALL_RANGES)
+        .env("GTURBO_TEST_SKIP_SPACE_CHECK", "1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = text(&o);
+    assert!(
+        err.contains("no space left on device") && err.contains("rerun the same command to resume"),
+        "{err}"
+    );
+    assert!(!out.exists());
+
+    disk.grow(128); // the output plus the 64 MiB reserve
+    let o = install(&r, &out, SMALL_RANGES, None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(tree_hashes(&out), tree_hashes(&reference));
+}
