@@ -25,16 +25,20 @@ fn mlx_lm_available(test: &str) -> bool {
         Ok(o) if o.status.success() => return true,
         Ok(o) => format!(
             "`python3 -c \"import numpy, mlx.core, mlx_lm\"` failed: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
+            // The traceback's last line names the missing module.
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("")
+                .trim()
         ),
         Err(e) => format!("cannot run python3: {e}"),
     };
     if std::env::var("GTURBO_REQUIRE_PY").as_deref() == Ok("1") {
         panic!("{test}: GTURBO_REQUIRE_PY=1 but {why}");
     }
-    eprintln!(
-        "SKIPPED {test}: {why} (install with `pip install -r scripts/requirements-mlx.txt`)"
-    );
+    eprintln!("SKIPPED {test}: {why} (install with `pip install -r scripts/requirements-mlx.txt`)");
     false
 }
 
