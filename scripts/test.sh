@@ -6,9 +6,7 @@ cd "$(dirname "$0")/.."
 FUZZ_SECONDS="${FUZZ_SECONDS:-45}"
 
 python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-ci.txt
-if [ -f scripts/requirements-mlx.txt ]; then
-  python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-mlx.txt
-fi
+python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-check.txt
 
 cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings

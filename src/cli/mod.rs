@@ -127,6 +127,10 @@ struct InstallArgs {
     /// costs more requests). Part of the plan: changing it changes the fingerprint.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
     range_mib: u64,
+    /// Do not read and hash whole source shards against their published SHA-256
+    /// (reads then skip excluded tensors and headers).
+    #[arg(long)]
+    no_verify_source: bool,
     /// Source reads in flight.
     #[arg(long, default_value_t = 4)]
     jobs: usize,
@@ -293,6 +297,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     let mut options = PlanOptions {
         quant: args.quant,
         coalesce_max: args.range_mib << 20,
+        verify_source: !args.no_verify_source,
         ..PlanOptions::default()
     };
     if args.skip_mtp {

@@ -95,6 +95,8 @@ pub(super) struct Done {
     pub bytes_read: u64,
     /// Output bytes written in this run.
     pub bytes_written: u64,
+    /// Source shards whose published SHA-256 was checked end to end in this run.
+    pub shards_verified: u64,
     /// HTTP retries the source made (0 for a local source).
     pub retries: u64,
 }
@@ -110,13 +112,14 @@ impl Done {
             reads_damaged: s.reads_damaged,
             bytes_read: s.bytes_read,
             bytes_written: s.bytes_written,
+            shards_verified: s.shards_verified,
             retries,
         }
     }
 
     fn text(&self) -> String {
         format!(
-            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} retries",
+            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} source shards verified, {} retries",
             self.out,
             self.elapsed_s,
             self.bytes_read,
@@ -125,6 +128,7 @@ impl Done {
             self.reads_fetched,
             self.reads_kept,
             self.reads_damaged,
+            self.shards_verified,
             self.retries
         )
     }
@@ -379,12 +383,13 @@ impl CliReporter for IndicatifReporter {
 /// `elapsed_s` wall time of the install step; `reads_total` reads in the plan, of which
 /// `reads_kept` were intact from a previous run and `reads_fetched` fetched now
 /// (`reads_damaged` of the kept ones failed their check and were fetched again);
-/// `bytes_read` source bytes and `bytes_written` output bytes of this run; `retries`
+/// `bytes_read` source bytes and `bytes_written` output bytes of this run;
+/// `shards_verified` source shards checked against their published SHA-256; `retries`
 /// HTTP retries. A failed install has no `done`: the error is on stderr and the exit
 /// code is not 0.
 ///
 /// ```json
-/// {"schema_version":1,"event":"done","out":"qwen38flashnext.gturbo","elapsed_s":41.2,"reads_total":12,"reads_kept":0,"reads_fetched":12,"reads_damaged":0,"bytes_read":268435456,"bytes_written":150994944,"retries":0}
+/// {"schema_version":1,"event":"done","out":"qwen38flashnext.gturbo","elapsed_s":41.2,"reads_total":12,"reads_kept":0,"reads_fetched":12,"reads_damaged":0,"bytes_read":268435456,"bytes_written":150994944,"shards_verified":6,"retries":0}
 /// ```
 pub(super) struct JsonReporter {
     out: Mutex<Box<dyn Write + Send>>,
@@ -505,6 +510,7 @@ mod tests {
             reads_damaged: 0,
             bytes_read: 300,
             bytes_written: 200,
+            shards_verified: 1,
             retries: 2,
         }
     }
@@ -584,7 +590,7 @@ mod tests {
             json!({
                 "schema_version": 1, "event": "done", "out": "m.gturbo", "elapsed_s": 2.5,
                 "reads_total": 4, "reads_kept": 1, "reads_fetched": 3, "reads_damaged": 0,
-                "bytes_read": 300, "bytes_written": 200, "retries": 2
+                "bytes_read": 300, "bytes_written": 200, "shards_verified": 1, "retries": 2
             })
         );
     }
@@ -607,7 +613,7 @@ mod tests {
             "gturbo: stream: 2 reads to fetch, 1 kept\n\
              gturbo: stream: 2000000 / 4000000 B (50.0%), 1.0 MB/s\n\
              gturbo: stream: 4000000 / 4000000 B (100.0%), 1.0 MB/s\n\
-             gturbo: installed m.gturbo in 2.5 s: read 300 B, wrote 200 B (0.0 MB/s), 3 reads fetched, 1 kept from a previous run, 0 damaged and redone, 2 retries\n"
+             gturbo: installed m.gturbo in 2.5 s: read 300 B, wrote 200 B (0.0 MB/s), 3 reads fetched, 1 kept from a previous run, 0 damaged and redone, 1 source shards verified, 2 retries\n"
         );
     }
 

@@ -40,6 +40,8 @@ use crate::plan::{Dest, Plan, QuantMode, RangeRead};
 use crate::source::{RangeSource, SourceError};
 use crate::transform::quant::{self, Bits};
 
+use super::source_hash::ResumableSha256;
+
 use super::{InstallError, Prepared};
 
 /// Largest tokenizer/config file copied.
@@ -80,6 +82,8 @@ pub struct ExecuteSummary {
     pub bytes_read: u64,
     /// Output bytes written in this run (weights files).
     pub bytes_written: u64,
+    /// Source shards whose SHA-256 was checked end to end in this run.
+    pub shards_verified: u64,
     /// Wall time.
     pub elapsed_s: f64,
 }
@@ -103,6 +107,11 @@ impl InstallReporter for NoReport {
 }
 
 fn io_err(path: &Path, e: std::io::Error) -> InstallError {
+    if e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(28) {
+        return InstallError::NoSpace {
+            path: path.display().to_string(),
+        };
+    }
     InstallError::Io {
         path: path.display().to_string(),
         source: e,
@@ -192,7 +201,9 @@ impl<'a> ReadWriter<'a> {
     fn feed(&mut self, mut chunk: &[u8], tile_bytes: usize) -> Result<(), InstallError> {
         while !chunk.is_empty() {
             let Some(seg) = self.segs.get(self.seg).cloned() else {
-                return Ok(()); // trailing gap bytes
+                // Bytes after the last segment (excluded tensors read for the hash).
+                self.pos += chunk.len() as u64;
+                return Ok(());
             };
             if self.pos < seg.src_start {
                 let skip = ((seg.src_start - self.pos) as usize).min(chunk.len());
@@ -319,19 +330,29 @@ fn digest_on_disk(
     Ok(hex::encode(digest.finalize()))
 }
 
+/// One journaled read.
+#[derive(Debug, Clone)]
+struct Done {
+    read: usize,
+    digest: String,
+    /// The shard's hash state after this read (verified shards only).
+    sha: Option<ResumableSha256>,
+}
+
 struct Journal {
     path: PathBuf,
     file: File,
 }
 
 impl Journal {
-    /// Open or create; returns completed (read, digest) entries.
+    /// Open or create; returns completed reads, minus those of discarded shards.
     fn open(
         path: &Path,
         fingerprint: &str,
         discard: bool,
-    ) -> Result<(Journal, Vec<(usize, String)>), InstallError> {
-        let mut done = Vec::new();
+        shard_of: impl Fn(usize) -> Option<usize>,
+    ) -> Result<(Journal, Vec<Done>), InstallError> {
+        let mut done: Vec<Done> = Vec::new();
         if path.exists() && !discard {
             let f = File::open(path).map_err(|e| io_err(path, e))?;
             let mut lines = BufReader::new(f).lines();
@@ -356,11 +377,22 @@ impl Journal {
                     let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) else {
                         continue;
                     };
+                    if let Some(s) = v.get("discard_shard").and_then(|s| s.as_u64()) {
+                        done.retain(|d| shard_of(d.read) != Some(s as usize));
+                        continue;
+                    }
                     if let (Some(r), Some(d)) = (
                         v.get("read").and_then(|r| r.as_u64()),
                         v.get("digest").and_then(|d| d.as_str()),
                     ) {
-                        done.push((r as usize, d.to_string()));
+                        let sha = v
+                            .get("sha")
+                            .and_then(|h| serde_json::from_value(h.clone()).ok());
+                        done.push(Done {
+                            read: r as usize,
+                            digest: d.to_string(),
+                            sha,
+                        });
                     }
                 }
                 let file = OpenOptions::new()
@@ -389,10 +421,22 @@ impl Journal {
         ))
     }
 
-    fn record(&mut self, read: usize, digest: &str) -> Result<(), InstallError> {
-        let line = serde_json::json!({ "read": read, "digest": digest });
+    fn append(&mut self, line: serde_json::Value) -> Result<(), InstallError> {
         writeln!(self.file, "{line}").map_err(|e| io_err(&self.path, e))?;
         self.file.sync_data().map_err(|e| io_err(&self.path, e))
+    }
+
+    fn record(
+        &mut self,
+        read: usize,
+        digest: &str,
+        sha: Option<&ResumableSha256>,
+    ) -> Result<(), InstallError> {
+        let mut line = serde_json::json!({ "read": read, "digest": digest });
+        if let Some(h) = sha {
+            line["sha"] = serde_json::to_value(h).unwrap_or(serde_json::Value::Null);
+        }
+        self.append(line)
     }
 }
 
@@ -410,10 +454,198 @@ fn sha256_file(path: &Path) -> Result<String, InstallError> {
     Ok(hex::encode(h.finalize()))
 }
 
+/// Bytes kept free beyond what the install still needs: 1 % of the output, at least
+/// 64 MiB (filesystems misbehave when full, and other programs need room too).
+fn space_reserve(total: u64) -> u64 {
+    (total / 100).max(64 << 20)
+}
+
+/// Refuse to start writing when the output's filesystem cannot hold what remains.
+fn space_preflight(
+    staging: &Path,
+    files: &[File],
+    paths: &[PathBuf],
+    total: u64,
+) -> Result<(), InstallError> {
+    if std::env::var_os(crate::env::GTURBO_TEST_SKIP_SPACE_CHECK).is_some() {
+        return Ok(());
+    }
+    use std::os::unix::fs::MetadataExt;
+    let mut allocated = 0u64;
+    for (f, p) in files.iter().zip(paths) {
+        allocated += f.metadata().map_err(|e| io_err(p, e))?.blocks() * 512;
+    }
+    let remaining = total.saturating_sub(allocated);
+    let available = fs4::available_space(staging).map_err(|e| io_err(staging, e))?;
+    let needed = remaining + space_reserve(total);
+    if available < needed {
+        return Err(InstallError::NotEnoughSpace {
+            path: staging.display().to_string(),
+            needed,
+            available,
+        });
+    }
+    Ok(())
+}
+
 fn sync_dir(path: &Path) -> Result<(), InstallError> {
     File::open(path)
         .and_then(|d| d.sync_all())
         .map_err(|e| io_err(path, e))
+}
+
+/// Reads done one after another: one read, or a verified shard's reads in order.
+struct Job {
+    shard: usize,
+    /// (read index, whether its bytes feed the shard hash).
+    steps: Vec<(usize, bool)>,
+    /// Hash state before the first hashed step (verified shards).
+    start_hash: Option<ResumableSha256>,
+}
+
+#[derive(Default)]
+struct Counters {
+    reads: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    shards_verified: AtomicU64,
+}
+
+struct JobContext {
+    source: Arc<dyn RangeSource>,
+    plan: Arc<Plan>,
+    placements: Arc<Vec<Option<TensorPlacement>>>,
+    files: Arc<Vec<File>>,
+    paths: Arc<Vec<PathBuf>>,
+    journal: Arc<std::sync::Mutex<Journal>>,
+    counters: Arc<Counters>,
+    tile: usize,
+    abort_after: Option<u64>,
+}
+
+/// Run one job; returns the source bytes of each read it completed.
+async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
+    let plan = &*ctx.plan;
+    let mut hash = job.start_hash;
+    let mut sizes = Vec::new();
+    for (ri, hashed) in job.steps {
+        let read = &plan.reads[ri];
+        let mut attempt = 0;
+        let (digest, after) = loop {
+            attempt += 1;
+            let mut h = if hashed { hash.clone() } else { None };
+            match fetch_read(ctx, ri, h.as_mut()).await {
+                Ok(d) => break (d, h),
+                Err(InstallError::Source(e))
+                    if attempt < READ_ATTEMPTS
+                        && !matches!(
+                            e,
+                            SourceError::Unauthorized { .. } | SourceError::NotFound { .. }
+                        ) =>
+                {
+                    tracing::debug!(read = ri, attempt, error = %e, "read failed; retrying it whole");
+                    tokio::time::sleep(Duration::from_millis(200 * attempt as u64)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        if hashed {
+            hash = after;
+        }
+        let journaled_hash =
+            if plan.options.verify_source && plan.shards[job.shard].sha256.is_some() {
+                hash.as_ref()
+            } else {
+                None
+            };
+        {
+            let mut j = ctx.journal.lock().unwrap_or_else(|p| p.into_inner());
+            j.record(ri, &digest, journaled_hash)?;
+        }
+        let n = ctx.counters.reads.fetch_add(1, Ordering::Relaxed) + 1;
+        sizes.push(read.end - read.start);
+        if ctx.abort_after == Some(n) {
+            // Test hook: behave like a kill right after a durable journal line.
+            std::process::exit(137);
+        }
+    }
+    if let (Some(h), Some(expected)) = (&hash, &plan.shards[job.shard].sha256) {
+        let shard = &plan.shards[job.shard];
+        if h.len() == shard.size {
+            let computed = h.finalize_hex();
+            if computed != *expected {
+                let mut j = ctx.journal.lock().unwrap_or_else(|p| p.into_inner());
+                j.append(serde_json::json!({ "discard_shard": job.shard }))?;
+                return Err(InstallError::SourceHashMismatch {
+                    shard: shard.path.clone(),
+                    expected: expected.clone(),
+                    computed,
+                });
+            }
+            ctx.counters.shards_verified.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    Ok(sizes)
+}
+
+/// Fetch one read, transform and write it, fsync what it touched; returns its digest.
+async fn fetch_read(
+    ctx: &JobContext,
+    ri: usize,
+    mut hash: Option<&mut ResumableSha256>,
+) -> Result<String, InstallError> {
+    let plan = &*ctx.plan;
+    let read = &plan.reads[ri];
+    let shard = &plan.shards[read.shard].path;
+    let mut w = ReadWriter {
+        plan,
+        placements: &ctx.placements,
+        files: &ctx.files,
+        paths: &ctx.paths,
+        segs: segments(plan, &ctx.placements, read),
+        seg: 0,
+        pos: read.start,
+        tile: Vec::new(),
+        tile_row0: 0,
+        tile_rows: 0,
+        out: [Vec::new(), Vec::new(), Vec::new()],
+        hashers: Default::default(),
+        digest: Sha256::new(),
+        touched: BTreeSet::new(),
+        written: 0,
+    };
+    let mut body = ctx.source.stream_range(shard, read.start..read.end).await?;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk?;
+        ctx.counters
+            .bytes_read
+            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        if let Some(h) = hash.as_deref_mut() {
+            h.update(&chunk);
+        }
+        tokio::task::block_in_place(|| w.feed(&chunk, ctx.tile))?;
+    }
+    if w.pos != read.end {
+        return Err(SourceError::BadRange {
+            path: shard.clone(),
+            range: read.start..read.end,
+            detail: format!("stream ended at byte {}", w.pos),
+        }
+        .into());
+    }
+    let touched: Vec<usize> = w.touched.iter().copied().collect();
+    tokio::task::block_in_place(|| -> Result<(), InstallError> {
+        for f in touched {
+            ctx.files[f]
+                .sync_data()
+                .map_err(|e| io_err(&ctx.paths[f], e))?;
+        }
+        Ok(())
+    })?;
+    ctx.counters
+        .bytes_written
+        .fetch_add(w.written, Ordering::Relaxed);
+    Ok(hex::encode(w.digest.finalize()))
 }
 
 /// Run the install. Returns the summary; the `.gturbo` directory is published at
@@ -452,7 +684,10 @@ pub async fn execute(
         std::fs::remove_dir_all(&staging).map_err(|e| io_err(&staging, e))?;
     }
     let fingerprint = plan.fingerprint();
-    let (mut journal, done) = Journal::open(&journal_path, &fingerprint, options.discard_partial)?;
+    let (journal, done) =
+        Journal::open(&journal_path, &fingerprint, options.discard_partial, |r| {
+            plan.reads.get(r).map(|x| x.shard)
+        })?;
 
     // Output files, created at their planned sizes (sparse: unwritten slack reads as zero).
     let rel = output_file_paths(plan);
@@ -482,7 +717,12 @@ pub async fn execute(
         paths.push(path);
         files.push(f);
     }
-    let _ = needed;
+    space_preflight(
+        &staging,
+        &files,
+        &paths,
+        needed + plan.outputs.copied.iter().map(|c| c.bytes).sum::<u64>(),
+    )?;
 
     // The resident file's head: magic, index length, index.
     {
@@ -511,138 +751,119 @@ pub async fn execute(
         ..Default::default()
     };
     let mut complete = vec![false; plan.reads.len()];
-    for (ri, digest) in &done {
-        let Some(read) = plan.reads.get(*ri) else {
+    let mut checkpoint: Vec<Option<ResumableSha256>> = vec![None; plan.reads.len()];
+    for d in &done {
+        let Some(read) = plan.reads.get(d.read) else {
             continue;
         };
-        if complete[*ri] {
+        if complete[d.read] {
             continue;
         }
-        if digest_on_disk(plan, &placements, &files, &paths, read)? == *digest {
-            complete[*ri] = true;
+        checkpoint[d.read] = d.sha.clone();
+        if digest_on_disk(plan, &placements, &files, &paths, read)? == d.digest {
+            complete[d.read] = true;
             summary.reads_kept += 1;
         } else {
             summary.reads_damaged += 1;
         }
     }
 
-    // Stream the rest.
+    // Jobs: a verified shard is one job that reads it front to back, feeding a hash
+    // whose state is journaled after every read; other reads are a job each.
+    let verified = |si: usize| plan.options.verify_source && plan.shards[si].sha256.is_some();
+    let mut jobs_list: Vec<Job> = Vec::new();
+    let mut ri = 0;
+    while ri < plan.reads.len() {
+        let si = plan.reads[ri].shard;
+        if !verified(si) {
+            if !complete[ri] {
+                jobs_list.push(Job {
+                    shard: si,
+                    steps: vec![(ri, false)],
+                    start_hash: None,
+                });
+            }
+            ri += 1;
+            continue;
+        }
+        let end = (ri..plan.reads.len())
+            .find(|&j| plan.reads[j].shard != si)
+            .unwrap_or(plan.reads.len());
+        // The journaled prefix carries the hash; reads after it are hashed again.
+        let prefix = (ri..end).take_while(|&j| checkpoint[j].is_some()).count();
+        let start_hash = if prefix > 0 {
+            checkpoint[ri + prefix - 1].clone()
+        } else {
+            Some(ResumableSha256::default())
+        };
+        let mut steps = Vec::new();
+        for (j, done) in complete.iter().enumerate().take(end).skip(ri) {
+            let hashed = j >= ri + prefix;
+            if hashed || !done {
+                steps.push((j, hashed));
+            }
+        }
+        if !steps.is_empty() || prefix == end - ri {
+            jobs_list.push(Job {
+                shard: si,
+                steps,
+                start_hash,
+            });
+        }
+        ri = end;
+    }
+    let fetch_count: usize = jobs_list.iter().map(|j| j.steps.len()).sum();
     reporter.bytes_kept(
-        plan.reads
-            .iter()
-            .zip(&complete)
-            .filter(|(_, c)| **c)
-            .map(|(r, _)| r.end - r.start)
-            .sum(),
-    );
-    let pending: Vec<usize> = (0..plan.reads.len()).filter(|i| !complete[*i]).collect();
-    reporter.phase(
-        "stream",
-        &format!(
-            "{} reads to fetch, {} kept",
-            pending.len(),
-            summary.reads_kept
+        plan.source_bytes_read().saturating_sub(
+            jobs_list
+                .iter()
+                .flat_map(|j| &j.steps)
+                .map(|&(ri, _)| plan.reads[ri].end - plan.reads[ri].start)
+                .sum(),
         ),
     );
+    reporter.phase(
+        "stream",
+        &format!("{fetch_count} reads to fetch, {} kept", summary.reads_kept),
+    );
+
     let files = Arc::new(files);
     let paths = Arc::new(paths);
     let shared_plan = Arc::new(plan.clone());
     let placements = Arc::new(placements);
-    let bytes_read = Arc::new(AtomicU64::new(0));
-    let bytes_written = Arc::new(AtomicU64::new(0));
-    let mut finished = 0u64;
-    let jobs = options.jobs.max(1);
-    let tile = options.tile_bytes.max(1);
-    let mut stream = futures_util::stream::iter(pending.into_iter().map(|ri| {
-        let source = source.clone();
-        let files = files.clone();
-        let paths = paths.clone();
-        let plan = shared_plan.clone();
-        let placements = placements.clone();
-        let bytes_read = bytes_read.clone();
-        let bytes_written = bytes_written.clone();
-        // Each read is its own task so transforms of different reads run on
-        // different cores.
-        let task = tokio::spawn(async move {
-            let plan = &*plan;
-            let placements = &placements[..];
-            let read = &plan.reads[ri];
-            let shard = &plan.shards[read.shard].path;
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                let mut w = ReadWriter {
-                    plan,
-                    placements,
-                    files: &files,
-                    paths: &paths,
-                    segs: segments(plan, placements, read),
-                    seg: 0,
-                    pos: read.start,
-                    tile: Vec::new(),
-                    tile_row0: 0,
-                    tile_rows: 0,
-                    out: [Vec::new(), Vec::new(), Vec::new()],
-                    hashers: Default::default(),
-                    digest: Sha256::new(),
-                    touched: BTreeSet::new(),
-                    written: 0,
-                };
-                let result: Result<(), InstallError> = async {
-                    let mut body = source.stream_range(shard, read.start..read.end).await?;
-                    while let Some(chunk) = body.next().await {
-                        let chunk = chunk?;
-                        bytes_read.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-                        tokio::task::block_in_place(|| w.feed(&chunk, tile))?;
-                    }
-                    if w.pos != read.end {
-                        return Err(SourceError::BadRange {
-                            path: shard.clone(),
-                            range: read.start..read.end,
-                            detail: format!("stream ended at byte {}", w.pos),
-                        }
-                        .into());
-                    }
-                    Ok(())
-                }
-                .await;
-                match result {
-                    Ok(()) => {
-                        let touched: Vec<usize> = w.touched.iter().copied().collect();
-                        tokio::task::block_in_place(|| -> Result<(), InstallError> {
-                            for f in touched {
-                                files[f].sync_data().map_err(|e| io_err(&paths[f], e))?;
-                            }
-                            Ok(())
-                        })?;
-                        bytes_written.fetch_add(w.written, Ordering::Relaxed);
-                        return Ok::<(usize, String, u64), InstallError>((ri, hex::encode(w.digest.finalize()), read.end - read.start));
-                    }
-                    Err(InstallError::Source(e)) if attempt < READ_ATTEMPTS && !matches!(e, SourceError::Unauthorized { .. } | SourceError::NotFound { .. }) => {
-                        tracing::debug!(read = ri, attempt, error = %e, "read failed; retrying it whole");
-                        tokio::time::sleep(Duration::from_millis(200 * attempt as u64)).await;
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        });
+    let journal = Arc::new(std::sync::Mutex::new(journal));
+    let counters = Arc::new(Counters::default());
+    let ctx = Arc::new(JobContext {
+        source: source.clone(),
+        plan: shared_plan,
+        placements,
+        files,
+        paths,
+        journal,
+        counters: counters.clone(),
+        tile: options.tile_bytes.max(1),
+        abort_after: options.abort_after_reads,
+    });
+    let mut stream = futures_util::stream::iter(jobs_list.into_iter().map(|job| {
+        let ctx = ctx.clone();
+        // Each job is its own task so transforms of different jobs run on different cores.
+        let task = tokio::spawn(async move { run_job(&ctx, job).await });
         async move {
-            task.await.map_err(|e| InstallError::Internal(format!("read task failed: {e}")))?
+            task.await
+                .map_err(|e| InstallError::Internal(format!("read task failed: {e}")))?
         }
     }))
-    .buffer_unordered(jobs);
+    .buffer_unordered(options.jobs.max(1));
     while let Some(r) = stream.next().await {
-        let (ri, digest, n) = r?;
-        journal.record(ri, &digest)?;
-        summary.reads_fetched += 1;
-        finished += 1;
-        reporter.read_done(n);
-        if options.abort_after_reads == Some(finished) {
-            // Test hook: behave like a kill right after a durable journal line.
-            std::process::exit(137);
+        for n in r? {
+            reporter.read_done(n);
         }
     }
     drop(stream);
+    summary.reads_fetched = counters.reads.load(Ordering::Relaxed);
+    summary.shards_verified = counters.shards_verified.load(Ordering::Relaxed);
+    let bytes_read = &counters.bytes_read;
+    let bytes_written = &counters.bytes_written;
     summary.bytes_read = bytes_read.load(Ordering::Relaxed);
     summary.bytes_written = bytes_written.load(Ordering::Relaxed);
 

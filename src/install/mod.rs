@@ -5,6 +5,7 @@
 //! from the same [`Prepared`] value, so a dry run and a real install plan identically.
 
 pub mod execute;
+pub mod source_hash;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -143,6 +144,38 @@ pub enum InstallError {
         /// This plan's fingerprint.
         ours: String,
     },
+    /// A source shard's bytes do not hash to the published SHA-256.
+    #[error(
+        "{shard}: source SHA-256 mismatch: the bytes read are not the published file\n  Expected: {expected}\n  Computed: {computed}\n\nhint: what came from this shard is discarded; rerun to fetch it again"
+    )]
+    SourceHashMismatch {
+        /// Shard.
+        shard: String,
+        /// Published hash.
+        expected: String,
+        /// Hash of the bytes read.
+        computed: String,
+    },
+    /// The output filesystem cannot hold the rest of the install (checked before writing).
+    #[error(
+        "{path}: not enough free space: the rest of the install needs {needed} bytes (with a reserve), {available} are available\n\nhint: free space or choose another --out; the partial install is kept and resumes"
+    )]
+    NotEnoughSpace {
+        /// Staging directory.
+        path: String,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
+    /// The disk filled up while writing.
+    #[error(
+        "{path}: no space left on device\n\nhint: the partial install is kept: free space and rerun the same command to resume"
+    )]
+    NoSpace {
+        /// File being written.
+        path: String,
+    },
     /// The output exists.
     #[error("{path} already exists; pass --overwrite to replace it")]
     OutputExists {
@@ -179,6 +212,7 @@ impl InstallError {
             InstallError::IndexHashMismatch { .. }
                 | InstallError::PlanChanged { .. }
                 | InstallError::NonFinite { .. }
+                | InstallError::SourceHashMismatch { .. }
         )
     }
 }

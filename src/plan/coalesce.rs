@@ -18,7 +18,11 @@ pub const COALESCE_GAP: u64 = 1 << 20;
 
 /// Reads covering every included tensor's bytes, in (shard, offset) order.
 /// `tensors` must be in (shard, offset) order.
-pub fn coalesce(tensors: &[PlannedTensor], max: u64, gap: u64) -> Vec<RangeRead> {
+pub fn coalesce<'a>(
+    tensors: impl IntoIterator<Item = &'a PlannedTensor>,
+    max: u64,
+    gap: u64,
+) -> Vec<RangeRead> {
     let max = max.max(1);
     let mut reads: Vec<RangeRead> = Vec::new();
     let mut cur: Option<RangeRead> = None;
@@ -65,6 +69,49 @@ pub fn coalesce(tensors: &[PlannedTensor], max: u64, gap: u64) -> Vec<RangeRead>
     reads
 }
 
+/// Reads covering a whole shard `[0, size)` in order (header, every tensor including
+/// excluded ones), for source verification: cut between tensors, and inside a tensor
+/// larger than `max` at whole rows. `tensors` are the shard's, in offset order.
+pub fn cover_shard(
+    shard: usize,
+    size: u64,
+    tensors: &[&PlannedTensor],
+    max: u64,
+) -> Vec<RangeRead> {
+    let max = max.max(1);
+    let mut reads = Vec::new();
+    let mut start = 0u64;
+    let mut end = tensors.first().map(|t| t.src[0]).unwrap_or(size);
+    for t in tensors {
+        let [ts, te] = t.src;
+        if te - start <= max {
+            end = te;
+            continue;
+        }
+        if end > start {
+            reads.push(RangeRead { shard, start, end });
+            start = end;
+        }
+        debug_assert_eq!(start, ts);
+        let row = t.shape.last().copied().unwrap_or(1).max(1) * t.dtype.size();
+        let piece = if row <= max { max / row * row } else { max };
+        while te - start > max {
+            reads.push(RangeRead {
+                shard,
+                start,
+                end: start + piece,
+            });
+            start += piece;
+        }
+        end = te;
+    }
+    end = end.max(size);
+    if end > start {
+        reads.push(RangeRead { shard, start, end });
+    }
+    reads
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +146,14 @@ mod tests {
             t(1, 300, 1000, false),  // 700 bytes > max 256: split at 8-byte rows
         ];
         let r = coalesce(&ts, 256, 64);
+        // Covering a shard reads every byte, excluded ones too, cut at whole rows.
+        let shard0: Vec<&PlannedTensor> = ts.iter().filter(|t| t.shard == 0).collect();
+        let cover = cover_shard(0, 1100, &shard0, 256);
+        let spans: Vec<(u64, u64)> = cover.iter().map(|r| (r.start, r.end)).collect();
+        assert_eq!(
+            spans,
+            vec![(0, 200), (200, 400), (400, 656), (656, 912), (912, 1100)]
+        );
         let spans: Vec<(usize, u64, u64)> = r.iter().map(|r| (r.shard, r.start, r.end)).collect();
         assert_eq!(
             spans,

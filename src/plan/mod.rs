@@ -61,6 +61,9 @@ pub struct PlanOptions {
     pub coalesce_max: u64,
     /// Largest gap between tensors read through rather than split.
     pub coalesce_gap: u64,
+    /// Read every byte of each shard whose SHA-256 the source publishes, in order, and
+    /// check it (`--no-verify-source` turns this off).
+    pub verify_source: bool,
 }
 
 impl Default for PlanOptions {
@@ -70,6 +73,7 @@ impl Default for PlanOptions {
             skip_sidecars: BTreeSet::new(),
             coalesce_max: coalesce::COALESCE_MAX,
             coalesce_gap: coalesce::COALESCE_GAP,
+            verify_source: true,
         }
     }
 }
@@ -929,7 +933,24 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         row.bytes += out;
     }
 
-    let reads = coalesce::coalesce(&tensors, options.coalesce_max, options.coalesce_gap);
+    let mut reads = Vec::new();
+    for (si, shard) in shards.iter().enumerate() {
+        let mine: Vec<&PlannedTensor> = tensors.iter().filter(|t| t.shard == si).collect();
+        if options.verify_source && shard.sha256.is_some() {
+            reads.extend(coalesce::cover_shard(
+                si,
+                shard.size,
+                &mine,
+                options.coalesce_max,
+            ));
+        } else {
+            reads.extend(coalesce::coalesce(
+                mine,
+                options.coalesce_max,
+                options.coalesce_gap,
+            ));
+        }
+    }
 
     Ok(Plan {
         schema: PLAN_SCHEMA,

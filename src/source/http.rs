@@ -28,6 +28,12 @@
 //!    `max_retry_after` is refused with [`SourceError::RetryAfterTooLong`]. 401/403 is
 //!    [`SourceError::Unauthorized`] and 404 [`SourceError::NotFound`] at once: one request,
 //!    no retries.
+//! 6. **Stream big ranges** ([`RangeSource::stream_range`]): the same request and checks,
+//!    then the body is handed on in chunks of at most [`STREAM_CHUNK`] bytes as they
+//!    arrive. A body that breaks or ends short is resumed with a ranged `GET` for only the
+//!    bytes not yet received (same checks, same cached location, counted as a retry and
+//!    drawing on the same attempt budget), so the consumer sees one exact stream; a body
+//!    longer than asked ends it with [`SourceError::BadRange`].
 //!
 //! The token ([`HfToken`]) is only ever written into the `Authorization` header (marked
 //! sensitive); URLs in errors lose their query string, which may hold a CDN signature.
@@ -39,11 +45,11 @@ use std::fmt;
 use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use backon::Retryable as _;
+use backon::{BackoffBuilder as _, Retryable as _};
 use bytes::{Bytes, BytesMut};
 use reqwest::header::{self, HeaderMap};
 use reqwest::{StatusCode, Url};
@@ -51,7 +57,9 @@ use serde::Deserialize;
 
 use super::retry::{self, RetryPolicy, TransportFault};
 use super::token::HfToken;
-use super::{RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path};
+use super::{
+    ByteStream, RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path,
+};
 
 /// Redirect hops followed per request.
 const MAX_REDIRECTS: usize = 10;
@@ -59,6 +67,8 @@ const MAX_REDIRECTS: usize = 10;
 const MAX_API_BODY: usize = 64 * 1024 * 1024;
 /// Tree pages followed before the listing is declared endless.
 const MAX_TREE_PAGES: usize = 100_000;
+/// Largest chunk [`RangeSource::stream_range`] yields: what one read holds in flight.
+pub const STREAM_CHUNK: usize = 1024 * 1024;
 
 /// Where to read from and how patiently.
 #[derive(Debug, Clone)]
@@ -122,7 +132,15 @@ impl HttpConfig {
 }
 
 /// A [`RangeSource`] over HTTP. See the module doc for the flow.
+///
+/// Cheap to share: the state lives behind an [`Arc`], so a stream from
+/// [`RangeSource::stream_range`] can own what it needs and outlive the borrow.
 pub struct HttpSource {
+    inner: Arc<Inner>,
+}
+
+/// The source's state, shared by the source and its open streams.
+struct Inner {
     config: HttpConfig,
     endpoint: Url,
     repo_segments: Vec<String>,
@@ -138,12 +156,13 @@ pub struct HttpSource {
 
 impl fmt::Debug for HttpSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.inner;
         f.debug_struct("HttpSource")
-            .field("endpoint", &display_url(&self.endpoint))
-            .field("repo", &self.config.repo)
-            .field("revision", &self.config.revision)
-            .field("token", &self.config.token)
-            .field("policy", &self.policy)
+            .field("endpoint", &display_url(&s.endpoint))
+            .field("repo", &s.config.repo)
+            .field("revision", &s.config.revision)
+            .field("token", &s.config.token)
+            .field("policy", &s.policy)
             .finish_non_exhaustive()
     }
 }
@@ -266,6 +285,14 @@ struct TreeLfs {
 impl HttpSource {
     /// A source for `config`. Checks the endpoint URL and the repo name; sends nothing.
     pub fn new(config: HttpConfig) -> Result<Self, SourceError> {
+        Ok(Self {
+            inner: Arc::new(Inner::new(config)?),
+        })
+    }
+}
+
+impl Inner {
+    fn new(config: HttpConfig) -> Result<Self, SourceError> {
         // reqwest is built with `rustls-no-provider`: a provider must be installed before
         // the first client. A second install fails harmlessly.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -694,16 +721,18 @@ impl HttpSource {
         })
     }
 
-    /// One attempt at `range` of `file` from `url`.
-    async fn range_attempt(
+    /// Send the ranged `GET` for `range` of `file` to `url` and check the answer's
+    /// status and headers (206, `Content-Range`, `Content-Length`); the body is left
+    /// unread. Remembers where a redirect led. Returns the answer and its final URL.
+    async fn open_range(
         &self,
         url: &Url,
         file: &RepoFile,
         range: &Range<u64>,
         from_cache: bool,
-    ) -> Result<Bytes, Failure> {
+    ) -> Result<(reqwest::Response, Url), Failure> {
         let path = &file.path;
-        let (mut resp, final_url) = self.send(url, Some(range)).await?;
+        let (resp, final_url) = self.send(url, Some(range)).await?;
         let status = resp.status();
         let bad = |detail: String| SourceError::BadRange {
             path: path.clone(),
@@ -755,6 +784,25 @@ impl HttpSource {
             self.lock_locations()
                 .insert(path.clone(), final_url.clone());
         }
+        Ok((resp, final_url))
+    }
+
+    /// One attempt at `range` of `file` from `url`, the whole body in memory.
+    async fn range_attempt(
+        &self,
+        url: &Url,
+        file: &RepoFile,
+        range: &Range<u64>,
+        from_cache: bool,
+    ) -> Result<Bytes, Failure> {
+        let (mut resp, final_url) = self.open_range(url, file, range, from_cache).await?;
+        let status = resp.status();
+        let len = range.end - range.start;
+        let bad = |detail: String| SourceError::BadRange {
+            path: file.path.clone(),
+            range: range.clone(),
+            detail,
+        };
         let cap = usize::try_from(len)
             .map_err(|_| Failure::Fatal(bad(format!("{len} bytes do not fit in memory"))))?;
         let mut body = BytesMut::with_capacity(cap);
@@ -818,8 +866,7 @@ fn header_text(headers: &HeaderMap, name: header::HeaderName) -> String {
     }
 }
 
-#[async_trait]
-impl RangeSource for HttpSource {
+impl Inner {
     fn describe(&self) -> String {
         format!("{} {}", display_url(&self.endpoint), self.config.repo)
     }
@@ -831,7 +878,13 @@ impl RangeSource for HttpSource {
             .cloned()
     }
 
-    async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
+    /// The listed file at `path` and its resolve URL, after checking `range` against its
+    /// size.
+    async fn ranged_file(
+        &self,
+        path: &str,
+        range: &Range<u64>,
+    ) -> Result<(RepoFile, Url), SourceError> {
         let repo = self.resolve().await?;
         let Some(file) = repo.file(path) else {
             return Err(SourceError::MissingFile {
@@ -842,15 +895,21 @@ impl RangeSource for HttpSource {
         if range.start > range.end || range.end > file.size {
             return Err(SourceError::BadRange {
                 path: path.to_string(),
-                range,
+                range: range.clone(),
                 detail: format!("outside the file's {} bytes", file.size),
             });
         }
+        let commit = repo.commit.as_deref().unwrap_or(&self.config.revision);
+        let resolve_url = self.resolve_url(commit, path)?;
+        Ok((file.clone(), resolve_url))
+    }
+
+    async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
+        let (file, resolve_url) = self.ranged_file(path, &range).await?;
+        let file = &file;
         if range.is_empty() {
             return Ok(Bytes::new());
         }
-        let commit = repo.commit.as_deref().unwrap_or(&self.config.revision);
-        let resolve_url = self.resolve_url(commit, path)?;
         let cached = self.lock_locations().get(path).cloned();
         if let Some(location) = cached {
             match self.fetch_range(&location, file, &range, true).await {
@@ -890,6 +949,267 @@ impl RangeSource for HttpSource {
             retries: self.retries.load(Ordering::Relaxed),
             bytes: self.bytes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Open `range` of `path` as a stream: the first request is sent and its answer
+    /// checked before this returns, so a refusal (401, 404, a 200 for a range) is the
+    /// outer error; faults in the body are healed or end the stream with one `Err`.
+    async fn stream_range(
+        self: &Arc<Self>,
+        path: &str,
+        range: Range<u64>,
+    ) -> Result<ByteStream, SourceError> {
+        let (file, resolve_url) = self.ranged_file(path, &range).await?;
+        if range.is_empty() {
+            return Ok(Box::pin(futures_util::stream::empty()));
+        }
+        let mut state = RangeStream {
+            inner: Arc::clone(self),
+            file,
+            resolve_url,
+            range,
+            received: 0,
+            body: None,
+            pending: Bytes::new(),
+            backoff: retry::backoff(&self.policy).build(),
+            attempts: 1,
+            done: false,
+        };
+        state.open().await?;
+        Ok(Box::pin(futures_util::stream::unfold(
+            state,
+            |mut s| async move {
+                let item = s.next_item().await?;
+                Some((item, s))
+            },
+        )))
+    }
+}
+
+/// One streamed ranged read. The attempt budget (`max_attempts`, backoff and
+/// `Retry-After` rules) covers the whole read: the first request and every resumption
+/// after a body fault draw on the same schedule, as the retries of one `read_range` do.
+struct RangeStream {
+    inner: Arc<Inner>,
+    file: RepoFile,
+    resolve_url: Url,
+    /// The range the caller asked for.
+    range: Range<u64>,
+    /// Bytes of `range` accepted from the server so far (yielded or in `pending`).
+    received: u64,
+    /// The answer being read and its final URL.
+    body: Option<(reqwest::Response, Url)>,
+    /// What is left of a chunk larger than [`STREAM_CHUNK`].
+    pending: Bytes,
+    /// The delays still allowed: one per retry; empty when the budget is spent.
+    backoff: backon::ExponentialBackoff,
+    /// Attempts made, the first included.
+    attempts: u32,
+    /// Finished, by success or by a yielded error.
+    done: bool,
+}
+
+impl RangeStream {
+    fn len(&self) -> u64 {
+        self.range.end - self.range.start
+    }
+
+    fn bad(&self, detail: String) -> SourceError {
+        SourceError::BadRange {
+            path: self.file.path.clone(),
+            range: self.range.clone(),
+            detail,
+        }
+    }
+
+    /// The next piece of `pending`, at most [`STREAM_CHUNK`] bytes (a cheap split).
+    fn take_pending(&mut self) -> Bytes {
+        if self.pending.len() > STREAM_CHUNK {
+            self.pending.split_to(STREAM_CHUNK)
+        } else {
+            std::mem::take(&mut self.pending)
+        }
+    }
+
+    /// Send the request for the bytes not yet received, retrying per the budget.
+    /// The cached redirect location is used when there is one, so a resumption goes
+    /// straight back to the CDN; an expired one is dropped and the file resolved again.
+    async fn open(&mut self) -> Result<(), SourceError> {
+        loop {
+            let rest = self.range.start + self.received..self.range.end;
+            let cached = self.inner.lock_locations().get(&self.file.path).cloned();
+            let from_cache = cached.is_some();
+            let url = cached.unwrap_or_else(|| self.resolve_url.clone());
+            let failure = match self
+                .inner
+                .open_range(&url, &self.file, &rest, from_cache)
+                .await
+            {
+                Ok(answer) => {
+                    self.body = Some(answer);
+                    return Ok(());
+                }
+                Err(Failure::Stale(e)) => {
+                    tracing::debug!(path = %self.file.path, error = %e, "cached location refused; resolving again");
+                    self.inner.lock_locations().remove(&self.file.path);
+                    continue;
+                }
+                Err(f) => f,
+            };
+            self.retry_or_fail(failure).await?;
+        }
+    }
+
+    /// Wait before the next attempt, or give the final error when the failure is
+    /// fatal or the budget is spent. Errors name the whole range asked for.
+    async fn retry_or_fail(&mut self, failure: Failure) -> Result<(), SourceError> {
+        let (error, status, retry_after) = match failure {
+            Failure::Transient {
+                error,
+                status,
+                retry_after,
+            } => (error, status, retry_after),
+            Failure::Fatal(e) | Failure::Stale(e) => return Err(self.name_range(e)),
+        };
+        let wait = retry::next_delay(
+            self.backoff.next(),
+            retry_after,
+            self.inner.policy.max_delay,
+        );
+        let Some(wait) = wait else {
+            return Err(self.name_range(error));
+        };
+        self.attempts += 1;
+        self.inner.retries.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(
+            status = status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+            attempt = self.attempts,
+            resume_at = self.range.start + self.received,
+            wait_ms = wait.as_millis() as u64,
+            error = %error,
+            "retrying the rest of a streamed range"
+        );
+        tokio::time::sleep(wait).await;
+        Ok(())
+    }
+
+    /// `e` with the caller's range (a resumption asks for less) and the attempts made.
+    fn name_range(&self, mut e: SourceError) -> SourceError {
+        match &mut e {
+            SourceError::BadRange { range, .. } => *range = self.range.clone(),
+            SourceError::Status { range, .. } => *range = Some(self.range.clone()),
+            SourceError::Network {
+                range, attempts, ..
+            } => {
+                *range = Some(self.range.clone());
+                *attempts = self.attempts;
+            }
+            _ => {}
+        }
+        e
+    }
+
+    async fn next_item(&mut self) -> Option<Result<Bytes, SourceError>> {
+        if self.done {
+            return None;
+        }
+        if !self.pending.is_empty() {
+            return Some(Ok(self.take_pending()));
+        }
+        let len = self.len();
+        loop {
+            let Some((resp, url)) = self.body.as_mut() else {
+                if self.received == len {
+                    self.done = true;
+                    return None;
+                }
+                if let Err(e) = self.open().await {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                continue;
+            };
+            let failure = match resp.chunk().await {
+                Ok(Some(chunk)) => {
+                    self.inner
+                        .bytes
+                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    if chunk.len() as u64 > len - self.received {
+                        self.done = true;
+                        self.body = None;
+                        return Some(Err(self.bad(format!(
+                            "body longer than the {len} bytes asked for (at least {} bytes)",
+                            self.received + chunk.len() as u64
+                        ))));
+                    }
+                    if chunk.is_empty() {
+                        continue;
+                    }
+                    self.received += chunk.len() as u64;
+                    self.pending = chunk;
+                    return Some(Ok(self.take_pending()));
+                }
+                Ok(None) if self.received == len => {
+                    self.body = None;
+                    self.done = true;
+                    return None;
+                }
+                Ok(None) => Failure::Transient {
+                    error: self.bad(format!("body ended after {} of {len} bytes", self.received)),
+                    status: Some(StatusCode::PARTIAL_CONTENT.as_u16()),
+                    retry_after: None,
+                },
+                Err(e) if self.received == len => {
+                    // Every byte is in; a fault after the last one loses nothing.
+                    tracing::debug!(path = %self.file.path, error = %error_text(e), "fault after a complete body");
+                    self.body = None;
+                    self.done = true;
+                    return None;
+                }
+                Err(e) => {
+                    let url = url.clone();
+                    let context = format!("body failed after {} of {len} bytes", self.received);
+                    self.inner
+                        .transport_failure(&url, Some(self.range.clone()), e, &context)
+                }
+            };
+            self.body = None;
+            if let Err(e) = self.retry_or_fail(failure).await {
+                self.done = true;
+                return Some(Err(e));
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl RangeSource for HttpSource {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    async fn resolve(&self) -> Result<ResolvedRepo, SourceError> {
+        self.inner.resolve().await
+    }
+
+    async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
+        self.inner.read_range(path, range).await
+    }
+
+    /// Chunks of at most [`STREAM_CHUNK`] bytes as they arrive. A body that breaks or
+    /// ends early is resumed with a request for the bytes not yet received, so the
+    /// consumer sees one exact stream; a body longer than asked ends it with
+    /// [`SourceError::BadRange`].
+    async fn stream_range(&self, path: &str, range: Range<u64>) -> Result<ByteStream, SourceError> {
+        self.inner.stream_range(path, range).await
+    }
+
+    async fn read_file(&self, path: &str, max_len: u64) -> Result<Bytes, SourceError> {
+        self.inner.read_file(path, max_len).await
+    }
+
+    fn stats(&self) -> SourceStats {
+        self.inner.stats()
     }
 }
 
@@ -937,6 +1257,89 @@ mod tests {
         );
         let e = HttpSource::new(HttpConfig::new("http://x", "a/../b", "main")).unwrap_err();
         assert!(e.to_string().contains("unsafe file name"), "{e}");
+    }
+
+    /// A stream over `range` of a `size`-byte file whose answer is already open with
+    /// `chunks` as its body (no server: the headers were checked elsewhere).
+    fn injected(chunks: Vec<Vec<u8>>, range: Range<u64>, size: u64) -> RangeStream {
+        let config = HttpConfig::new("http://127.0.0.1:9", "a/b", "main");
+        let inner = Arc::new(Inner::new(config).unwrap());
+        let url = Url::parse("http://127.0.0.1:9/a/b/resolve/main/w.bin").unwrap();
+        let body = reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks
+                .into_iter()
+                .map(|c| Ok::<_, std::io::Error>(Bytes::from(c))),
+        ));
+        let resp = reqwest::Response::from(axum::http::Response::new(body));
+        RangeStream {
+            backoff: retry::backoff(&inner.policy).build(),
+            inner,
+            file: RepoFile {
+                path: "w.bin".into(),
+                size,
+                sha256: None,
+            },
+            resolve_url: url.clone(),
+            range,
+            received: 0,
+            body: Some((resp, url)),
+            pending: Bytes::new(),
+            attempts: 1,
+            done: false,
+        }
+    }
+
+    async fn drain(s: &mut RangeStream) -> (Vec<usize>, Vec<u8>, Option<SourceError>) {
+        let (mut lens, mut bytes) = (Vec::new(), Vec::new());
+        while let Some(item) = s.next_item().await {
+            match item {
+                Ok(c) => {
+                    lens.push(c.len());
+                    bytes.extend_from_slice(&c);
+                }
+                Err(e) => {
+                    assert!(s.next_item().await.is_none(), "nothing after the error");
+                    return (lens, bytes, Some(e));
+                }
+            }
+        }
+        (lens, bytes, None)
+    }
+
+    #[tokio::test]
+    async fn a_chunk_over_one_mib_is_handed_on_in_pieces() {
+        // 251 is prime: a piece out of order would not line up.
+        let data: Vec<u8> = (0..3 * STREAM_CHUNK + 5).map(|i| (i % 251) as u8).collect();
+        let n = data.len() as u64;
+        let mut s = injected(vec![data[..10].to_vec(), data[10..].to_vec()], 0..n, n);
+        let (lens, bytes, err) = drain(&mut s).await;
+        assert!(err.is_none(), "{err:?}");
+        assert_eq!(lens, [10, STREAM_CHUNK, STREAM_CHUNK, STREAM_CHUNK - 5]);
+        assert!(bytes == data);
+        assert_eq!(s.inner.stats().bytes, n);
+    }
+
+    #[tokio::test]
+    async fn a_body_longer_than_asked_ends_the_stream_with_bad_range() {
+        // One chunk over the range: refused whole, nothing handed on.
+        let mut s = injected(vec![vec![7; 100]], 0..60, 1000);
+        let (lens, _, err) = drain(&mut s).await;
+        assert!(lens.is_empty(), "{lens:?}");
+        let err = err.expect("an error");
+        assert!(matches!(err, SourceError::BadRange { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            "w.bin bytes 0-59: bad ranged answer: body longer than the 60 bytes asked for (at least 100 bytes)"
+        );
+
+        // Exactly the range, then one byte more.
+        let mut s = injected(vec![vec![7; 60], vec![8]], 100..160, 1000);
+        let (lens, _, err) = drain(&mut s).await;
+        assert_eq!(lens, [60]);
+        assert_eq!(
+            err.expect("an error").to_string(),
+            "w.bin bytes 100-159: bad ranged answer: body longer than the 60 bytes asked for (at least 61 bytes)"
+        );
     }
 
     #[test]

@@ -20,12 +20,18 @@ use std::io::Read;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path};
+use super::{
+    ByteStream, RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path,
+};
+
+/// Largest chunk [`LocalSource::stream_range`] yields: what one read holds in flight.
+pub const STREAM_CHUNK: usize = 1024 * 1024;
 
 /// Folders never listed: VCS data, caches, the test hub's own state.
 const SKIPPED_DIRS: [&str; 3] = [".git", ".cache", ".gturbo-hub"];
@@ -39,7 +45,8 @@ pub struct LocalSource {
     /// Repo path → resolved file on disk.
     paths: BTreeMap<String, PathBuf>,
     requests: AtomicU64,
-    bytes: AtomicU64,
+    /// Shared with open streams, which count their chunks as they read them.
+    bytes: Arc<AtomicU64>,
 }
 
 /// How the directory was recognised.
@@ -82,7 +89,7 @@ impl LocalSource {
             },
             paths,
             requests: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
+            bytes: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -158,6 +165,47 @@ impl RangeSource for LocalSource {
         Ok(Bytes::from(buf))
     }
 
+    /// Chunks of at most [`STREAM_CHUNK`] bytes, each a positional read of the file
+    /// opened once here. A range past the listed size is refused at once; a file that
+    /// shrank since the walk ends the stream with [`SourceError::BadRange`].
+    async fn stream_range(&self, path: &str, range: Range<u64>) -> Result<ByteStream, SourceError> {
+        let (disk, size) = self.locate(path)?;
+        let bad = |detail: String| SourceError::BadRange {
+            path: path.to_string(),
+            range: range.clone(),
+            detail,
+        };
+        if range.start > range.end {
+            return Err(bad("range starts after it ends".into()));
+        }
+        if range.end > size {
+            return Err(bad(format!("file is {size} bytes")));
+        }
+        let file = tokio::task::spawn_blocking(move || fs::File::open(&disk))
+            .await
+            .map_err(|e| join_err(path, e))?
+            .map_err(|source| SourceError::Io {
+                path: path.to_string(),
+                source,
+            })?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let state = LocalStream {
+            file: Arc::new(file),
+            path: path.to_string(),
+            pos: range.start,
+            range,
+            bytes: Arc::clone(&self.bytes),
+            done: false,
+        };
+        Ok(Box::pin(futures_util::stream::unfold(
+            state,
+            |mut s| async move {
+                let item = s.next_chunk().await?;
+                Some((item, s))
+            },
+        )))
+    }
+
     async fn read_file(&self, path: &str, max_len: u64) -> Result<Bytes, SourceError> {
         let (disk, size) = self.locate(path)?;
         let too_large = |size| SourceError::TooLarge {
@@ -198,6 +246,62 @@ impl RangeSource for LocalSource {
             retries: 0,
             bytes: self.bytes.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// One streamed range of an open file.
+struct LocalStream {
+    file: Arc<fs::File>,
+    path: String,
+    range: Range<u64>,
+    /// The next byte to read.
+    pos: u64,
+    bytes: Arc<AtomicU64>,
+    done: bool,
+}
+
+impl LocalStream {
+    async fn next_chunk(&mut self) -> Option<Result<Bytes, SourceError>> {
+        if self.done || self.pos >= self.range.end {
+            return None;
+        }
+        // At most STREAM_CHUNK, so the cast cannot truncate.
+        let len = (self.range.end - self.pos).min(STREAM_CHUNK as u64) as usize;
+        let file = Arc::clone(&self.file);
+        let at = self.pos;
+        let read = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
+            let mut buf = vec![0u8; len];
+            file.read_exact_at(&mut buf, at)?;
+            Ok(buf)
+        })
+        .await;
+        let result = match read {
+            Ok(Ok(buf)) => {
+                self.pos += len as u64;
+                self.bytes.fetch_add(len as u64, Ordering::Relaxed);
+                return Some(Ok(Bytes::from(buf)));
+            }
+            Err(e) => join_err(&self.path, e),
+            // The file shrank since the walk.
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => SourceError::BadRange {
+                path: self.path.clone(),
+                range: self.range.clone(),
+                detail: format!("file ended before the range did (reading at byte {at})"),
+            },
+            Ok(Err(source)) => SourceError::Io {
+                path: self.path.clone(),
+                source,
+            },
+        };
+        self.done = true;
+        Some(Err(result))
+    }
+}
+
+fn join_err(path: &str, e: tokio::task::JoinError) -> SourceError {
+    SourceError::Io {
+        path: path.to_string(),
+        source: std::io::Error::other(e),
     }
 }
 
@@ -530,6 +634,93 @@ mod tests {
             "config.json: 64 bytes, more than the 63 bytes accepted for this file"
         );
         assert_eq!(src.stats().requests, 0, "refused reads are not counted");
+    }
+
+    /// Every chunk of a stream, or the first error.
+    async fn collect(mut stream: ByteStream) -> (Vec<Bytes>, Option<SourceError>) {
+        use futures_util::StreamExt as _;
+        let mut chunks = Vec::new();
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(c) => chunks.push(c),
+                Err(e) => {
+                    assert!(stream.next().await.is_none(), "nothing after the error");
+                    return (chunks, Some(e));
+                }
+            }
+        }
+        (chunks, None)
+    }
+
+    #[tokio::test]
+    async fn streamed_ranges_are_exact_in_chunks_of_at_most_one_mib() {
+        let tmp = tempfile::tempdir().unwrap();
+        // 251 is prime: a chunk out of place would not line up.
+        let data: Vec<u8> = (0..3 * STREAM_CHUNK + 12_345)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        write(&tmp.path().join("m.safetensors"), &data);
+        let src = LocalSource::open(tmp.path(), None).unwrap();
+
+        let n = data.len() as u64;
+        let (chunks, err) = collect(src.stream_range("m.safetensors", 5..n).await.unwrap()).await;
+        assert!(err.is_none(), "{err:?}");
+        let lens: Vec<usize> = chunks.iter().map(Bytes::len).collect();
+        assert_eq!(lens, [STREAM_CHUNK, STREAM_CHUNK, STREAM_CHUNK, 12_340]);
+        let got: Vec<u8> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+        assert!(got == data[5..], "streamed bytes differ");
+
+        let (chunks, err) = collect(src.stream_range("m.safetensors", 9..9).await.unwrap()).await;
+        assert!(chunks.is_empty() && err.is_none(), "{chunks:?} {err:?}");
+        assert_eq!(
+            src.stats(),
+            SourceStats {
+                requests: 2,
+                retries: 0,
+                bytes: n - 5,
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn a_short_file_ends_a_stream_with_bad_range() {
+        let tmp = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..3 * STREAM_CHUNK).map(|i| (i % 251) as u8).collect();
+        write(&tmp.path().join("m.safetensors"), &data);
+        let src = LocalSource::open(tmp.path(), None).unwrap();
+        let n = data.len() as u64;
+
+        // Past the listed size: refused before anything is read.
+        let err = match src.stream_range("m.safetensors", 10..n + 1).await {
+            Ok(_) => panic!("a range past the end was accepted"),
+            Err(e) => e,
+        };
+        assert_eq!(
+            err.to_string(),
+            format!("m.safetensors bytes 10-{n}: bad ranged answer: file is {n} bytes")
+        );
+        assert_eq!(src.stats().requests, 0);
+
+        // The file shrinks after the listing: the chunks before the end arrive, then
+        // the stream ends with the error.
+        fs::write(
+            tmp.path().join("m.safetensors"),
+            &data[..STREAM_CHUNK + STREAM_CHUNK / 2],
+        )
+        .unwrap();
+        let (chunks, err) = collect(src.stream_range("m.safetensors", 0..n).await.unwrap()).await;
+        let lens: Vec<usize> = chunks.iter().map(Bytes::len).collect();
+        assert_eq!(lens, [STREAM_CHUNK]);
+        assert!(chunks[0] == data[..STREAM_CHUNK]);
+        let err = err.expect("the stream ends with an error");
+        assert!(matches!(err, SourceError::BadRange { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "m.safetensors bytes 0-{}: bad ranged answer: file ended before the range did (reading at byte {STREAM_CHUNK})",
+                n - 1
+            )
+        );
     }
 
     #[tokio::test]

@@ -468,3 +468,242 @@ fn an_existing_output_and_a_held_lock_are_refused() {
     );
     drop(lock);
 }
+
+fn http_install(
+    url: &str,
+    commit: &str,
+    r: &Replica,
+    out: &Path,
+    extra: &[&str],
+    abort_after: Option<u64>,
+) -> Output {
+    let mut c = Command::new(gturbo_bin());
+    c.args([
+        "install",
+        "qwen38flashnext",
+        "--endpoint",
+        url,
+        "--revision",
+        commit,
+        "--index-sha256",
+        &r.index_sha,
+        "--out",
+    ])
+    .arg(out)
+    .args(extra)
+    .stdout(Stdio::null());
+    if let Some(n) = abort_after {
+        c.env("GTURBO_TEST_ABORT_AFTER_READS", n.to_string());
+    }
+    c.output().unwrap()
+}
+
+fn verified_count(stderr: &str) -> u64 {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("source shards verified"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    let before = &line[..line.find(" source shards verified").unwrap()];
+    before.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// Every shard is hashed front to back against the hub's `lfs.oid`, and a resumed
+/// install still proves every shard from the hash state in the journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_shards_are_verified_across_a_resume() {
+    let r = scaled_replica();
+    let (hub, repo) = start_hub("Qwen/Qwen3.8-Flash-Next", &r.dir, HubConfig::default()).await;
+    let url = hub.url().to_string();
+    let base = r.dir.parent().unwrap().to_path_buf();
+    let shards = std::fs::read_dir(&r.dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".safetensors")
+        })
+        .count() as u64;
+    let outcome = tokio::task::spawn_blocking(move || {
+        let reference = base.join("ref.gturbo");
+        let whole = http_install(
+            &url,
+            &repo.commit,
+            &r,
+            &reference,
+            &["--range-mib", "1", "--jobs", "2"],
+            None,
+        );
+        let out = base.join("v.gturbo");
+        let killed = http_install(
+            &url,
+            &repo.commit,
+            &r,
+            &out,
+            &["--range-mib", "1", "--jobs", "2"],
+            Some(5),
+        );
+        let resumed = http_install(
+            &url,
+            &repo.commit,
+            &r,
+            &out,
+            &["--range-mib", "1", "--jobs", "2"],
+            None,
+        );
+        (
+            whole,
+            killed,
+            resumed,
+            tree_hashes(&reference),
+            tree_hashes(&out),
+        )
+    })
+    .await
+    .unwrap();
+    let (whole, killed, resumed, want, got) = outcome;
+    assert!(whole.status.success(), "{}", text(&whole));
+    assert_eq!(verified_count(&text(&whole)), shards);
+    assert_eq!(killed.status.code(), Some(137), "{}", text(&killed));
+    assert!(resumed.status.success(), "{}", text(&resumed));
+    assert_eq!(summary_numbers(&text(&resumed)).1, 5, "{}", text(&resumed));
+    assert_eq!(
+        verified_count(&text(&resumed)),
+        shards,
+        "{}",
+        text(&resumed)
+    );
+    assert_eq!(got, want);
+}
+
+/// A shard whose bytes changed behind the published hash stops the install, names the
+/// shard and both hashes, and publishes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_that_does_not_match_its_published_hash_is_refused() {
+    let r = scaled_replica();
+    let (hub, repo) = start_hub("Qwen/Qwen3.8-Flash-Next", &r.dir, HubConfig::default()).await;
+    let url = hub.url().to_string();
+    let base = r.dir.parent().unwrap().to_path_buf();
+    let outcome = tokio::task::spawn_blocking(move || {
+        // The listing hashes every file once; a dry run makes the hub list the tree.
+        let dry = http_install(
+            &url,
+            &repo.commit,
+            &r,
+            &base.join("d.gturbo"),
+            &["--dry-run"],
+            None,
+        );
+        assert!(dry.status.success(), "{}", text(&dry));
+        // Flip the last byte of the first shard (the vision tower comes first in the
+        // state dict and is excluded, so the plan does not change).
+        let shard = r.dir.join("model-00001-of-00006.safetensors");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let published = sha256_hex(&bytes);
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&shard, &bytes).unwrap();
+        let out = base.join("bad.gturbo");
+        let o = http_install(&url, &repo.commit, &r, &out, &[], None);
+        (o, published, sha256_hex(&bytes), out.exists())
+    })
+    .await
+    .unwrap();
+    let (o, published, tampered, published_dir) = outcome;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = text(&o);
+    assert!(
+        err.contains("model-00001-of-00006.safetensors: source SHA-256 mismatch"),
+        "{err}"
+    );
+    assert!(err.contains(&format!("Expected: {published}")), "{err}");
+    assert!(err.contains(&format!("Computed: {tampered}")), "{err}");
+    assert!(
+        !published_dir,
+        "nothing is published after a source mismatch"
+    );
+}
+
+/// A tmpfs of a given size, unmounted on drop (root only; CI runs as root).
+struct SmallDisk {
+    path: PathBuf,
+}
+
+impl SmallDisk {
+    fn mount(path: PathBuf, mib: u64) -> Option<SmallDisk> {
+        std::fs::create_dir_all(&path).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(&path)
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        ok.then_some(SmallDisk { path })
+    }
+
+    fn grow(&self, mib: u64) {
+        let ok = Command::new("mount")
+            .args(["-o", &format!("remount,size={mib}m")])
+            .arg(&self.path)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "remount {}", self.path.display());
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.path).status();
+    }
+}
+
+#[test]
+fn a_full_disk_is_refused_up_front_and_enospc_mid_install_stays_resumable() {
+    let r = scaled_replica();
+    let base = r.dir.parent().unwrap();
+    let reference = base.join("reference.gturbo");
+    assert!(install(&r, &reference, SMALL_RANGES, None).status.success());
+    let Some(disk) = SmallDisk::mount(base.join("disk"), 8) else {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs as root and must be able to mount a tmpfs"
+        );
+        eprintln!("SKIPPED: cannot mount a tmpfs here (not root?)");
+        return;
+    };
+    let out = disk.path.join("m.gturbo");
+
+    // The 12 MB install does not fit 8 MB: refused before writing, with the figures.
+    let o = install(&r, &out, SMALL_RANGES, None);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = text(&o);
+    assert!(
+        err.contains("m.gturbo.partial: not enough free space: the rest of the install needs"),
+        "{err}"
+    );
+
+    // Past the preflight, the disk fills up mid-stream: a clear error, and resumable.
+    let o = Command::new(gturbo_bin())
+        .args(["-q", "install", "qwen38flashnext", "--from"])
+        .arg(&r.dir)
+        .args(["--index-sha256", &r.index_sha, "--out"])
+        .arg(&out)
+        .args(SMALL_RANGES)
+        .env("GTURBO_TEST_SKIP_SPACE_CHECK", "1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = text(&o);
+    assert!(
+        err.contains("no space left on device") && err.contains("rerun the same command to resume"),
+        "{err}"
+    );
+    assert!(!out.exists());
+
+    disk.grow(128); // the output plus the 64 MiB reserve
+    let o = install(&r, &out, SMALL_RANGES, None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(tree_hashes(&out), tree_hashes(&reference));
+}

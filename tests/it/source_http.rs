@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use gturbo::source::http::{HttpConfig, HttpSource};
+use gturbo::source::http::{HttpConfig, HttpSource, STREAM_CHUNK};
 use gturbo::source::token::HfToken;
 use gturbo::source::{RangeSource, SourceError};
 use gturbo::testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, RouteKind};
@@ -438,4 +438,356 @@ async fn a_gated_repo_fails_fast_and_never_shows_the_token() {
     let src = HttpSource::new(c).unwrap();
     let got = src.read_file("config.json", 4096).await.unwrap();
     assert_eq!(&got[..], fx.bytes("config.json"));
+}
+
+// ---- stream_range: bounded chunks, resumption after body faults ----
+
+const BIG: &str = "weights/big.bin";
+const BIG_LEN: usize = 5_000_000;
+
+/// The small snapshot plus a 5 MB `weights/big.bin`.
+async fn big_fixture(config: HubConfig) -> Fixture {
+    let tmp = support::temp_dir();
+    let mut files = support::write_small_snapshot(tmp.path());
+    let big = support::pseudo_random(BIG_LEN, 11);
+    support::write_file(tmp.path(), BIG, &big);
+    files.push((BIG.to_string(), big));
+    files.sort_by(|a, b| a.0.cmp(&b.0));
+    let (hub, repo) = support::start_hub(
+        REPO,
+        tmp.path(),
+        HubConfig {
+            lfs_threshold: 1024 * 1024,
+            ..config
+        },
+    )
+    .await;
+    Fixture {
+        _tmp: tmp,
+        hub,
+        repo,
+        files,
+    }
+}
+
+/// Every chunk of a stream, or the first error (outer or in the stream).
+async fn chunks(
+    stream: Result<gturbo::source::ByteStream, SourceError>,
+) -> Result<Vec<bytes::Bytes>, SourceError> {
+    use futures_util::StreamExt as _;
+    let mut stream = stream?;
+    let mut out = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        out.push(chunk?);
+    }
+    Ok(out)
+}
+
+/// The chunks before the stream's error, and the error.
+async fn chunks_until_error(stream: gturbo::source::ByteStream) -> (Vec<u8>, Option<SourceError>) {
+    use futures_util::StreamExt as _;
+    let mut stream = stream;
+    let mut got = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(c) => got.extend_from_slice(&c),
+            Err(e) => return (got, Some(e)),
+        }
+    }
+    (got, None)
+}
+
+fn concat(chunks: &[bytes::Bytes]) -> Vec<u8> {
+    chunks.iter().flat_map(|c| c.iter().copied()).collect()
+}
+
+/// The first and last byte of each `Range: bytes=a-b` the hub was asked for.
+fn asked_ranges(ranges: &[Option<String>]) -> Vec<(u64, u64)> {
+    ranges
+        .iter()
+        .map(|r| {
+            let (a, b) = r
+                .as_deref()
+                .and_then(|r| r.strip_prefix("bytes="))
+                .and_then(|r| r.split_once('-'))
+                .expect("a Range header");
+            (
+                a.parse().expect("first byte"),
+                b.parse().expect("last byte"),
+            )
+        })
+        .collect()
+}
+
+// The hub cuts a faulty body after half the bytes, but under load a reset may drop
+// bytes still queued on the server's side, so a resumption can start before the half.
+// What the tests pin down: the resumed request starts exactly where the bytes received
+// ended (the bytes are exact and none was fetched twice), and no later than the half.
+
+#[tokio::test]
+async fn a_streamed_range_arrives_exact_in_chunks_of_at_most_one_mib() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let src = fx.source();
+    let data = fx.bytes(BIG);
+    src.resolve().await.unwrap();
+    let before = src.stats();
+    let got = chunks(src.stream_range(BIG, 0..BIG_LEN as u64).await)
+        .await
+        .unwrap();
+    assert!(concat(&got) == data, "streamed bytes differ from the file");
+    assert!(got.len() >= 5, "{} chunks", got.len());
+    for c in &got {
+        assert!(
+            !c.is_empty() && c.len() <= STREAM_CHUNK,
+            "chunk of {}",
+            c.len()
+        );
+    }
+    let after = src.stats();
+    assert_eq!(after.bytes - before.bytes, BIG_LEN as u64);
+    assert_eq!(after.requests - before.requests, 1);
+    assert_eq!(after.retries, 0);
+
+    // A range in the middle; an empty range sends nothing.
+    let r = 1_234_567..4_567_890u64;
+    let got = chunks(src.stream_range(BIG, r.clone()).await)
+        .await
+        .unwrap();
+    assert!(concat(&got) == data[r.start as usize..r.end as usize]);
+    assert!(
+        chunks(src.stream_range(BIG, 7..7).await)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        fx.hub.stats().file(REPO, BIG).ranges,
+        vec![
+            Some("bytes=0-4999999".to_string()),
+            Some("bytes=1234567-4567889".to_string()),
+        ]
+    );
+
+    // Refusals before any byte are the outer error, as for read_range.
+    let e = chunks(src.stream_range(BIG, 10..BIG_LEN as u64 + 1).await)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("{BIG} bytes 10-{BIG_LEN}: bad ranged answer: outside the file's {BIG_LEN} bytes")
+    );
+    let e = chunks(src.stream_range("nope.bin", 0..1).await)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("nope.bin: not in the snapshot of {REPO}")
+    );
+}
+
+#[tokio::test]
+async fn a_reset_or_truncated_body_is_resumed_from_the_byte_reached() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let src = fx.source();
+    let data = fx.bytes(BIG);
+    src.resolve().await.unwrap();
+    // 4_000_000 bytes from 1000: the hub cuts the first body after half of them.
+    let r = 1000..4_001_000u64;
+    for kind in [FaultKind::ResetMidBody, FaultKind::TruncatedBody] {
+        fx.hub.reset_stats();
+        let before = src.stats();
+        fx.hub.faults().push(Fault::new(kind.clone()).path(BIG));
+        let got = chunks(src.stream_range(BIG, r.clone()).await)
+            .await
+            .unwrap();
+        assert!(concat(&got) == data[1000..4_001_000], "{kind:?}");
+        assert!(got.iter().all(|c| c.len() <= STREAM_CHUNK), "{kind:?}");
+        let asked = asked_ranges(&fx.hub.stats().file(REPO, BIG).ranges);
+        assert_eq!(asked.len(), 2, "{kind:?}: {asked:?}");
+        assert_eq!(asked[0], (1000, 4_000_999), "{kind:?}");
+        assert_eq!(asked[1].1, 4_000_999, "{kind:?}");
+        let resume = asked[1].0;
+        assert!(resume > 1000 && resume <= 2_001_000, "{kind:?}: {asked:?}");
+        let after = src.stats();
+        assert_eq!(after.retries - before.retries, 1, "{kind:?}");
+        assert_eq!(after.requests - before.requests, 2, "{kind:?}");
+        // Every body byte was used once: the resumption asked only for what was missing.
+        assert_eq!(after.bytes - before.bytes, 4_000_000, "{kind:?}");
+        assert_eq!(fx.hub.faults().pending(), 0);
+    }
+}
+
+#[tokio::test]
+async fn a_resumed_request_is_retried_on_a_transient_status() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let src = fx.source();
+    let data = fx.bytes(BIG);
+    src.resolve().await.unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::ResetMidBody).path(BIG));
+    fx.hub.faults().push(Fault::status(503).path(BIG));
+    let got = chunks(src.stream_range(BIG, 0..2_000_000).await)
+        .await
+        .unwrap();
+    assert!(concat(&got) == data[..2_000_000]);
+    let asked = asked_ranges(&fx.hub.stats().file(REPO, BIG).ranges);
+    let resume = asked[1].0;
+    assert!(resume > 0 && resume <= 1_000_000, "{asked:?}");
+    assert_eq!(
+        asked,
+        [(0, 1_999_999), (resume, 1_999_999), (resume, 1_999_999)]
+    );
+    assert_eq!(src.stats().retries, 2);
+}
+
+#[tokio::test]
+async fn a_resumed_request_goes_to_the_cached_cdn_location() {
+    let fx = big_fixture(HubConfig {
+        redirect_to_cdn: true,
+        ..HubConfig::default()
+    })
+    .await;
+    let src = fx.source();
+    let data = fx.bytes(BIG);
+    fx.hub.faults().push(
+        Fault::new(FaultKind::ResetMidBody)
+            .route(RouteKind::Cdn)
+            .path(BIG),
+    );
+    let got = chunks(src.stream_range(BIG, 0..BIG_LEN as u64).await)
+        .await
+        .unwrap();
+    assert!(concat(&got) == data);
+    let f = fx.hub.stats().file(REPO, BIG);
+    assert_eq!(
+        (f.resolve, f.cdn),
+        (1, 2),
+        "one resolve, then the CDN twice: {f:?}"
+    );
+    let asked = asked_ranges(&f.ranges);
+    let resume = asked[2].0;
+    assert!(resume > 0 && resume <= 2_500_000, "{asked:?}");
+    assert_eq!(
+        asked,
+        [(0, 4_999_999), (0, 4_999_999), (resume, 4_999_999)],
+        "resolve, CDN, then the CDN again for the rest"
+    );
+    assert_eq!(src.stats().retries, 1);
+
+    // The signed URL expires between the break and the resumption: the file is
+    // resolved once more and the stream carries on from the byte reached.
+    fx.hub.reset_stats();
+    fx.hub.faults().push(
+        Fault::new(FaultKind::ResetMidBody)
+            .route(RouteKind::Cdn)
+            .path(BIG),
+    );
+    fx.hub
+        .faults()
+        .push(Fault::status(403).route(RouteKind::Cdn).path(BIG));
+    let got = chunks(src.stream_range(BIG, 0..2_000_000).await)
+        .await
+        .unwrap();
+    assert!(concat(&got) == data[..2_000_000]);
+    let f = fx.hub.stats().file(REPO, BIG);
+    assert_eq!((f.resolve, f.cdn), (1, 3), "{f:?}");
+    let asked = asked_ranges(&f.ranges);
+    let resume = asked[1].0;
+    assert!(resume > 0 && resume <= 1_000_000, "{asked:?}");
+    assert_eq!(
+        asked,
+        [
+            (0, 1_999_999),
+            (resume, 1_999_999),
+            (resume, 1_999_999),
+            (resume, 1_999_999),
+        ],
+        "CDN (reset), CDN (expired), resolve, CDN"
+    );
+    assert_eq!(src.stats().retries, 2);
+}
+
+#[tokio::test]
+async fn a_200_or_a_wrong_content_range_ends_a_stream_with_bad_range() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let src = fx.source();
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::FullBodyFor206).path(BIG));
+    let e = chunks(src.stream_range(BIG, 10..20).await)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, SourceError::BadRange { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{BIG} bytes 10-19: bad ranged answer: HTTP 200 with the whole file instead of 206 Partial Content (Content-Length: {BIG_LEN}); the server ignored Range"
+        )
+    );
+    assert_eq!(src.stats().retries, 0);
+
+    // The resumed request is checked like the first: its wrong Content-Range ends the
+    // stream after the bytes already delivered, naming the caller's range.
+    let data = fx.bytes(BIG);
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::ResetMidBody).path(BIG));
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::WrongContentRange).path(BIG));
+    let stream = src.stream_range(BIG, 0..2_000_000).await.unwrap();
+    let (got, e) = chunks_until_error(stream).await;
+    let k = got.len();
+    assert!(
+        k <= 1_000_000 && got == data[..k],
+        "{k} bytes before the error"
+    );
+    let e = e.expect("the stream ends with an error");
+    assert!(matches!(e, SourceError::BadRange { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{BIG} bytes 0-1999999: bad ranged answer: Content-Range: bytes {}-2000000/{BIG_LEN}, expected bytes {k}-1999999/{BIG_LEN}",
+            k + 1
+        )
+    );
+}
+
+#[tokio::test]
+async fn a_stream_gives_up_when_attempts_run_out_with_the_range_and_count() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let mut c = fx.config();
+    c.max_attempts = 2;
+    let src = HttpSource::new(c).unwrap();
+    let data = fx.bytes(BIG);
+    src.resolve().await.unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::ResetMidBody).times(2).path(BIG));
+    let stream = src.stream_range(BIG, 0..1_000_000).await.unwrap();
+    let (got, e) = chunks_until_error(stream).await;
+    // Half, then half of the rest (750_000 bytes unless a reset dropped some), before
+    // the budget of 2 attempts is spent; what arrived was handed on.
+    let k = got.len();
+    assert!(
+        k <= 750_000 && got == data[..k],
+        "{k} bytes before the error"
+    );
+    let e = e.expect("the stream ends with an error");
+    assert!(
+        matches!(e, SourceError::Network { attempts: 2, .. }),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    let head = format!(
+        "{} (bytes 0-999999): network error after 2 attempt(s): body failed after {k} of 1000000 bytes: ",
+        fx.resolve_url(BIG)
+    );
+    assert!(text.starts_with(&head), "{text}");
+    let asked = asked_ranges(&fx.hub.stats().file(REPO, BIG).ranges);
+    let resume = asked[1].0;
+    assert!(resume <= 500_000 && resume <= k as u64, "{asked:?}");
+    assert_eq!(asked, [(0, 999_999), (resume, 999_999)]);
+    assert_eq!(src.stats().retries, 1);
 }
