@@ -722,7 +722,7 @@ def check_files(rep, snap_dir, gdir, man):
         for nm in names:
             rel = os.path.relpath(os.path.join(root, nm), gdir).replace(os.sep, "/")
             on_disk.add(rel)
-    extra = sorted(p for p in on_disk - set(paths) if p != "manifest.json" and "receipt" not in p)
+    extra = sorted(p for p in on_disk - set(paths) if p not in ("manifest.json", "verified-install.json"))
     rep.check(not extra, extra[0] if extra else "-", 0, "-", f"files on disk not in manifest: {extra[:5]}")
     ok = 0
     for f in listed:

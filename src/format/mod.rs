@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod manifest;
 pub mod pools;
+pub mod receipt;
 pub mod resident;
 
 /// Every alignment in the format uses this unit, whatever the host's page size

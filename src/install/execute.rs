@@ -34,6 +34,7 @@ use crate::format::manifest::{
     self, Manifest, ManifestArch, ManifestFile, ManifestResident, ManifestSource, ManifestTool,
     QuantizedAtInstall,
 };
+use crate::format::receipt::{self, Receipt, ReceiptFile};
 use crate::format::resident::MAGIC;
 use crate::plan::placement::{TensorPlacement, output_file_paths};
 use crate::plan::{Dest, Plan, QuantMode, RangeRead};
@@ -488,6 +489,12 @@ fn space_preflight(
     Ok(())
 }
 
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), InstallError> {
+    let mut f = File::create(path).map_err(|e| io_err(path, e))?;
+    f.write_all(bytes).map_err(|e| io_err(path, e))?;
+    f.sync_all().map_err(|e| io_err(path, e))
+}
+
 fn sync_dir(path: &Path) -> Result<(), InstallError> {
     File::open(path)
         .and_then(|d| d.sync_all())
@@ -937,12 +944,35 @@ pub async fn execute(
     })?;
     let manifest = build_manifest(prepared, &fingerprint, hashed);
     let mpath = staging.join(manifest::FILE_NAME);
-    {
-        let mut f = File::create(&mpath).map_err(|e| io_err(&mpath, e))?;
-        f.write_all(&manifest.to_canonical_bytes())
-            .map_err(|e| io_err(&mpath, e))?;
-        f.sync_all().map_err(|e| io_err(&mpath, e))?;
-    }
+    let manifest_bytes = manifest.to_canonical_bytes();
+    write_synced(&mpath, &manifest_bytes)?;
+    // The receipt: this install just hashed every file it lists.
+    let now = std::time::SystemTime::now();
+    let receipt = Receipt {
+        format: "gturbo-receipt".into(),
+        version: 1,
+        manifest_sha256: hex::encode(Sha256::digest(&manifest_bytes)),
+        files: manifest
+            .files
+            .iter()
+            .map(|f| ReceiptFile {
+                path: f.path.clone(),
+                bytes: f.bytes,
+                sha256: f.sha256.clone(),
+            })
+            .collect(),
+        verified_by: "install".into(),
+        tool_version: env!("CARGO_PKG_VERSION").into(),
+        verified_at_unix: now
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        verified_at: httpdate::fmt_http_date(now),
+        source_repo: plan.source.repo.clone(),
+        source_commit: plan.source.commit.clone(),
+    };
+    let rpath = staging.join(receipt::FILE_NAME);
+    write_synced(&rpath, &receipt.to_canonical_bytes())?;
     for dir in ["packed_experts", "ple", "tokenizer", ""] {
         let d = staging.join(dir);
         if d.is_dir() {

@@ -175,10 +175,25 @@ async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
     let experts = plan["outputs"]["experts"].as_u64().unwrap()
         + plan["outputs"]["sidecar_experts"].as_u64().unwrap();
     assert_eq!(by_kind.get("experts").copied(), Some(experts));
-    // Nothing but the listed files, the manifest, and no staging leftovers.
+    // Nothing but the listed files, the manifest, the receipt, and no staging leftovers.
     assert_eq!(
         on_disk.len(),
-        manifest["files"].as_array().unwrap().len() + 1
+        manifest["files"].as_array().unwrap().len() + 2
+    );
+    let receipt: Value =
+        serde_json::from_slice(&std::fs::read(out.join("verified-install.json")).unwrap()).unwrap();
+    assert_eq!(
+        receipt["manifest_sha256"].as_str(),
+        on_disk.get("manifest.json").map(String::as_str)
+    );
+    assert_eq!(
+        receipt["files"].as_array().unwrap().len(),
+        manifest["files"].as_array().unwrap().len()
+    );
+    assert_eq!(receipt["verified_by"], "install");
+    assert_eq!(
+        receipt["source_commit"].as_str(),
+        Some(repo.commit.as_str())
     );
     assert!(
         !r.dir
