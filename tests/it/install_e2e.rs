@@ -232,7 +232,7 @@ async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
 fn check_with_python(snapshot: &Path, out: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_install.py");
     let probe = Command::new("python3")
-        .args(["-c", "import numpy, mlx.core"])
+        .args(["-c", "import numpy, mlx.core, jsonschema"])
         .status();
     let available = script.exists() && matches!(probe, Ok(s) if s.success());
     if !available {
@@ -245,6 +245,31 @@ fn check_with_python(snapshot: &Path, out: &Path) {
         );
         return;
     }
+    // The manifest conforms to the published JSON Schema, and the schema bites.
+    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/manifest.schema.json");
+    let validate = |manifest: &Path| {
+        Command::new("python3")
+            .args(["-c", "import json,sys,jsonschema; jsonschema.validate(json.load(open(sys.argv[2])), json.load(open(sys.argv[1])))"])
+            .arg(&schema)
+            .arg(manifest)
+            .output()
+            .unwrap()
+    };
+    let v = validate(&out.join("manifest.json"));
+    assert!(
+        v.status.success(),
+        "manifest fails its schema: {}",
+        String::from_utf8_lossy(&v.stderr)
+    );
+    let mut bad: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    bad["files"][0]["path"] = Value::String("../escape.bin".into());
+    let bad_path = out.parent().unwrap().join("bad-manifest.json");
+    std::fs::write(&bad_path, serde_json::to_vec(&bad).unwrap()).unwrap();
+    assert!(
+        !validate(&bad_path).status.success(),
+        "the schema accepted a `..` path"
+    );
     let o = Command::new("python3")
         .arg(script)
         .arg(snapshot)
