@@ -24,3 +24,11 @@ URL=$(head -1 "$WORK/hub.url")
 # The replica's index differs from the real repo's pin, so pin the replica's own.
 "$BIN/gturbo" install qwen38flashnext --dry-run --endpoint "$URL" --index-sha256 "$INDEX_SHA" \
   --out "$WORK/qwen38flashnext.gturbo"
+
+# A scaled replica (same tensor names and structure, real random BF16 weights) installed
+# end to end from a local folder: quantized, repacked, verified, published.
+"$BIN/gturbo-dev" replica flash-next --scaled "$WORK/flash-next-scaled"
+SCALED_SHA=$(sha256sum "$WORK/flash-next-scaled/model.safetensors.index.json" | cut -d' ' -f1)
+"$BIN/gturbo" -q install qwen38flashnext --from "$WORK/flash-next-scaled" --index-sha256 "$SCALED_SHA" \
+  --out "$WORK/qwen38flashnext-scaled.gturbo"
+ls -l "$WORK/qwen38flashnext-scaled.gturbo" "$WORK/qwen38flashnext-scaled.gturbo/packed_experts"
