@@ -747,3 +747,41 @@ fn a_full_disk_is_refused_up_front_and_enospc_mid_install_stays_resumable() {
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(tree_hashes(&out), tree_hashes(&reference));
 }
+
+/// A +inf weight in a tensor bound for INT4 stops the install, naming the tensor and
+/// the element; nothing is published.
+#[test]
+fn a_non_finite_weight_is_refused_naming_tensor_and_element() {
+    let tmp = temp_dir();
+    let dir = tmp.path().join("snap");
+    let spec = replica::Qwen3Spec {
+        shards: 1,
+        ..replica::Qwen3Spec::tiny()
+    };
+    replica::write_qwen3(&dir, &spec).unwrap();
+    let shard = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let name = "model.layers.0.mlp.up_proj.weight";
+    let begin = header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    assert_eq!(header[name]["dtype"], "BF16");
+    let at = 8 + n + begin + 2 * 1000; // element 1000 of the tensor
+    bytes[at..at + 2].copy_from_slice(&0x7f80u16.to_le_bytes()); // BF16 +inf
+    std::fs::write(&shard, &bytes).unwrap();
+    let out = tmp.path().join("inf.gturbo");
+    let o = Command::new(gturbo_bin())
+        .args(["-q", "install", "--family", "qwen3", "local/tiny", "--from"])
+        .arg(&dir)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("tensor `model.layers.0.mlp.up_proj.weight`: non-finite weight (inf or NaN) at element 1000"),
+        "{}",
+        text(&o)
+    );
+    assert!(!out.exists());
+}
