@@ -19,3 +19,5 @@ pub const GTURBO_TEST_ABORT_AFTER_READS: &str = "GTURBO_TEST_ABORT_AFTER_READS";
 /// Test hook: skip the free-space preflight, so the tests can reach a real ENOSPC in the
 /// middle of an install. Never set it otherwise.
 pub const GTURBO_TEST_SKIP_SPACE_CHECK: &str = "GTURBO_TEST_SKIP_SPACE_CHECK";
+/// Set to a non-empty value to draw progress without colour (<https://no-color.org>).
+pub const NO_COLOR: &str = "NO_COLOR";

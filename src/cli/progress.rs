@@ -59,7 +59,7 @@ pub(super) fn for_install(json_lines: bool, quiet: u8, no_progress: bool) -> Box
         Mode::Text => Box::new(TextReporter::new(quiet, Box::new(std::io::stderr()))),
         Mode::Bar => {
             // https://no-color.org: set and not empty disables colour.
-            let color = std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+            let color = std::env::var_os(crate::env::NO_COLOR).is_none_or(|v| v.is_empty());
             Box::new(IndicatifReporter::new(color))
         }
     }
