@@ -20,9 +20,17 @@ fi
 # The tests that talk to Python peers fail instead of skipping when this is set.
 export GTURBO_REQUIRE_PY=1
 cargo test --all-targets 2>&1 | tee target/peers/cargo-test.log
-# cargo test's own summary lines are per binary; print one plain total for CI.
-awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "%d passed, %d failed, %d skipped\n", p, f, i }' target/peers/cargo-test.log
+# cargo test's own summary lines are per binary; one plain total closes the run.
+summary=$(awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "%d passed, %d failed, %d skipped", p, f, i }' target/peers/cargo-test.log)
+echo "$summary"
 
 if [ "$FUZZ_SECONDS" != 0 ] && [ -x scripts/fuzz.sh ]; then
-  scripts/fuzz.sh "$FUZZ_SECONDS"
+  # libFuzzer is chatty: keep its log in a file and show the verdict.
+  if ! scripts/fuzz.sh "$FUZZ_SECONDS" > target/peers/fuzz.log 2>&1; then
+    tail -n 40 target/peers/fuzz.log
+    echo "fuzz: failed (full log: target/peers/fuzz.log)" >&2
+    exit 1
+  fi
+  grep -E "^(Done|fuzz:)|stat::number_of_executed_units" target/peers/fuzz.log || true
 fi
+echo "$summary"
