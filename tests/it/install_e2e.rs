@@ -50,7 +50,8 @@ fn text(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// path → sha256 of every file under `dir`.
+/// path → sha256 of every file under `dir`, except the receipt, which records the time
+/// of the install by design.
 fn tree_hashes(dir: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -61,7 +62,9 @@ fn tree_hashes(dir: &Path) -> BTreeMap<String, String> {
                 stack.push(p);
             } else {
                 let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-                out.insert(rel, sha256_hex(&std::fs::read(&p).unwrap()));
+                if rel != "verified-install.json" {
+                    out.insert(rel, sha256_hex(&std::fs::read(&p).unwrap()));
+                }
             }
         }
     }
@@ -175,11 +178,13 @@ async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
     let experts = plan["outputs"]["experts"].as_u64().unwrap()
         + plan["outputs"]["sidecar_experts"].as_u64().unwrap();
     assert_eq!(by_kind.get("experts").copied(), Some(experts));
-    // Nothing but the listed files, the manifest, the receipt, and no staging leftovers.
+    // Nothing but the listed files, the manifest (and the receipt, which `tree_hashes`
+    // leaves out), and no staging leftovers.
     assert_eq!(
         on_disk.len(),
-        manifest["files"].as_array().unwrap().len() + 2
+        manifest["files"].as_array().unwrap().len() + 1
     );
+    assert!(out.join("verified-install.json").is_file());
     let receipt: Value =
         serde_json::from_slice(&std::fs::read(out.join("verified-install.json")).unwrap()).unwrap();
     assert_eq!(
