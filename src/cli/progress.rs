@@ -81,22 +81,9 @@ pub(super) trait CliReporter: InstallReporter {
 pub(super) struct Done {
     /// The installed `.gturbo` directory.
     pub out: String,
-    /// Wall time of the execute step, seconds.
-    pub elapsed_s: f64,
-    /// Reads in the plan.
-    pub reads_total: u64,
-    /// Reads found intact from a previous run and kept.
-    pub reads_kept: u64,
-    /// Reads fetched in this run.
-    pub reads_fetched: u64,
-    /// Journaled reads found damaged on disk and fetched again.
-    pub reads_damaged: u64,
-    /// Source bytes fetched in this run.
-    pub bytes_read: u64,
-    /// Output bytes written in this run.
-    pub bytes_written: u64,
-    /// Source shards whose published SHA-256 was checked end to end in this run.
-    pub shards_verified: u64,
+    /// What the executor did (its fields appear at the top level of the event).
+    #[serde(flatten)]
+    pub summary: ExecuteSummary,
     /// HTTP retries the source made (0 for a local source).
     pub retries: u64,
 }
@@ -105,14 +92,7 @@ impl Done {
     pub(super) fn new(out: &Path, s: &ExecuteSummary, retries: u64) -> Done {
         Done {
             out: out.display().to_string(),
-            elapsed_s: s.elapsed_s,
-            reads_total: s.reads_total,
-            reads_kept: s.reads_kept,
-            reads_fetched: s.reads_fetched,
-            reads_damaged: s.reads_damaged,
-            bytes_read: s.bytes_read,
-            bytes_written: s.bytes_written,
-            shards_verified: s.shards_verified,
+            summary: s.clone(),
             retries,
         }
     }
@@ -121,14 +101,14 @@ impl Done {
         format!(
             "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} source shards verified, {} retries",
             self.out,
-            self.elapsed_s,
-            self.bytes_read,
-            self.bytes_written,
-            self.bytes_read as f64 / 1e6 / self.elapsed_s.max(1e-9),
-            self.reads_fetched,
-            self.reads_kept,
-            self.reads_damaged,
-            self.shards_verified,
+            self.summary.elapsed_s,
+            self.summary.bytes_read,
+            self.summary.bytes_written,
+            self.summary.bytes_read as f64 / 1e6 / self.summary.elapsed_s.max(1e-9),
+            self.summary.reads_fetched,
+            self.summary.reads_kept,
+            self.summary.reads_damaged,
+            self.summary.shards_verified,
             self.retries
         )
     }
@@ -503,14 +483,16 @@ mod tests {
     fn done() -> Done {
         Done {
             out: "m.gturbo".into(),
-            elapsed_s: 2.5,
-            reads_total: 4,
-            reads_kept: 1,
-            reads_fetched: 3,
-            reads_damaged: 0,
-            bytes_read: 300,
-            bytes_written: 200,
-            shards_verified: 1,
+            summary: ExecuteSummary {
+                elapsed_s: 2.5,
+                reads_total: 4,
+                reads_kept: 1,
+                reads_fetched: 3,
+                reads_damaged: 0,
+                bytes_read: 300,
+                bytes_written: 200,
+                shards_verified: 1,
+            },
             retries: 2,
         }
     }
