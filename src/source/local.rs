@@ -94,6 +94,18 @@ impl LocalSource {
     }
 
     /// The resolved file for `path`, after the name check.
+    /// [`Self::locate`], then refuse a range that is reversed or runs past the listed size.
+    fn locate_range(&self, path: &str, range: &Range<u64>) -> Result<PathBuf, SourceError> {
+        let (disk, size) = self.locate(path)?;
+        if range.start > range.end {
+            return Err(bad_range(path, range, "range starts after it ends".into()));
+        }
+        if range.end > size {
+            return Err(bad_range(path, range, format!("file is {size} bytes")));
+        }
+        Ok(disk)
+    }
+
     fn locate(&self, path: &str) -> Result<(PathBuf, u64), SourceError> {
         check_repo_path("requested path", path)?;
         match (self.paths.get(path), self.repo.file(path)) {
@@ -122,18 +134,8 @@ impl RangeSource for LocalSource {
     }
 
     async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
-        let (disk, size) = self.locate(path)?;
-        let bad = |detail: String| SourceError::BadRange {
-            path: path.to_string(),
-            range: range.clone(),
-            detail,
-        };
-        if range.start > range.end {
-            return Err(bad("range starts after it ends".into()));
-        }
-        if range.end > size {
-            return Err(bad(format!("file is {size} bytes")));
-        }
+        let disk = self.locate_range(path, &range)?;
+        let bad = |detail: String| bad_range(path, &range, detail);
         let len = usize::try_from(range.end - range.start)
             .map_err(|_| bad("range does not fit in memory".into()))?;
         let start = range.start;
@@ -169,18 +171,7 @@ impl RangeSource for LocalSource {
     /// opened once here. A range past the listed size is refused at once; a file that
     /// shrank since the walk ends the stream with [`SourceError::BadRange`].
     async fn stream_range(&self, path: &str, range: Range<u64>) -> Result<ByteStream, SourceError> {
-        let (disk, size) = self.locate(path)?;
-        let bad = |detail: String| SourceError::BadRange {
-            path: path.to_string(),
-            range: range.clone(),
-            detail,
-        };
-        if range.start > range.end {
-            return Err(bad("range starts after it ends".into()));
-        }
-        if range.end > size {
-            return Err(bad(format!("file is {size} bytes")));
-        }
+        let disk = self.locate_range(path, &range)?;
         let file = tokio::task::spawn_blocking(move || fs::File::open(&disk))
             .await
             .map_err(|e| join_err(path, e))?
@@ -514,6 +505,14 @@ fn walk(
         paths.insert(rel, target);
     }
     Ok(())
+}
+
+fn bad_range(path: &str, range: &Range<u64>, detail: String) -> SourceError {
+    SourceError::BadRange {
+        path: path.to_string(),
+        range: range.clone(),
+        detail,
+    }
 }
 
 #[cfg(test)]
