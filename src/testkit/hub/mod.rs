@@ -578,6 +578,29 @@ fn internal(what: &str, e: std::io::Error) -> Response {
 #[allow(clippy::result_large_err)]
 impl Shared {
     /// The repo, checking the gate. `Err` is the answer to send.
+    /// What every API route does first: a scripted status fault, then the repo (with
+    /// its gate), then the revision.
+    fn api_repo(
+        &self,
+        route: RouteKind,
+        org: &str,
+        name: &str,
+        rev: &str,
+        headers: &HeaderMap,
+    ) -> Result<&RepoState, Response> {
+        let shape = RequestShape {
+            route,
+            path: None,
+            file_body: false,
+        };
+        if let Some(FaultKind::Status { code, retry_after }) = self.faults.take(&shape) {
+            return Err(fault_status(code, retry_after.as_deref()));
+        }
+        let repo = self.repo(org, name, headers)?;
+        repo.check_rev(rev)?;
+        Ok(repo)
+    }
+
     fn repo(&self, org: &str, name: &str, headers: &HeaderMap) -> Result<&RepoState, Response> {
         let key = format!("{org}/{name}");
         let Some(repo) = self.repos.get(&key) else {
@@ -641,21 +664,10 @@ async fn revision(
     headers: HeaderMap,
 ) -> Response {
     hub.stats().revision += 1;
-    let shape = RequestShape {
-        route: RouteKind::Revision,
-        path: None,
-        file_body: false,
-    };
-    if let Some(FaultKind::Status { code, retry_after }) = hub.faults.take(&shape) {
-        return fault_status(code, retry_after.as_deref());
-    }
-    let repo = match hub.repo(&org, &name, &headers) {
+    let repo = match hub.api_repo(RouteKind::Revision, &org, &name, &rev, &headers) {
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    if let Err(resp) = repo.check_rev(&rev) {
-        return resp;
-    }
     let siblings: Vec<_> = repo
         .files
         .iter()
@@ -722,21 +734,10 @@ async fn tree(
     headers: HeaderMap,
 ) -> Response {
     hub.stats().tree += 1;
-    let shape = RequestShape {
-        route: RouteKind::Tree,
-        path: None,
-        file_body: false,
-    };
-    if let Some(FaultKind::Status { code, retry_after }) = hub.faults.take(&shape) {
-        return fault_status(code, retry_after.as_deref());
-    }
-    let repo = match hub.repo(&org, &name, &headers) {
+    let repo = match hub.api_repo(RouteKind::Tree, &org, &name, &rev, &headers) {
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    if let Err(resp) = repo.check_rev(&rev) {
-        return resp;
-    }
     let recursive = q
         .recursive
         .as_deref()
