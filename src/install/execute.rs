@@ -568,13 +568,16 @@ async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
         {
             let mut j = ctx.journal.lock().unwrap_or_else(|p| p.into_inner());
             j.record(ri, &digest, journaled_hash)?;
+            // Counted under the journal lock so the count equals the journal's lines
+            // at any moment; the test hook below relies on it.
+            let n = ctx.counters.reads.fetch_add(1, Ordering::Relaxed) + 1;
+            if ctx.abort_after == Some(n) {
+                // Test hook: behave like a kill right after the n-th durable journal
+                // line. Exiting with the lock held keeps another job from adding one.
+                std::process::exit(137);
+            }
         }
-        let n = ctx.counters.reads.fetch_add(1, Ordering::Relaxed) + 1;
         sizes.push(read.end - read.start);
-        if ctx.abort_after == Some(n) {
-            // Test hook: behave like a kill right after a durable journal line.
-            std::process::exit(137);
-        }
     }
     if let (Some(h), Some(expected)) = (&hash, &plan.shards[job.shard].sha256) {
         let shard = &plan.shards[job.shard];
