@@ -27,6 +27,7 @@ use crate::source::token;
 
 mod progress;
 mod report;
+mod run;
 
 /// gturbo installs huge sharded Hugging Face models into a page-aligned,
 /// hash-verified local layout, and runs them.
@@ -68,13 +69,7 @@ enum Command {
         dir: PathBuf,
     },
     /// Generate text from an installed `.gturbo` directory (smoke test).
-    Run {
-        /// The `.gturbo` directory.
-        dir: PathBuf,
-        /// Prompt text.
-        #[arg(long)]
-        prompt: Option<String>,
-    },
+    Run(Box<run::RunArgs>),
     /// List the known families with their source pins and runner status.
     Families {
         /// One JSON document instead of a table.
@@ -224,10 +219,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             "{}: verify-install is not implemented yet (tracked as the verify-install issue)",
             dir.display()
         ))),
-        Command::Run { dir, .. } => Err(Failure::usage(format!(
-            "{}: run is not implemented yet (tracked as the runtime issue)",
-            dir.display()
-        ))),
+        Command::Run(args) => run::run_cmd(*args),
         Command::Families { json } => families_cmd(json),
     }
 }

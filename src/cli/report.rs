@@ -364,8 +364,10 @@ impl FamilyRow {
             index_sha256: f.file.source.index_sha256.clone(),
             model_types: f.file.model_types.clone(),
             required_axes: f.file.arch.required_axes.clone(),
-            // No runner exists yet; the runtime lands with the `gturbo run` issue.
-            runner: None,
+            // The runner `gturbo run` would use, when it implements every required axis.
+            runner: crate::runtime::gate::check(f.id(), &f.file.arch.required_axes)
+                .ok()
+                .map(|r| r.name.to_string()),
         }
     }
 }

@@ -1,0 +1,199 @@
+//! The family capability gate: which installs `gturbo run` can execute.
+//!
+//! Each runner declares the families it reads and the architecture axes it
+//! implements (the vocabulary of `required_axes` in `families/*.json`, copied into a
+//! manifest's `arch.requiredAxes`). The gate compares a manifest's family and
+//! required axes with this registry before any weight file is opened, and refuses
+//! with one line that names the family and every missing axis.
+
+use std::fmt;
+
+/// Grouped-query attention (KV heads shared by groups of query heads).
+pub const GQA_ATTENTION: &str = "gqaAttention";
+/// Rotary position embeddings, rotate-half layout.
+pub const ROPE: &str = "rope";
+/// RMSNorm scaled by `w` (not `1 + w`).
+pub const RMS_NORM: &str = "rmsNorm";
+/// SwiGLU MLP: `down(silu(gate x) * up x)`.
+pub const SWIGLU: &str = "swiglu";
+/// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
+pub const QK_NORM: &str = "qkNorm";
+/// Softmax top-k routed experts read from expert pools (Qwen3-MoE).
+pub const ROUTED_MOE: &str = "routedMoe";
+/// LM head shared with the token embedding.
+pub const TIED_EMBEDDINGS: &str = "tiedEmbeddings";
+
+/// A runner: the families it reads and the axes it implements.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Runner {
+    /// Name shown by `gturbo families` and the run footer.
+    pub name: &'static str,
+    /// Family ids it accepts.
+    pub families: &'static [&'static str],
+    /// Axes it implements.
+    pub axes: &'static [&'static str],
+}
+
+impl Runner {
+    /// Whether the runner implements `axis`.
+    pub fn implements(&self, axis: &str) -> bool {
+        self.axes.contains(&axis)
+    }
+}
+
+/// Every runner gturbo has. One decoder, parametrised by axes, covers the plain
+/// transformer families.
+pub const RUNNERS: &[Runner] = &[Runner {
+    name: "decoder",
+    families: &["llama", "qwen3", "qwen3_moe"],
+    axes: &[
+        GQA_ATTENTION,
+        ROPE,
+        RMS_NORM,
+        SWIGLU,
+        QK_NORM,
+        ROUTED_MOE,
+        TIED_EMBEDDINGS,
+    ],
+}];
+
+/// Why an install cannot run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GateError {
+    /// No runner accepts the family. `missing`: its required axes that no runner
+    /// implements, in manifest order.
+    NoRunner {
+        /// Family id.
+        family: String,
+        /// Axes no runner implements.
+        missing: Vec<String>,
+    },
+    /// The family's runner lacks axes the install requires.
+    MissingAxes {
+        /// Family id.
+        family: String,
+        /// Runner name.
+        runner: &'static str,
+        /// Axes the runner lacks, in manifest order.
+        missing: Vec<String>,
+    },
+}
+
+impl fmt::Display for GateError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GateError::NoRunner { family, missing } if missing.is_empty() => write!(
+                f,
+                "family {family} is installed but has no runner; missing axes: none (every \
+                 required axis exists in another family's runner)"
+            ),
+            GateError::NoRunner { family, missing } => write!(
+                f,
+                "family {family} is installed but has no runner; missing axes: {}",
+                missing.join(", ")
+            ),
+            GateError::MissingAxes {
+                family,
+                runner,
+                missing,
+            } => write!(
+                f,
+                "family {family} is installed but its runner {runner} lacks axes; missing \
+                 axes: {}",
+                missing.join(", ")
+            ),
+        }
+    }
+}
+
+impl std::error::Error for GateError {}
+
+/// The runner registered for `family`, if any (axes not checked).
+pub fn runner_for(family: &str) -> Option<&'static Runner> {
+    RUNNERS.iter().find(|r| r.families.contains(&family))
+}
+
+/// The runner for an install of `family` that requires `required` axes, or the
+/// refusal naming every missing axis.
+pub fn check(family: &str, required: &[String]) -> Result<&'static Runner, GateError> {
+    match runner_for(family) {
+        Some(runner) => {
+            let missing: Vec<String> = dedup(required.iter().filter(|a| !runner.implements(a)));
+            if missing.is_empty() {
+                Ok(runner)
+            } else {
+                Err(GateError::MissingAxes {
+                    family: family.to_string(),
+                    runner: runner.name,
+                    missing,
+                })
+            }
+        }
+        None => Err(GateError::NoRunner {
+            family: family.to_string(),
+            missing: dedup(
+                required
+                    .iter()
+                    .filter(|a| !RUNNERS.iter().any(|r| r.implements(a))),
+            ),
+        }),
+    }
+}
+
+fn dedup<'a>(axes: impl Iterator<Item = &'a String>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for a in axes {
+        if !out.contains(a) {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn plain_families_pass_with_their_axes() {
+        for (fam, axes) in [
+            ("llama", s(&["gqaAttention", "rope", "rmsNorm", "swiglu"])),
+            ("qwen3_moe", s(&["gqaAttention", "qkNorm", "routedMoe"])),
+        ] {
+            assert_eq!(check(fam, &axes).map(|r| r.name), Ok("decoder"));
+        }
+    }
+
+    #[test]
+    fn unknown_family_lists_only_axes_no_runner_has() {
+        let err = check(
+            "qwen38flashnext",
+            &s(&[
+                "gatedAttention",
+                "routedMoe",
+                "attentionIndexer",
+                "gatedAttention",
+            ]),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "family qwen38flashnext is installed but has no runner; missing axes: \
+             gatedAttention, attentionIndexer"
+        );
+    }
+
+    #[test]
+    fn known_family_with_an_unknown_axis_is_refused() {
+        let err = check("qwen3", &s(&["rope", "slidingWindow", "qkNorm", "mystery"])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "family qwen3 is installed but its runner decoder lacks axes; missing axes: \
+             slidingWindow, mystery"
+        );
+    }
+}

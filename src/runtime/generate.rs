@@ -1,0 +1,186 @@
+//! The generation loop, its footer figures, and the two-install comparison behind
+//! `gturbo eval`.
+
+use std::time::Instant;
+
+use super::load::LoadError;
+use super::model::{Model, Session};
+
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token (end of sequence / end of turn) was sampled.
+    Eos,
+    /// `max_tokens` were generated.
+    MaxTokens,
+}
+
+impl StopReason {
+    /// Label used by the footer and `--json`.
+    pub fn label(self) -> &'static str {
+        match self {
+            StopReason::Eos => "eos",
+            StopReason::MaxTokens => "max-tokens",
+        }
+    }
+}
+
+/// What one generation did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Generated token ids (the stop token included when one was sampled).
+    pub tokens: Vec<u32>,
+    /// Why it stopped.
+    pub stop: StopReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Seconds spent in prefill.
+    pub prefill_s: f64,
+    /// Seconds spent decoding after the first token.
+    pub decode_s: f64,
+}
+
+impl Generation {
+    /// Prompt tokens per second of prefill.
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_s.max(1e-9)
+    }
+
+    /// Generated tokens per second of decode (tokens after the first over the time
+    /// spent producing them).
+    pub fn decode_tok_s(&self) -> f64 {
+        self.tokens.len().saturating_sub(1) as f64 / self.decode_s.max(1e-9)
+    }
+}
+
+/// Generate after `prompt`: prefill in one batched forward pass, then one token at a
+/// time. `pick` chooses the next token from the logits; `on_token` sees each token as
+/// it is produced (to stream it). Stops after a token in `stop_ids` or `max_tokens`.
+pub fn generate(
+    model: &Model,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop_ids: &[u32],
+    mut pick: impl FnMut(&[f32]) -> u32,
+    mut on_token: impl FnMut(u32),
+) -> Result<Generation, LoadError> {
+    if prompt.is_empty() {
+        return Err(LoadError::invalid(
+            "input",
+            "the prompt encodes to no tokens",
+        ));
+    }
+    let mut s: Session = model.session();
+    let t0 = Instant::now();
+    let mut logits = model.forward(&mut s, prompt, false)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut tokens = Vec::new();
+    let mut stop = StopReason::MaxTokens;
+    while tokens.len() < max_tokens {
+        let t = pick(&logits);
+        tokens.push(t);
+        on_token(t);
+        if stop_ids.contains(&t) {
+            stop = StopReason::Eos;
+            break;
+        }
+        if tokens.len() == max_tokens {
+            break;
+        }
+        logits = model.forward(&mut s, &[t], false)?;
+    }
+    Ok(Generation {
+        tokens,
+        stop,
+        prompt_tokens: prompt.len(),
+        prefill_s,
+        decode_s: t1.elapsed().as_secs_f64(),
+    })
+}
+
+/// Index of the largest logit (the lowest index on ties), as greedy decoding picks.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Peak resident set size of this process in bytes (`VmHWM`), where the OS says it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// How two models' next-token distributions agree over the same tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Agreement {
+    /// Positions compared.
+    pub positions: usize,
+    /// Mean KL(A‖B) in nats.
+    pub mean_kl: f64,
+    /// Largest KL at one position.
+    pub max_kl: f64,
+    /// Share of positions where both argmaxes agree.
+    pub top1: f64,
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
+    x.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// Compare per-position logits `a` and `b` (`positions × vocab` each).
+pub fn agreement(a: &[f32], b: &[f32], vocab: usize) -> Agreement {
+    let positions = a.len().min(b.len()) / vocab.max(1);
+    let (mut sum, mut max, mut same) = (0.0f64, 0.0f64, 0usize);
+    for p in 0..positions {
+        let (ra, rb) = (
+            &a[p * vocab..(p + 1) * vocab],
+            &b[p * vocab..(p + 1) * vocab],
+        );
+        let (la, lb) = (log_softmax(ra), log_softmax(rb));
+        let kl: f64 = la.iter().zip(&lb).map(|(x, y)| x.exp() * (x - y)).sum();
+        sum += kl;
+        max = max.max(kl);
+        same += usize::from(argmax(ra) == argmax(rb));
+    }
+    Agreement {
+        positions,
+        mean_kl: sum / positions.max(1) as f64,
+        max_kl: max,
+        top1: same as f64 / positions.max(1) as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agreement_of_identical_and_shifted_distributions() {
+        let a = [0.0f32, 1.0, 2.0, 0.5, 3.0, 1.0];
+        let same = agreement(&a, &a, 3);
+        assert_eq!((same.positions, same.top1), (2, 1.0));
+        assert!(same.mean_kl.abs() < 1e-12);
+        // A uniform B against A's first row: KL = sum p log(p * 3).
+        let b = [0.0f32; 6];
+        let r = agreement(&a[..3], &b[..3], 3);
+        let p: Vec<f64> = log_softmax(&a[..3]).iter().map(|l| l.exp()).collect();
+        let want: f64 = p.iter().map(|p| p * (p * 3.0).ln()).sum();
+        assert!((r.mean_kl - want).abs() < 1e-9, "{} vs {want}", r.mean_kl);
+        assert_eq!(r.top1, 0.0, "uniform argmax is 0, A's is 2");
+    }
+
+    #[test]
+    fn argmax_takes_the_first_of_ties() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+    }
+}
