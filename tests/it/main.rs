@@ -7,5 +7,6 @@ mod mlx_lm_parity;
 mod progress;
 mod quant_parity;
 mod replica;
+mod runtime;
 mod source_http;
 mod support;

@@ -1,0 +1,264 @@
+//! `gturbo run`: the family capability gate, agreement with mlx-lm on the same INT4
+//! weights (goldens from `scripts/gen_runtime_golden.py`), and expert streaming
+//! through a bounded slot cache.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use gturbo::runtime::experts::ExpertMode;
+use gturbo::runtime::generate::{self, argmax};
+use gturbo::runtime::kernels::Cpu;
+use gturbo::runtime::load::{self, LoadOptions};
+use gturbo::runtime::model::Model;
+use gturbo::testkit::replica::{self, FlashNextSpec, Qwen3MoeSpec, Qwen3Spec};
+use serde_json::Value;
+
+use crate::support::{gturbo_bin, sha256_hex, temp_dir};
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `gturbo install --family FAMILY local/x --from SNAP --out OUT`, asserting success.
+fn install(family: &str, snap: &Path, out: &Path, extra: &[&str]) {
+    let o = Command::new(gturbo_bin())
+        .args(["-q", "install", "--family", family, "local/x", "--from"])
+        .arg(snap)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .env_remove("HF_ENDPOINT")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "install: {}", text(&o));
+}
+
+fn run(dir: &Path, args: &[&str]) -> Output {
+    Command::new(gturbo_bin())
+        .arg("run")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// The one error line `gturbo` printed.
+fn error_line(o: &Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one stderr line: {}", text(o));
+    lines[0].to_string()
+}
+
+#[test]
+fn flash_next_install_is_refused_naming_every_missing_axis_before_any_weight_is_read() {
+    let tmp = temp_dir();
+    let snap = tmp.path().join("snap");
+    replica::write_flash_next(&snap, &FlashNextSpec::scaled()).unwrap();
+    let index_sha = sha256_hex(&std::fs::read(snap.join("model.safetensors.index.json")).unwrap());
+    let out = tmp.path().join("flash.gturbo");
+    let o = Command::new(gturbo_bin())
+        .args(["-q", "install", "qwen38flashnext", "--from"])
+        .arg(&snap)
+        .args(["--index-sha256", &index_sha, "--out"])
+        .arg(&out)
+        .env_remove("HF_ENDPOINT")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "install: {}", text(&o));
+    // Every weight file gone: the gate must answer from manifest.json alone.
+    std::fs::remove_file(out.join("resident.bin")).unwrap();
+    std::fs::remove_dir_all(out.join("packed_experts")).unwrap();
+    std::fs::remove_dir_all(out.join("ple")).unwrap();
+    let o = run(&out, &["--prompt-ids", "1,2,3"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(
+        error_line(&o),
+        "gturbo: error: family qwen38flashnext is installed but has no runner; missing axes: \
+         gatedAttention, gatedDeltaNetLinearAttention, attentionIndexer, sharedExpertGated, \
+         hyperConnectionsLowRank, pleNgramEmbedding, offsetRmsNorm, multiTokenPrediction"
+    );
+    assert!(o.stdout.is_empty(), "{}", text(&o));
+}
+
+/// A tiny qwen3 install in `tmp`, from the golden's seed.
+fn qwen3_install(tmp: &Path, seed: u64) -> PathBuf {
+    let snap = tmp.join("snap");
+    replica::write_qwen3(
+        &snap,
+        &Qwen3Spec {
+            seed,
+            ..Qwen3Spec::tiny()
+        },
+    )
+    .unwrap();
+    let out = tmp.join("q3.gturbo");
+    install("qwen3", &snap, &out, &[]);
+    out
+}
+
+#[test]
+fn a_manifest_claiming_an_axis_no_runner_implements_is_refused() {
+    // `gturbo run` reads the manifest as it is (the receipt's manifest hash is
+    // verify-install's business); the gate still refuses what it cannot run.
+    let tmp = temp_dir();
+    let out = qwen3_install(tmp.path(), 0);
+    let path = out.join("manifest.json");
+    let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let axes = m["arch"]["requiredAxes"].as_array_mut().unwrap();
+    axes.insert(1, Value::from("slidingWindowAttention"));
+    axes.push(Value::from("hyperConnectionsLowRank"));
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    let o = run(&out, &["--prompt-ids", "1,2,3"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(
+        error_line(&o),
+        "gturbo: error: family qwen3 is installed but its runner decoder lacks axes; missing \
+         axes: slidingWindowAttention, hyperConnectionsLowRank"
+    );
+}
+
+#[test]
+fn families_lists_the_runner_of_each_family() {
+    let o = Command::new(gturbo_bin())
+        .args(["families", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let runners: Vec<(String, Value)> = doc["families"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["id"].as_str().unwrap().to_string(), f["runner"].clone()))
+        .collect();
+    assert_eq!(
+        runners,
+        vec![
+            ("llama".to_string(), Value::from("decoder")),
+            ("qwen3".to_string(), Value::from("decoder")),
+            ("qwen38flashnext".to_string(), Value::Null),
+            ("qwen3_moe".to_string(), Value::from("decoder")),
+        ]
+    );
+    let o = Command::new(gturbo_bin()).arg("families").output().unwrap();
+    let table = String::from_utf8_lossy(&o.stdout);
+    let flash = table
+        .lines()
+        .find(|l| l.starts_with("qwen38flashnext"))
+        .unwrap();
+    assert!(flash.contains("none (needs "), "{table}");
+    let q3 = table.lines().find(|l| l.starts_with("qwen3 ")).unwrap();
+    assert!(q3.ends_with("decoder"), "{table}");
+}
+
+// ------------------------------------------------------------------ mlx-lm parity
+
+struct Golden {
+    seed: u64,
+    prompt: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
+}
+
+fn golden(family: &str) -> Golden {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("tests/data/runtime_golden_{family}.json"));
+    let v: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(v["family"], family);
+    let ids = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    Golden {
+        seed: v["seed"].as_u64().unwrap(),
+        prompt: ids("prompt"),
+        greedy: ids("greedy"),
+        logits: v["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect()
+            })
+            .collect(),
+    }
+}
+
+/// Largest |gturbo − mlx-lm| logit difference accepted. Both sides compute in f32
+/// on bit-identical INT4 weights; what differs is summation order and RoPE angle
+/// rounding (~1e-6 relative), plus the golden's 6-decimal rounding (5e-7); measured
+/// worst case 9.5e-7.
+const LOGIT_TOLERANCE: f32 = 1e-5;
+
+fn check_against_golden(dir: &Path, g: &Golden, experts: ExpertMode) {
+    let install = load::open(dir, LoadOptions { experts }).unwrap();
+    let cpu = Cpu::new(2);
+    let model = Model::new(&install, &cpu).unwrap();
+    let vocab = model.cfg.vocab;
+    let mut s = model.session();
+    let logits = model.forward(&mut s, &g.prompt, true).unwrap();
+    assert_eq!(logits.len(), g.prompt.len() * vocab);
+    let mut worst = (0.0f32, 0, 0);
+    for (p, want) in g.logits.iter().enumerate() {
+        for (i, &w) in want.iter().enumerate() {
+            let d = (logits[p * vocab + i] - w).abs();
+            if d > worst.0 {
+                worst = (d, p, i);
+            }
+        }
+    }
+    eprintln!(
+        "max |gturbo - mlx-lm| logit difference: {:.2e} at position {} token {}",
+        worst.0, worst.1, worst.2
+    );
+    assert!(
+        worst.0 <= LOGIT_TOLERANCE,
+        "logit at position {} token {} differs by {} (> {LOGIT_TOLERANCE})",
+        worst.1,
+        worst.2,
+        worst.0
+    );
+    let out = generate::generate(&model, &g.prompt, g.greedy.len(), &[], argmax, |_| {}).unwrap();
+    assert_eq!(out.tokens, g.greedy);
+}
+
+#[test]
+fn qwen3_int4_matches_mlx_lm_logits_and_greedy_tokens() {
+    let g = golden("qwen3");
+    let tmp = temp_dir();
+    let out = qwen3_install(tmp.path(), g.seed);
+    check_against_golden(&out, &g, ExpertMode::Slots(1));
+}
+
+#[test]
+fn qwen3_moe_int4_matches_mlx_lm_logits_and_greedy_tokens() {
+    let g = golden("qwen3_moe");
+    let tmp = temp_dir();
+    let snap = tmp.path().join("snap");
+    replica::write_qwen3_moe(
+        &snap,
+        &Qwen3MoeSpec {
+            seed: g.seed,
+            ..Qwen3MoeSpec::tiny()
+        },
+    )
+    .unwrap();
+    let out = tmp.path().join("moe.gturbo");
+    install("qwen3_moe", &snap, &out, &[]);
+    for mode in [ExpertMode::Slots(2), ExpertMode::Resident] {
+        check_against_golden(&out, &g, mode);
+    }
+}
