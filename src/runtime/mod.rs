@@ -1,0 +1,3 @@
+//! The embedded runtime that runs an install.
+
+pub mod kernels;
