@@ -1,4 +1,4 @@
-//! The embedded runtime behind `gturbo run`: the capability gate, the loader
+//! The embedded runtime that runs an install: the capability gate, the loader
 //! (memory-mapped resident weights, expert blobs read into a bounded cache), the
 //! decoder runner and the compute kernels.
 

@@ -9,7 +9,7 @@
 
 use super::experts::expert_matrices;
 use super::gate::{QK_NORM, ROUTED_MOE};
-use super::kernels::{Backend, Matrix};
+use super::kernels::{Backend, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
 use super::load::{Install, LoadError};
 use crate::format::manifest::Manifest;
 
@@ -208,32 +208,11 @@ pub struct Session {
     pub pos: usize,
 }
 
+/// RMSNorm of each `w.len()`-wide row of `x` into `out`.
 fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
-            *o = xv * r * wv;
-        }
-    }
-}
-
-fn softmax(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut s = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        s += *v;
-    }
-    for v in x.iter_mut() {
-        *v /= s;
-    }
-}
-
-fn silu_mul(g: &mut [f32], u: &[f32]) {
-    for (a, &b) in g.iter_mut().zip(u) {
-        *a = *a / (1.0 + (-*a).exp()) * b;
+        rms_norm(xr, w, eps, or);
     }
 }
 
@@ -413,16 +392,14 @@ impl<'a> Model<'a> {
                     let qh = &q[i * qw + hh * hd..i * qw + (hh + 1) * hd];
                     for (j, sc) in scores[..upto].iter_mut().enumerate() {
                         let kj = &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                        *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        *sc = dot(qh, kj) * scale;
                     }
-                    softmax(&mut scores[..upto]);
+                    softmax_inplace(&mut scores[..upto]);
                     let ah = &mut att[i * qw + hh * hd..i * qw + (hh + 1) * hd];
                     ah.fill(0.0);
                     for (j, &p) in scores[..upto].iter().enumerate() {
                         let vj = &vc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                        for (a, &b) in ah.iter_mut().zip(vj) {
-                            *a += p * b;
-                        }
+                        axpy(p, vj, ah);
                     }
                 }
             }
@@ -479,7 +456,7 @@ impl<'a> Model<'a> {
         let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_count];
         for t in 0..n {
             let p = &mut probs[t * e_count..(t + 1) * e_count];
-            softmax(p);
+            softmax_inplace(p);
             let mut idx: Vec<usize> = (0..e_count).collect();
             // Highest probability first; ties to the lower expert id.
             idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
@@ -513,12 +490,7 @@ impl<'a> Model<'a> {
             let mut d = vec![0f32; m * h];
             self.backend.matmul(&down, &g, m, &mut d);
             for (r, &(t, w)) in toks.iter().enumerate() {
-                for (o, &dv) in out[t * h..(t + 1) * h]
-                    .iter_mut()
-                    .zip(&d[r * h..(r + 1) * h])
-                {
-                    *o += w * dv;
-                }
+                axpy(w, &d[r * h..(r + 1) * h], &mut out[t * h..(t + 1) * h]);
             }
         }
         Ok(())
