@@ -13,6 +13,8 @@
 //!   sizes, the census and the plan fingerprint.
 //! - [`transform`]: what happens to bytes (INT4/INT8 affine quantization).
 //! - [`format`]: the `.gturbo` on-disk types shared by install, verify and run.
+//! - [`verify`]: `verify-install`'s checks (cheap layout checks shared with the runtime,
+//!   full hashing, the receipt).
 //! - [`cli`]: argument parsing, output and exit codes.
 //! - [`testkit`]: a local HF-compatible hub and the replica generator, for tests and demos.
 
@@ -26,3 +28,4 @@ pub mod plan;
 pub mod source;
 pub mod testkit;
 pub mod transform;
+pub mod verify;
