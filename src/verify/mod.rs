@@ -113,6 +113,15 @@ pub fn open_manifest(dir: &Path) -> Result<Manifest, VerifyFailure> {
 /// [`open_manifest`] that also returns the manifest's bytes (for its SHA-256).
 fn read_manifest(dir: &Path) -> Result<(Vec<u8>, Manifest), VerifyFailure> {
     let name = manifest::FILE_NAME;
+    if let Err(e) = std::fs::symlink_metadata(dir.join(name))
+        && e.kind() == io::ErrorKind::NotFound
+    {
+        return Err(VerifyFailure::new(
+            name,
+            "",
+            "missing: not a .gturbo install, or an unfinished one",
+        ));
+    }
     let (file, len) = open_inside(dir, name)?;
     if len > MAX_MANIFEST_BYTES {
         return Err(VerifyFailure::new(
