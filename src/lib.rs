@@ -14,6 +14,8 @@
 //! - [`transform`]: what happens to bytes (INT4/INT8 affine quantization).
 //! - [`format`]: the `.gturbo` on-disk types shared by install, verify and run.
 //! - [`runtime`]: what runs an install: compute kernels and the model runners.
+//! - [`verify`]: `verify-install`'s checks (cheap layout checks shared with the runtime,
+//!   full hashing, the receipt).
 //! - [`cli`]: argument parsing, output and exit codes.
 //! - [`testkit`]: a local HF-compatible hub and the replica generator, for tests and demos.
 
@@ -28,3 +30,4 @@ pub mod runtime;
 pub mod source;
 pub mod testkit;
 pub mod transform;
+pub mod verify;

@@ -64,9 +64,22 @@ enum Command {
     /// Plan (--dry-run) or perform an install. Prints the plan summary on stdout.
     Install(Box<InstallArgs>),
     /// Re-prove every byte and the layout of an installed `.gturbo` directory.
+    ///
+    /// Exit 0 when everything holds (the receipt `verified-install.json` is then
+    /// rewritten), 1 when something does not (one line per failure), 2 when it could
+    /// not run.
     VerifyInstall {
         /// The `.gturbo` directory.
         dir: PathBuf,
+        /// One JSON document on stdout instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Do not rewrite the receipt (e.g. a read-only install).
+        #[arg(long)]
+        no_receipt: bool,
+        /// Hashing threads (default: the available cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
     },
     /// Generate text from an installed `.gturbo` directory (smoke test).
     Run(Box<run::RunArgs>),
@@ -215,10 +228,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     let quiet = cli.global.quiet;
     match cli.command {
         Command::Install(args) => install_cmd(*args, quiet, cli.global.no_progress).await,
-        Command::VerifyInstall { dir } => Err(Failure::usage(format!(
-            "{}: verify-install is not implemented yet (tracked as the verify-install issue)",
-            dir.display()
-        ))),
+        Command::VerifyInstall {
+            dir,
+            json,
+            no_receipt,
+            threads,
+        } => verify_cmd(
+            &dir,
+            json,
+            no_receipt,
+            threads,
+            quiet,
+            cli.global.no_progress,
+        ),
         Command::Run(args) => run::run_cmd(*args),
         Command::Families { json } => families_cmd(json),
     }
@@ -381,6 +403,55 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     let summary = execute::execute(source.clone(), &prepared, &options, reporter.as_ref()).await?;
     reporter.done(&progress::Done::new(&out, &summary, source.stats().retries));
     Ok(())
+}
+
+fn verify_cmd(
+    dir: &std::path::Path,
+    json: bool,
+    no_receipt: bool,
+    threads: usize,
+    quiet: u8,
+    no_progress: bool,
+) -> Result<(), Failure> {
+    if !dir.is_dir() {
+        return Err(Failure::usage(format!(
+            "{}: not a directory (verify-install takes a .gturbo directory)",
+            dir.display()
+        )));
+    }
+    let progress = progress::for_verify(json, quiet, no_progress);
+    let options = crate::verify::VerifyOptions {
+        threads,
+        write_receipt: !no_receipt,
+        progress: Some(progress.as_ref()),
+    };
+    // Hashing is blocking work on its own threads; keep it off the async workers.
+    let report = tokio::task::block_in_place(|| crate::verify::verify(dir, &options));
+    drop(progress);
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+    } else {
+        for f in &report.failures {
+            println!("{f}");
+        }
+        println!("{}", report.summary());
+    }
+    if report.ok {
+        Ok(())
+    } else {
+        Err(Failure {
+            code: 1,
+            message: format!(
+                "{}: {} check{} failed",
+                dir.display(),
+                report.failures.len(),
+                if report.failures.len() == 1 { "" } else { "s" }
+            ),
+        })
+    }
 }
 
 fn families_cmd(json: bool) -> Result<(), Failure> {

@@ -20,6 +20,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
 use crate::install::execute::{ExecuteSummary, InstallReporter};
+use crate::verify::VerifyProgress;
 
 /// Plain progress lines come at most this often: a log stays readable, and a
 /// 2 s gap is still short enough to show a stall.
@@ -61,6 +62,113 @@ pub(super) fn for_install(json_lines: bool, quiet: u8, no_progress: bool) -> Box
             // https://no-color.org: set and not empty disables colour.
             let color = std::env::var_os(crate::env::NO_COLOR).is_none_or(|v| v.is_empty());
             Box::new(IndicatifReporter::new(color))
+        }
+    }
+}
+
+/// Progress of `verify-install`'s hashing, on stderr only: a bar on a terminal, a
+/// plain line at most every 2 s otherwise, nothing with `--json` or `-q` (stdout then
+/// carries only the report).
+pub(super) fn for_verify(json: bool, quiet: u8, no_progress: bool) -> Box<dyn VerifyProgress> {
+    if json || quiet > 0 {
+        return Box::new(NoVerifyProgress);
+    }
+    match choose(false, quiet, no_progress, std::io::stderr().is_terminal()) {
+        Mode::Bar => {
+            let color = std::env::var_os(crate::env::NO_COLOR).is_none_or(|v| v.is_empty());
+            Box::new(VerifyBar {
+                bar: Mutex::new(None),
+                color,
+            })
+        }
+        _ => Box::new(VerifyText {
+            out: Mutex::new(Box::new(std::io::stderr())),
+            bytes: Counter::default(),
+            throttle: Throttle::new(TEXT_EVERY),
+            started: Mutex::new(None),
+        }),
+    }
+}
+
+struct NoVerifyProgress;
+impl VerifyProgress for NoVerifyProgress {}
+
+/// Plain `gturbo: hash: …` lines.
+struct VerifyText {
+    out: Mutex<Box<dyn Write + Send>>,
+    bytes: Counter,
+    throttle: Throttle,
+    started: Mutex<Option<Instant>>,
+}
+
+impl VerifyProgress for VerifyText {
+    fn start(&self, files: u64, bytes: u64) {
+        self.bytes.total.store(bytes, Ordering::Relaxed);
+        *self.started.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        write_line(
+            &self.out,
+            &format!("gturbo: hash: {files} files, {bytes} B"),
+        );
+    }
+
+    fn hashed(&self, bytes: u64) {
+        let now = Instant::now();
+        let (done, complete) = self.bytes.add(bytes);
+        if !self.throttle.due(now, complete) {
+            return;
+        }
+        let total = self.bytes.total.load(Ordering::Relaxed);
+        let started = self
+            .started
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .unwrap_or(now);
+        let secs = now.saturating_duration_since(started).as_secs_f64();
+        write_line(
+            &self.out,
+            &format!(
+                "gturbo: hash: {done} / {total} B ({:.1}%), {:.1} MB/s",
+                100.0 * done as f64 / total.max(1) as f64,
+                done as f64 / 1e6 / secs.max(1e-9)
+            ),
+        );
+    }
+}
+
+/// A byte bar on stderr.
+struct VerifyBar {
+    bar: Mutex<Option<ProgressBar>>,
+    color: bool,
+}
+
+impl VerifyProgress for VerifyBar {
+    fn start(&self, _files: u64, bytes: u64) {
+        let template = if self.color {
+            "{spinner:.green} [{elapsed_precise}] {wide_bar:.cyan/blue} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}"
+        } else {
+            "{spinner} [{elapsed_precise}] {wide_bar} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}"
+        };
+        let bar = ProgressBar::with_draw_target(Some(bytes), ProgressDrawTarget::stderr());
+        bar.set_style(
+            ProgressStyle::with_template(template)
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.enable_steady_tick(Duration::from_millis(200));
+        *self.bar.lock().unwrap_or_else(|p| p.into_inner()) = Some(bar);
+    }
+
+    fn hashed(&self, bytes: u64) {
+        if let Some(bar) = self.bar.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            bar.inc(bytes);
+        }
+    }
+}
+
+impl Drop for VerifyBar {
+    fn drop(&mut self) {
+        if let Some(bar) = self.bar.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            bar.finish_and_clear();
         }
     }
 }

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::Scheme;
 use super::pools::{ExpertPool, RowPool};
+use super::{LayoutError, Scheme};
 
 /// Format tag.
 pub const FORMAT: &str = "gturbo";
@@ -139,6 +139,52 @@ pub struct ManifestTool {
 }
 
 impl Manifest {
+    /// Parse manifest bytes: at most [`MAX_MANIFEST_BYTES`], JSON with known keys only
+    /// (serde_json's nesting limit stops hostile depth), the `gturbo` format at
+    /// [`VERSION`]. Consistency of the numbers is checked separately (the pools'
+    /// `layout_errors`, and verify-install's checks against the disk).
+    pub fn parse(bytes: &[u8]) -> Result<Manifest, LayoutError> {
+        if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(LayoutError::new(
+                "size",
+                format!(
+                    "{} bytes; a manifest may have at most {MAX_MANIFEST_BYTES}",
+                    bytes.len()
+                ),
+            ));
+        }
+        // Read the tag and version first, so a newer manifest says so instead of
+        // failing on a key this version does not know.
+        #[derive(Deserialize)]
+        struct Tag {
+            format: Option<serde_json::Value>,
+            version: Option<serde_json::Value>,
+        }
+        if let Ok(tag) = serde_json::from_slice::<Tag>(bytes) {
+            if tag.format.as_ref().and_then(|v| v.as_str()) != Some(FORMAT) {
+                return Err(LayoutError::new(
+                    "format",
+                    format!("{:?}; expected {FORMAT:?}", tag.format),
+                ));
+            }
+            if tag.version.as_ref().and_then(|v| v.as_u64()) != Some(VERSION as u64) {
+                return Err(LayoutError::new(
+                    "version",
+                    format!(
+                        "{}; this gturbo reads version {VERSION}",
+                        tag.version.map_or("missing".to_string(), |v| v.to_string())
+                    ),
+                ));
+            }
+        }
+        serde_json::from_slice(bytes).map_err(|e| {
+            LayoutError::new(
+                format!("line {} column {}", e.line(), e.column()),
+                format!("not a valid manifest: {e}"),
+            )
+        })
+    }
+
     /// Canonical bytes: sorted keys (serde_json's map is ordered), two-space indent,
     /// trailing newline.
     pub fn to_canonical_bytes(&self) -> Vec<u8> {
@@ -146,5 +192,31 @@ impl Manifest {
         let mut out = serde_json::to_vec_pretty(&value).unwrap_or_default();
         out.push(b'\n');
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_manifest_bytes_are_refused_cleanly() {
+        let e = Manifest::parse(br#"{"format":"gturbo","version":2}"#).unwrap_err();
+        assert_eq!(e.to_string(), "version: 2; this gturbo reads version 1");
+        let e = Manifest::parse(br#"{"format":"safetensors","version":1}"#).unwrap_err();
+        assert_eq!(e.field, "format");
+        let e = Manifest::parse(br#"{"format":"gturbo","version":1}"#).unwrap_err();
+        assert!(e.detail.contains("missing field"), "{e}");
+        // 100,000 levels of nesting inside a free-form value: serde_json's recursion
+        // limit answers, the stack does not overflow.
+        let deep = format!(
+            r#"{{"format":"gturbo","version":1,"arch":{{"axes":{{"x":{}}}}}}}"#,
+            "[".repeat(100_000)
+        );
+        let e = Manifest::parse(deep.as_bytes()).unwrap_err();
+        assert!(e.detail.contains("recursion limit exceeded"), "{e}");
+        let big = vec![b' '; (MAX_MANIFEST_BYTES + 1) as usize];
+        assert_eq!(Manifest::parse(&big).unwrap_err().field, "size");
+        assert!(Manifest::parse(b"\xff\xfe").is_err());
     }
 }

@@ -20,6 +20,75 @@ pub const PAGE: u64 = 16 * 1024;
 /// SIMD kernels can load them without straddling cache lines.
 pub const SUBREGION_ALIGN: u64 = 64;
 
+/// One inconsistency found in a format structure: the field (a JSON path such as
+/// `parts[1].offset` or `tensors[3] (model.norm.weight).data`) and what is wrong.
+/// The caller adds the file it came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayoutError {
+    /// Field or byte offset the problem is at.
+    pub field: String,
+    /// What is wrong, with the expected and found values.
+    pub detail: String,
+}
+
+impl LayoutError {
+    /// A problem at `field`.
+    pub fn new(field: impl Into<String>, detail: impl Into<String>) -> LayoutError {
+        LayoutError {
+            field: field.into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for LayoutError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.detail)
+    }
+}
+
+/// Longest path (in bytes) a manifest may name inside the directory.
+pub const MAX_PATH_BYTES: usize = 1024;
+
+/// Whether `path` is a safe path inside an install directory: relative,
+/// `/`-separated, no empty, `.` or `..` component, no backslash, colon or control
+/// character. Readers MUST refuse any other path before touching the filesystem, so
+/// a hostile manifest cannot name a file outside the directory.
+pub fn check_relative_path(path: &str) -> Result<(), String> {
+    if path.is_empty() {
+        return Err("empty path".into());
+    }
+    if path.len() > MAX_PATH_BYTES {
+        return Err(format!(
+            "path is {} bytes, more than {MAX_PATH_BYTES}",
+            path.len()
+        ));
+    }
+    if path.starts_with('/') {
+        return Err(format!(
+            "{path:?} is absolute; paths are relative to the directory"
+        ));
+    }
+    if let Some(c) = path
+        .chars()
+        .find(|c| *c == '\\' || *c == ':' || c.is_control())
+    {
+        return Err(format!("{path:?} contains {c:?}"));
+    }
+    for part in path.split('/') {
+        match part {
+            "" => return Err(format!("{path:?} has an empty component")),
+            "." | ".." => {
+                return Err(format!(
+                    "{path:?} has a {part:?} component; paths must stay inside the directory"
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Round `n` up to a multiple of `align` (a power of two or any positive number).
 /// `None` on overflow.
 pub fn align_up(n: u64, align: u64) -> Option<u64> {
@@ -184,6 +253,37 @@ mod tests {
         assert_eq!(
             g.row_offset(2_500_011),
             49_019 * PAGE + 2_500_011 % 51 * 320
+        );
+    }
+
+    #[test]
+    fn relative_paths_stay_inside_the_directory() {
+        for ok in [
+            "resident.bin",
+            "packed_experts/layer_00.bin",
+            "tokenizer/a.b.json",
+        ] {
+            assert_eq!(check_relative_path(ok), Ok(()), "{ok}");
+        }
+        for (bad, why) in [
+            ("", "empty path"),
+            ("/etc/passwd", "is absolute"),
+            ("../x", "\"..\" component"),
+            ("a/../../x", "\"..\" component"),
+            ("a/./b", "\".\" component"),
+            ("a//b", "empty component"),
+            ("a/", "empty component"),
+            ("a\\..\\b", "contains '\\\\'"),
+            ("C:x", "contains ':'"),
+            ("a\nb", "contains '\\n'"),
+        ] {
+            let e = check_relative_path(bad).unwrap_err();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+        assert!(
+            check_relative_path(&"a".repeat(MAX_PATH_BYTES + 1))
+                .unwrap_err()
+                .contains("more than 1024")
         );
     }
 

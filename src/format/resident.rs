@@ -9,13 +9,21 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{PAGE, QuantSizes, SUBREGION_ALIGN, Scheme, align_up};
+use super::{LayoutError, PAGE, QuantSizes, SUBREGION_ALIGN, Scheme, align_up};
+use crate::header::Dtype;
 
 /// File magic.
 pub const MAGIC: &[u8; 8] = b"GTRBRES1";
+/// The index's `format` tag.
+pub const INDEX_FORMAT: &str = "gturbo-resident";
+/// The index version this reader knows.
+pub const INDEX_VERSION: u32 = 1;
+/// Largest JSON index a reader accepts (the full Flash-Next index is about 200 KB).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 
 /// A byte span `[offset, offset + len)` relative to the payload start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Span {
     /// Offset from the payload start.
     pub offset: u64,
@@ -25,6 +33,7 @@ pub struct Span {
 
 /// One tensor in the resident file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ResidentEntry {
     /// Source tensor name.
     pub name: String,
@@ -50,6 +59,7 @@ pub struct ResidentEntry {
 
 /// The JSON index at the head of the resident file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ResidentIndex {
     /// Format tag, `gturbo-resident`.
     pub format: String,
@@ -139,8 +149,8 @@ impl ResidentLayout {
             tensors.push(entry);
         }
         let index = ResidentIndex {
-            format: "gturbo-resident".into(),
-            version: 1,
+            format: INDEX_FORMAT.into(),
+            version: INDEX_VERSION,
             tensors,
         };
         let index_len = serde_json::to_vec(&index).ok()?.len() as u64;
@@ -159,9 +169,362 @@ impl ResidentLayout {
     }
 }
 
+/// The head of a resident file as read back: the index and where the payload starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResidentHead {
+    /// The parsed index.
+    pub index: ResidentIndex,
+    /// Bytes of the JSON index.
+    pub index_len: u64,
+    /// Absolute offset of the payload: `align_up(16 + index_len, PAGE)`.
+    pub payload_start: u64,
+}
+
+impl ResidentHead {
+    /// Read the head from `reader` positioned at the start of a file of `file_bytes`
+    /// bytes: magic, index length (at most [`MAX_INDEX_BYTES`] and inside the file),
+    /// the JSON index (known keys only, the known format and version). It never
+    /// allocates more than the index length it has checked. Errors name the byte
+    /// offset or field.
+    pub fn read(
+        reader: &mut impl std::io::Read,
+        file_bytes: u64,
+    ) -> Result<ResidentHead, LayoutError> {
+        let mut prefix = [0u8; 16];
+        if file_bytes < 16 {
+            return Err(LayoutError::new(
+                "byte 0",
+                format!("{file_bytes} bytes; the head alone is 16 bytes"),
+            ));
+        }
+        reader.read_exact(&mut prefix).map_err(|e| {
+            LayoutError::new("byte 0", format!("cannot read the 16-byte head: {e}"))
+        })?;
+        if &prefix[..8] != MAGIC {
+            return Err(LayoutError::new(
+                "byte 0 (magic)",
+                format!(
+                    "{:?}, expected {:?}",
+                    String::from_utf8_lossy(&prefix[..8]),
+                    String::from_utf8_lossy(MAGIC)
+                ),
+            ));
+        }
+        let index_len = u64::from_le_bytes(prefix[8..16].try_into().unwrap_or([0; 8]));
+        if index_len > MAX_INDEX_BYTES || index_len > file_bytes - 16 {
+            return Err(LayoutError::new(
+                "byte 8 (index length)",
+                format!(
+                    "{index_len} bytes; the file has {} after the head and an index may have at most {MAX_INDEX_BYTES}",
+                    file_bytes - 16
+                ),
+            ));
+        }
+        let mut json = vec![0u8; index_len as usize];
+        reader.read_exact(&mut json).map_err(|e| {
+            LayoutError::new(
+                "byte 16 (index)",
+                format!("cannot read {index_len} bytes: {e}"),
+            )
+        })?;
+        let index: ResidentIndex = serde_json::from_slice(&json)
+            .map_err(|e| LayoutError::new("byte 16 (index)", format!("not a valid index: {e}")))?;
+        if index.format != INDEX_FORMAT || index.version != INDEX_VERSION {
+            return Err(LayoutError::new(
+                "index format",
+                format!(
+                    "{:?} version {}; this reader knows {INDEX_FORMAT:?} version {INDEX_VERSION}",
+                    index.format, index.version
+                ),
+            ));
+        }
+        let payload_start = align_up(16 + index_len, PAGE).unwrap_or(u64::MAX);
+        Ok(ResidentHead {
+            index,
+            index_len,
+            payload_start,
+        })
+    }
+
+    /// [`ResidentHead::read`] on bytes in memory (the whole file or at least its head).
+    pub fn parse(bytes: &[u8], file_bytes: u64) -> Result<ResidentHead, LayoutError> {
+        ResidentHead::read(&mut &bytes[..], file_bytes)
+    }
+}
+
+impl ResidentEntry {
+    /// Byte spans of the entry with their names (`data`, or `weights`, `scales`,
+    /// `biases`), in payload order as written.
+    pub fn spans(&self) -> Vec<(&'static str, Span)> {
+        [
+            ("data", self.data),
+            ("weights", self.weights),
+            ("scales", self.scales),
+            ("biases", self.biases),
+        ]
+        .into_iter()
+        .filter_map(|(n, s)| s.map(|s| (n, s)))
+        .collect()
+    }
+}
+
+impl ResidentIndex {
+    /// Whether the index describes a valid payload of `payload_bytes` bytes (the file
+    /// size minus the payload start): every entry's dtype and shape give its byte
+    /// sizes under its scheme, each entry starts on a page and its sub-regions on 64
+    /// bytes, every span lies inside the payload and no two spans overlap, and the
+    /// file ends at the last entry rounded up to 64 bytes. Empty when consistent.
+    pub fn layout_errors(&self, payload_bytes: u64) -> Vec<LayoutError> {
+        let mut errs = Vec::new();
+        let mut all: Vec<(u64, u64, String)> = Vec::new();
+        let mut last_end = 0u64;
+        for (i, e) in self.tensors.iter().enumerate() {
+            let at = |f: &str| {
+                let name: String = e.name.chars().take(200).collect();
+                if f.is_empty() {
+                    format!("tensors[{i}] ({name})")
+                } else {
+                    format!("tensors[{i}] ({name}).{f}")
+                }
+            };
+            let spans = e.spans();
+            match expected_lens(e) {
+                Err(why) => errs.push(LayoutError::new(at(why.0), why.1)),
+                Ok(want) => {
+                    let got: Vec<(&str, u64)> = spans.iter().map(|(n, s)| (*n, s.len)).collect();
+                    if got != want {
+                        errs.push(LayoutError::new(
+                            at(""),
+                            format!(
+                                "spans {got:?}; dtype {} shape {:?} at {} gives {want:?}",
+                                e.dtype,
+                                e.shape,
+                                e.scheme.label()
+                            ),
+                        ));
+                    }
+                }
+            }
+            for (k, (n, s)) in spans.iter().enumerate() {
+                let align = if k == 0 { PAGE } else { SUBREGION_ALIGN };
+                if !s.offset.is_multiple_of(align) {
+                    errs.push(LayoutError::new(
+                        at(&format!("{n}.offset")),
+                        format!("{} is not a multiple of {align}", s.offset),
+                    ));
+                }
+                match s.offset.checked_add(s.len) {
+                    Some(end) if end <= payload_bytes => {
+                        last_end = last_end.max(end);
+                        if s.len > 0 {
+                            all.push((s.offset, end, at(n)));
+                        }
+                    }
+                    _ => errs.push(LayoutError::new(
+                        at(&format!("{n}.offset")),
+                        format!(
+                            "span at {} of {} bytes ends past the payload's {payload_bytes} bytes",
+                            s.offset, s.len
+                        ),
+                    )),
+                }
+            }
+        }
+        all.sort();
+        for w in all.windows(2) {
+            if w[1].0 < w[0].1 {
+                errs.push(LayoutError::new(
+                    w[1].2.clone() + ".offset",
+                    format!(
+                        "span [{}, {}) overlaps {} at [{}, {})",
+                        w[1].0, w[1].1, w[0].2, w[0].0, w[0].1
+                    ),
+                ));
+            }
+        }
+        if errs.is_empty() {
+            let want = align_up(last_end, SUBREGION_ALIGN).unwrap_or(u64::MAX);
+            if want != payload_bytes {
+                errs.push(LayoutError::new(
+                    "payload",
+                    format!("{payload_bytes} bytes; the last entry ends at {last_end}, which gives {want}"),
+                ));
+            }
+        }
+        errs
+    }
+}
+
+/// The span lengths an entry must have, in span order; `Err((field, why))` when its
+/// dtype, shape or scheme admits none.
+fn expected_lens(e: &ResidentEntry) -> Result<Vec<(&'static str, u64)>, (&'static str, String)> {
+    let dtype: Dtype = serde_json::from_value(serde_json::Value::String(e.dtype.clone()))
+        .map_err(|_| ("dtype", format!("{:?} is not a safetensors dtype", e.dtype)))?;
+    let elems = e
+        .shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .ok_or(("shape", format!("{:?} overflows 64 bits", e.shape)))?;
+    match e.scheme.bits() {
+        None => {
+            let len = elems
+                .checked_mul(dtype.size())
+                .ok_or(("shape", format!("{:?} overflows 64 bits", e.shape)))?;
+            Ok(vec![("data", len)])
+        }
+        Some(bits) => {
+            let cols = e.shape.last().copied().unwrap_or(0);
+            let q = (cols > 0)
+                .then(|| QuantSizes::new(elems / cols, cols, bits))
+                .flatten()
+                .ok_or((
+                    "shape",
+                    format!(
+                        "{:?} cannot be stored at {}: the last axis must be a positive multiple of 64",
+                        e.shape,
+                        e.scheme.label()
+                    ),
+                ))?;
+            Ok(vec![
+                ("weights", q.weights),
+                ("scales", q.scales),
+                ("biases", q.biases),
+            ])
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn two_entries() -> ResidentLayout {
+        ResidentLayout::place(&[
+            ResidentInput {
+                name: "a.weight".into(),
+                dtype: "BF16".into(),
+                shape: vec![3, 128],
+                elem_bytes: 2,
+                scheme: Scheme::Int4G64,
+            },
+            ResidentInput {
+                name: "n.weight".into(),
+                dtype: "BF16".into(),
+                shape: vec![100],
+                elem_bytes: 2,
+                scheme: Scheme::Passthrough,
+            },
+        ])
+        .unwrap()
+    }
+
+    fn file_of(l: &ResidentLayout) -> Vec<u8> {
+        let json = serde_json::to_vec(&l.index).unwrap();
+        let mut f = MAGIC.to_vec();
+        f.extend_from_slice(&(json.len() as u64).to_le_bytes());
+        f.extend_from_slice(&json);
+        f.resize(l.file_bytes as usize, 0);
+        f
+    }
+
+    #[test]
+    fn a_placed_layout_reads_back_and_is_consistent() {
+        let l = two_entries();
+        let f = file_of(&l);
+        let head = ResidentHead::parse(&f, f.len() as u64).unwrap();
+        assert_eq!(head.index, l.index);
+        assert_eq!(head.payload_start, l.payload_start);
+        assert_eq!(
+            head.index.layout_errors(l.file_bytes - l.payload_start),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn hostile_heads_are_refused_by_offset() {
+        let l = two_entries();
+        let f = file_of(&l);
+        let mut bad = f.clone();
+        bad[0] = b'X';
+        assert_eq!(
+            ResidentHead::parse(&bad, bad.len() as u64)
+                .unwrap_err()
+                .field,
+            "byte 0 (magic)"
+        );
+        let mut bad = f.clone();
+        bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        let e = ResidentHead::parse(&bad, bad.len() as u64).unwrap_err();
+        assert_eq!(e.field, "byte 8 (index length)");
+        assert!(e.detail.starts_with("18446744073709551615 bytes"), "{e}");
+        let e = ResidentHead::parse(&f[..10], 10).unwrap_err();
+        assert_eq!(e.field, "byte 0");
+        let mut bad = f.clone();
+        bad[16] = b'[';
+        let e = ResidentHead::parse(&bad, bad.len() as u64).unwrap_err();
+        assert_eq!(e.field, "byte 16 (index)");
+        // Deep nesting is refused without exhausting the stack.
+        let deep = "[".repeat(100_000);
+        let mut bad = MAGIC.to_vec();
+        bad.extend_from_slice(&(deep.len() as u64).to_le_bytes());
+        bad.extend_from_slice(deep.as_bytes());
+        let e = ResidentHead::parse(&bad, bad.len() as u64).unwrap_err();
+        assert_eq!(e.field, "byte 16 (index)");
+    }
+
+    #[test]
+    fn index_errors_name_the_entry_and_span() {
+        let l = two_entries();
+        let payload = l.file_bytes - l.payload_start;
+        let mut ix = l.index.clone();
+        ix.tensors[1].data = Some(Span {
+            offset: 0,
+            len: 200,
+        });
+        let e = ix.layout_errors(payload);
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert_eq!(e[0].field, "tensors[1] (n.weight).data.offset");
+        assert_eq!(e[1].field, "tensors[0] (a.weight).scales.offset");
+        assert!(
+            e[0].detail
+                .contains("overlaps tensors[0] (a.weight).weights at [0, 192)"),
+            "{e:?}"
+        );
+
+        let mut ix = l.index.clone();
+        ix.tensors[1].data = Some(Span {
+            offset: u64::MAX - 10,
+            len: 200,
+        });
+        let e = ix.layout_errors(payload);
+        assert_eq!(e[1].field, "tensors[1] (n.weight).data.offset");
+        assert!(e[1].detail.contains("ends past the payload"), "{e:?}");
+
+        let mut ix = l.index.clone();
+        ix.tensors[1].shape = vec![u64::MAX, 2];
+        let e = ix.layout_errors(payload);
+        assert_eq!(e[0].field, "tensors[1] (n.weight).shape");
+
+        let mut ix = l.index.clone();
+        ix.tensors[0].shape = vec![3, 129];
+        let e = ix.layout_errors(payload);
+        assert_eq!(e[0].field, "tensors[0] (a.weight).shape");
+
+        let mut ix = l.index.clone();
+        ix.tensors[1].shape = vec![101];
+        let e = ix.layout_errors(payload);
+        assert_eq!(e[0].field, "tensors[1] (n.weight)");
+        assert!(e[0].detail.contains("gives [(\"data\", 202)]"), "{e:?}");
+
+        let mut ix = l.index.clone();
+        ix.tensors[0].dtype = "Q9".into();
+        assert_eq!(
+            ix.layout_errors(payload)[0].field,
+            "tensors[0] (a.weight).dtype"
+        );
+
+        assert_eq!(l.index.layout_errors(payload + 64)[0].field, "payload");
+    }
 
     #[test]
     fn entries_start_on_pages_and_subregions_are_aligned() {

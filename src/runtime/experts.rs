@@ -16,9 +16,9 @@ use memmap2::Mmap;
 
 use super::kernels::Matrix;
 use super::load::{LoadError, safe_join};
+use crate::format::Scheme;
 use crate::format::manifest::Manifest;
-use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
-use crate::format::{QuantSizes, Scheme};
+use crate::format::pools::{BlobPart, ExpertPool};
 use crate::header::Dtype;
 
 /// Where expert blobs live while running.
@@ -104,7 +104,14 @@ impl ExpertStore {
                 .ok_or_else(|| {
                     LoadError::invalid(&p.file, format!("layer {} out of range", p.layer))
                 })?;
-            check_pool(p)?;
+            if p.scheme == Scheme::Passthrough
+                && !matches!(p.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+            {
+                return Err(LoadError::invalid(
+                    &p.file,
+                    format!("experts stored as {:?} cannot be computed with", p.dtype),
+                ));
+            }
             let path = safe_join(dir, &p.file)?;
             let file = File::open(&path).map_err(|e| LoadError::io(&p.file, e))?;
             let len = file
@@ -243,55 +250,6 @@ impl ExpertStore {
         });
         Ok(ExpertBlob::Cached(data))
     }
-}
-
-/// The pool's parts must be gate, up, down, inside the blob, with sizes matching
-/// their scheme.
-fn check_pool(p: &ExpertPool) -> Result<(), LoadError> {
-    let bad = |msg: String| LoadError::invalid(&p.file, msg);
-    if p.stride < p.blob_bytes || p.experts.checked_mul(p.stride) != Some(p.file_bytes) {
-        return Err(bad(format!(
-            "geometry experts {} × stride {} ≠ file bytes {} (blob {})",
-            p.experts, p.stride, p.file_bytes, p.blob_bytes
-        )));
-    }
-    let order: Vec<ExpertPart> = p.parts.iter().map(|b| b.part).collect();
-    if order != [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down] {
-        return Err(bad(format!(
-            "blob parts {order:?}, expected gate, up, down"
-        )));
-    }
-    for b in &p.parts {
-        let expect = match p.scheme.bits() {
-            Some(bits) => {
-                QuantSizes::new(b.rows, b.cols, bits).map(|q| (q.weights, q.scales, q.biases))
-            }
-            None => match p.dtype {
-                Dtype::BF16 | Dtype::F16 | Dtype::F32 => b
-                    .rows
-                    .checked_mul(b.cols)
-                    .and_then(|n| n.checked_mul(p.dtype.size()))
-                    .map(|n| (n, 0, 0)),
-                other => {
-                    return Err(bad(format!(
-                        "expert dtype {other:?} cannot be computed with"
-                    )));
-                }
-            },
-        };
-        let end = b
-            .offset
-            .checked_add(b.weights)
-            .and_then(|x| x.checked_add(b.scales))
-            .and_then(|x| x.checked_add(b.biases));
-        if expect != Some((b.weights, b.scales, b.biases)) || end.is_none_or(|e| e > p.blob_bytes) {
-            return Err(bad(format!(
-                "blob part {:?} does not fit its shape or the blob",
-                b.part
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// The gate, up and down matrices of one blob of `pool`.

@@ -15,10 +15,8 @@ use super::gate::{self, GateError, Runner};
 use super::kernels::Matrix;
 use crate::format::QuantSizes;
 use crate::format::manifest::{self, Manifest};
-use crate::format::resident::{MAGIC, ResidentEntry, ResidentIndex, Span};
-
-/// Largest resident index accepted (JSON at the head of `resident.bin`).
-const MAX_INDEX_BYTES: u64 = 256 << 20;
+use crate::format::resident::{ResidentEntry, ResidentHead, Span};
+use crate::verify::{self, VerifyFailure};
 
 /// Why an install cannot be run.
 #[derive(Debug, thiserror::Error)]
@@ -80,43 +78,21 @@ impl Default for LoadOptions {
     }
 }
 
-/// Read `manifest.json` and apply the capability gate; opens no other file.
+/// Read `manifest.json` (verify-install's cheap parser: size cap, known keys, safe
+/// paths) and apply the capability gate; opens no other file.
 pub fn open_gated(dir: &Path) -> Result<(Manifest, &'static Runner), LoadError> {
-    let manifest = read_manifest(dir)?;
+    let manifest = verify::open_manifest(dir)
+        .map_err(|f| LoadError::invalid(f.file.clone(), at_detail(&f)))?;
     let runner = gate::check(&manifest.family, &manifest.arch.required_axes)?;
     Ok((manifest, runner))
 }
 
-fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
-    let path = dir.join(manifest::FILE_NAME);
-    let name = path.display().to_string();
-    let meta = std::fs::metadata(&path).map_err(|e| LoadError::io(&name, e))?;
-    if meta.len() > manifest::MAX_MANIFEST_BYTES {
-        return Err(LoadError::invalid(
-            &name,
-            format!(
-                "{} bytes, over the {} byte limit",
-                meta.len(),
-                manifest::MAX_MANIFEST_BYTES
-            ),
-        ));
+fn at_detail(f: &VerifyFailure) -> String {
+    if f.at.is_empty() {
+        f.detail.clone()
+    } else {
+        format!("{}: {}", f.at, f.detail)
     }
-    let bytes = std::fs::read(&path).map_err(|e| LoadError::io(&name, e))?;
-    let m: Manifest = serde_json::from_slice(&bytes)
-        .map_err(|e| LoadError::invalid(&name, format!("not a gturbo manifest: {e}")))?;
-    if m.format != manifest::FORMAT || m.version != manifest::VERSION {
-        return Err(LoadError::invalid(
-            &name,
-            format!(
-                "format {:?} version {} (this gturbo reads {:?} version {})",
-                m.format,
-                m.version,
-                manifest::FORMAT,
-                manifest::VERSION
-            ),
-        ));
-    }
-    Ok(m)
 }
 
 /// An opened install: the manifest, its runner, the mapped resident tensors and the
@@ -150,6 +126,19 @@ impl std::fmt::Debug for Install {
 /// Open an install: gate, layout, resident map, expert pools.
 pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, LoadError> {
     let (manifest, runner) = open_gated(dir)?;
+    // verify-install's cheap checks (sizes, resident index, pool geometry, tokenizer
+    // JSON; no hashing): after them every span sliced below lies inside its file.
+    let failures = verify::check_layout(dir, &manifest);
+    if let Some(first) = failures.first() {
+        let more = match failures.len() {
+            1 => String::new(),
+            n => format!(" (and {} more; `gturbo verify-install` lists them)", n - 1),
+        };
+        return Err(LoadError::invalid(
+            first.file.clone(),
+            format!("{}{more}", at_detail(first)),
+        ));
+    }
     let rel = &manifest.resident.file;
     let path = safe_join(dir, rel)?;
     let file = File::open(&path).map_err(|e| LoadError::io(rel, e))?;
@@ -162,7 +151,9 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, LoadError> {
     // install it is running.
     #[allow(unsafe_code)]
     let map = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(rel, e))?;
-    let (index, payload_start) = parse_resident(rel, &map)?;
+    let head =
+        ResidentHead::parse(&map, len).map_err(|e| LoadError::invalid(rel, e.to_string()))?;
+    let (index, payload_start) = (head.index, head.payload_start);
     if payload_start != manifest.resident.payload_start {
         return Err(LoadError::invalid(
             rel,
@@ -203,26 +194,6 @@ pub(crate) fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, LoadError> {
         ));
     }
     Ok(dir.join(p))
-}
-
-fn parse_resident(rel: &str, map: &[u8]) -> Result<(ResidentIndex, u64), LoadError> {
-    if map.len() < 16 || &map[..8] != MAGIC {
-        return Err(LoadError::invalid(rel, "no GTRBRES1 magic"));
-    }
-    let n = u64::from_le_bytes(map[8..16].try_into().unwrap_or_default());
-    if n > MAX_INDEX_BYTES || 16 + n > map.len() as u64 {
-        return Err(LoadError::invalid(
-            rel,
-            format!("index length {n} exceeds the file or the limit"),
-        ));
-    }
-    let index: ResidentIndex = serde_json::from_slice(&map[16..16 + n as usize])
-        .map_err(|e| LoadError::invalid(rel, format!("index is not valid JSON: {e}")))?;
-    let payload_start = crate::format::align_up(16 + n, crate::format::PAGE).unwrap_or(u64::MAX);
-    if payload_start > map.len() as u64 {
-        return Err(LoadError::invalid(rel, "file ends before its payload"));
-    }
-    Ok((index, payload_start))
 }
 
 fn check_entry(rel: &str, e: &ResidentEntry, payload: u64) -> Result<(), LoadError> {

@@ -10,3 +10,4 @@ mod replica;
 mod runtime;
 mod source_http;
 mod support;
+mod verify;

@@ -262,3 +262,87 @@ fn qwen3_moe_int4_matches_mlx_lm_logits_and_greedy_tokens() {
         check_against_golden(&out, &g, mode);
     }
 }
+
+// ------------------------------------------------------------------ expert streaming
+
+/// A qwen3_moe install whose pools (2 layers × 64 experts, 112 KiB stride, 14 MiB)
+/// are far larger than 2 or 16 cache slots.
+fn streaming_install(tmp: &Path) -> PathBuf {
+    let spec = Qwen3MoeSpec {
+        hidden_size: 256,
+        num_experts: 64,
+        num_experts_per_tok: 4,
+        moe_intermediate_size: 256,
+        seed: 3,
+        ..Qwen3MoeSpec::tiny()
+    };
+    let snap = tmp.join("snap");
+    replica::write_qwen3_moe(&snap, &spec).unwrap();
+    let out = tmp.join("moe.gturbo");
+    install("qwen3_moe", &snap, &out, &[]);
+    out
+}
+
+fn run_json(dir: &Path, args: &[&str]) -> Value {
+    let mut all = vec![
+        "--json",
+        "--max-tokens",
+        "24",
+        "--threads",
+        "2",
+        "--prompt-ids",
+    ];
+    all.push("5,17,200,33,9,48,310,2,77,120,64,1,250,19,8,400");
+    all.extend_from_slice(args);
+    let o = run(dir, &all);
+    assert!(o.status.success(), "run {args:?}: {}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)))
+}
+
+/// Allowance over resident weights plus cache slots: the binary, its heap and the
+/// KV cache (the process baseline measured ~10 MiB).
+const RSS_OVERHEAD: u64 = 24 << 20;
+
+#[test]
+fn experts_stream_through_2_or_16_slots_with_the_tokens_of_resident_mode() {
+    let tmp = temp_dir();
+    let out = streaming_install(tmp.path());
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    let pools: u64 = m["expert_pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["file_bytes"].as_u64().unwrap())
+        .sum();
+    let resident = run_json(&out, &["--resident-experts"]);
+    let two = run_json(&out, &["--expert-cache-slots", "2"]);
+    let sixteen = run_json(&out, &["--expert-cache-slots", "16"]);
+    let tokens = |v: &Value| v["tokens"].clone();
+    assert_eq!(tokens(&resident).as_array().unwrap().len(), 24);
+    assert_eq!(tokens(&two), tokens(&resident));
+    assert_eq!(tokens(&sixteen), tokens(&resident));
+    let slot = two["expert_slot_bytes"].as_u64().unwrap();
+    assert!(
+        pools >= 4 * 16 * slot,
+        "pools {pools} < 4 × 16 slots of {slot}"
+    );
+    // More slots, more hits; resident mode never reads.
+    let hits = |v: &Value, k: &str| v["expert_cache"][k].as_u64().unwrap();
+    assert!(
+        hits(&sixteen, "misses") < hits(&two, "misses"),
+        "{sixteen} vs {two}"
+    );
+    assert_eq!(hits(&resident, "misses"), 0);
+    assert_eq!(
+        hits(&two, "hits") + hits(&two, "misses"),
+        hits(&resident, "hits"),
+        "every mode looks up the same experts"
+    );
+    if let Some(peak) = two["peak_rss_bytes"].as_u64() {
+        let resident_bytes = two["resident_bytes"].as_u64().unwrap();
+        let bound = resident_bytes + 2 * slot + RSS_OVERHEAD;
+        eprintln!("2 slots: peak RSS {peak} B, bound {bound} B (pools {pools} B)");
+        assert!(peak <= bound, "peak RSS {peak} > {bound}");
+    }
+}
