@@ -23,6 +23,7 @@ pub mod format;
 pub mod header;
 pub mod install;
 pub mod plan;
+pub mod runtime;
 pub mod source;
 pub mod testkit;
 pub mod transform;

@@ -9,3 +9,4 @@ mod quant_parity;
 mod replica;
 mod source_http;
 mod support;
+mod text;
