@@ -766,10 +766,15 @@ def check_manifest(rep, gdir, man, raw):
               f"format/version {man.get('format')!r}/{man.get('version')!r}")
     canon = json.dumps(man, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     if canon.encode() != raw:
-        # serde_json and Python format floats differently (1e-6 vs 1e-06); only flag
-        # differences that survive normalising float exponents.
-        norm = re.compile(r"e\+?(-?)0*(\d)")
-        same = norm.sub(r"e\1\2", canon) == norm.sub(r"e\1\2", raw.decode("utf-8", "replace"))
+        # serde_json and Python format floats differently (1e-6 vs 1e-06, 0.00001 vs
+        # 1e-05); only flag differences that survive writing every float value (a
+        # number with a fraction or exponent at the end of a line) as Python's repr.
+        norm = re.compile(r"(?m)(?<=: )(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)(?=,?$)")
+
+        def floats(text):
+            return norm.sub(lambda m: repr(float(m.group(1))) if any(c in m.group(1) for c in ".eE") else m.group(1), text)
+
+        same = floats(canon) == floats(raw.decode("utf-8", "replace"))
         rep.check(same, "manifest.json", 0, "-", "not canonical JSON (sorted keys, 2-space indent, newline)")
     else:
         rep.ok()

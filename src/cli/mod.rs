@@ -83,6 +83,9 @@ enum Command {
     },
     /// Generate text from an installed `.gturbo` directory (smoke test).
     Run(Box<run::RunArgs>),
+    /// Compare two installs of one model over a text: mean KL divergence and top-1
+    /// agreement of their next-token distributions (e.g. INT4 against BF16).
+    Eval(Box<run::EvalArgs>),
     /// List the known families with their source pins and runner status.
     Families {
         /// One JSON document instead of a table.
@@ -242,6 +245,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             cli.global.no_progress,
         ),
         Command::Run(args) => run::run_cmd(*args),
+        Command::Eval(args) => run::eval_cmd(*args),
         Command::Families { json } => families_cmd(json),
     }
 }

@@ -12,6 +12,8 @@ use crate::runtime::generate::{self, Generation};
 use crate::runtime::kernels::{Backend, Cpu};
 use crate::runtime::load::{self, Install, LoadError, LoadOptions};
 use crate::runtime::model::Model;
+use crate::runtime::sample::{Sampler, SamplerConfig};
+use crate::runtime::text::{TextCodec, TextError};
 
 /// Flags of `gturbo run`.
 #[derive(Debug, Args)]
@@ -77,6 +79,32 @@ fn open(dir: &Path, experts: ExpertMode) -> Result<Install, Failure> {
     Ok(load::open(dir, LoadOptions { experts })?)
 }
 
+/// The prompt's token ids, and the codec when the prompt was text.
+fn prompt_ids(args: &RunArgs, dir: &Path) -> Result<(Vec<u32>, Option<TextCodec>), Failure> {
+    if let Some(ids) = &args.prompt_ids {
+        // Ids alone need no tokenizer; the output is then decoded only if one loads.
+        return Ok((ids.clone(), TextCodec::load(dir).ok()));
+    }
+    let codec = TextCodec::load(dir).map_err(text_failure)?;
+    let text = match (&args.prompt, &args.chat) {
+        (Some(p), _) => p.clone(),
+        (None, Some(user)) => codec
+            .chat_prompt(args.system.as_deref(), user)
+            .map_err(text_failure)?,
+        (None, None) => {
+            return Err(Failure::usage(
+                "give --prompt TEXT, --chat TEXT or --prompt-ids IDS",
+            ));
+        }
+    };
+    let ids = codec.encode(&text).map_err(text_failure)?;
+    Ok((ids, Some(codec)))
+}
+
+fn text_failure(e: TextError) -> Failure {
+    Failure::usage(e.to_string())
+}
+
 /// `gturbo run`.
 pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
     let experts = if args.resident_experts {
@@ -87,42 +115,126 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
     let install = open(&args.dir, experts)?;
     let backend = Cpu::new(threads(args.threads));
     let model = Model::new(&install, &backend)?;
-    let (prompt, stop_ids): (Vec<u32>, Vec<u32>) =
-        match (&args.prompt_ids, &args.prompt, &args.chat) {
-            (Some(ids), _, _) => (ids.clone(), Vec::new()),
-            (None, None, None) => {
-                return Err(Failure::usage("give --prompt, --chat or --prompt-ids"));
-            }
-            _ => {
-                return Err(Failure::usage(
-                    "text prompts need the tokenizer, which is not wired in yet; use --prompt-ids",
-                ));
-            }
-        };
-    if args.temperature != 0.0 {
-        return Err(Failure::usage(
-            "only greedy decoding (--temperature 0) is wired in yet",
-        ));
-    }
+    let (prompt, codec) = prompt_ids(&args, &args.dir)?;
+    let stop_ids: Vec<u32> = codec
+        .as_ref()
+        .map(|c| c.stop_ids().to_vec())
+        .unwrap_or_default();
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: args.temperature,
+        top_k: (args.top_k > 0).then_some(args.top_k),
+        top_p: (args.top_p < 1.0).then_some(args.top_p),
+        seed: args.seed,
+    });
     let mut out = std::io::stdout().lock();
     let json = args.json;
+    // Stop tokens are not printed; everything else streams as soon as it is text.
+    let mut stream = codec.as_ref().map(|c| c.stream_decoder(true));
+    let mut text = String::new();
     let g = generate::generate(
         &model,
         &prompt,
         args.max_tokens,
         &stop_ids,
-        generate::argmax,
+        |logits| sampler.sample(logits),
         |t| {
+            let piece = match &mut stream {
+                Some(d) if !stop_ids.contains(&t) => d.push(t).unwrap_or_default(),
+                Some(_) => String::new(),
+                None => format!("{t} "),
+            };
+            text.push_str(&piece);
             if !json {
-                let _ = write!(out, "{t} ");
+                let _ = write!(out, "{piece}");
                 let _ = out.flush();
             }
         },
     )?;
+    if let Some(d) = &mut stream {
+        let rest = d.finish().unwrap_or_default();
+        text.push_str(&rest);
+        if !json {
+            let _ = write!(out, "{rest}");
+        }
+    }
     if !json {
         let _ = writeln!(out);
     }
-    footer(&install, &backend, &g, json, &prompt, &mut out);
+    footer(&install, &backend, &g, json, &prompt, &text, &mut out);
+    Ok(())
+}
+
+/// Flags of `gturbo eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The install measured (e.g. INT4).
+    pub dir_a: PathBuf,
+    /// The reference install of the same model (e.g. `--quant bf16`).
+    pub dir_b: PathBuf,
+    /// Text file fed to both (tokenized with install A's tokenizer).
+    #[arg(long)]
+    pub text: PathBuf,
+    /// Most tokens of the text used.
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// One JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `gturbo eval`: mean KL(A‖B) and top-1 agreement of next-token distributions.
+pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
+    let text = std::fs::read_to_string(&args.text)
+        .map_err(|e| Failure::usage(format!("{}: {e}", args.text.display())))?;
+    let codec = TextCodec::load(&args.dir_a).map_err(text_failure)?;
+    let mut ids = codec.encode(&text).map_err(text_failure)?;
+    ids.truncate(args.max_tokens);
+    if ids.len() < 2 {
+        return Err(Failure::usage(format!(
+            "{}: fewer than 2 tokens",
+            args.text.display()
+        )));
+    }
+    let backend = Cpu::new(threads(args.threads));
+    let mut logits = Vec::new();
+    let mut vocab = 0;
+    for dir in [&args.dir_a, &args.dir_b] {
+        let install = open(dir, ExpertMode::Slots(64))?;
+        let model = Model::new(&install, &backend)?;
+        if vocab != 0 && model.cfg.vocab != vocab {
+            return Err(Failure::usage(format!(
+                "{}: vocabulary {} differs from {}'s {vocab}",
+                dir.display(),
+                model.cfg.vocab,
+                args.dir_a.display()
+            )));
+        }
+        vocab = model.cfg.vocab;
+        let mut s = model.session();
+        logits.push(model.forward(&mut s, &ids, true)?);
+    }
+    let a = generate::agreement(&logits[0], &logits[1], vocab);
+    if args.json {
+        let doc = serde_json::json!({
+            "tokens": ids.len(),
+            "positions": a.positions,
+            "mean_kl_nats": a.mean_kl,
+            "max_kl_nats": a.max_kl,
+            "top1_agreement": a.top1,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+    } else {
+        println!(
+            "{} positions: mean KL(A||B) {:.5} nats (max {:.4}), top-1 agreement {:.1}%",
+            a.positions,
+            a.mean_kl,
+            a.max_kl,
+            100.0 * a.top1
+        );
+    }
     Ok(())
 }
 
@@ -132,6 +244,7 @@ fn footer(
     g: &Generation,
     json: bool,
     prompt: &[u32],
+    text: &str,
     out: &mut impl std::io::Write,
 ) {
     let stats = install.experts.stats();
@@ -167,6 +280,7 @@ fn footer(
             "runner": install.runner.name,
             "prompt_ids": prompt,
             "tokens": g.tokens,
+            "text": text,
             "stop": g.stop.label(),
             "prompt_tokens": g.prompt_tokens,
             "generated_tokens": g.tokens.len(),

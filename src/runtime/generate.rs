@@ -99,16 +99,7 @@ pub fn generate(
     })
 }
 
-/// Index of the largest logit (the lowest index on ties), as greedy decoding picks.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use super::sample::argmax;
 
 /// Peak resident set size of this process in bytes (`VmHWM`), where the OS says it.
 pub fn peak_rss_bytes() -> Option<u64> {
@@ -177,10 +168,5 @@ mod tests {
         let want: f64 = p.iter().map(|p| p * (p * 3.0).ln()).sum();
         assert!((r.mean_kl - want).abs() < 1e-9, "{} vs {want}", r.mean_kl);
         assert_eq!(r.top1, 0.0, "uniform argmax is 0, A's is 2");
-    }
-
-    #[test]
-    fn argmax_takes_the_first_of_ties() {
-        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
     }
 }

@@ -10,4 +10,5 @@ mod replica;
 mod runtime;
 mod source_http;
 mod support;
+mod text;
 mod verify;

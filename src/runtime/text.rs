@@ -1,0 +1,470 @@
+//! Text in and out of an install: the tokenizer (`tokenizer/tokenizer.json` through the
+//! tokenizers crate), the chat template (`tokenizer/tokenizer_config.json`, rendered with
+//! minijinja the way transformers renders it), the stop tokens, and a streaming decoder
+//! that never prints half a character.
+//!
+//! The tokenizer files come from the model repo and are untrusted: every file is a plain
+//! file inside `<install>/tokenizer/` (no symlinks), sizes are bounded, parsing errors and
+//! panics inside the tokenizers crate become [`TextError`]s naming the file and field.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// Folder of an install that holds the tokenizer files copied from the source repo.
+pub const TOKENIZER_DIR: &str = "tokenizer";
+
+/// Largest tokenizer file read (the biggest real `tokenizer.json` files are ~35 MB).
+const MAX_FILE_BYTES: u64 = 256 << 20;
+
+/// Why the text side of an install cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    #[error("{}: {why}", path.display())]
+    File { path: PathBuf, why: String },
+    #[error("{}: field `{field}`: {why}", path.display())]
+    Field {
+        path: PathBuf,
+        field: String,
+        why: String,
+    },
+    #[error("{}: {why}", path.display())]
+    Tokenizer { path: PathBuf, why: String },
+    #[error("chat template ({}): {why}", path.display())]
+    Template { path: PathBuf, why: String },
+    #[error("tokenizer: {0}")]
+    Encode(String),
+}
+
+/// The tokenizer, chat template and stop tokens of one install.
+pub struct TextCodec {
+    tokenizer: tokenizers::Tokenizer,
+    tokenizer_path: PathBuf,
+    /// The Jinja source and the file it came from, when the install has one.
+    chat_template: Option<(String, PathBuf)>,
+    /// Special-token strings the template may use (`bos_token`, `eos_token`, ...).
+    special_strings: Vec<(&'static str, String)>,
+    bos_id: Option<u32>,
+    add_bos: bool,
+    stop_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for TextCodec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextCodec")
+            .field("tokenizer", &self.tokenizer_path)
+            .field("bos_id", &self.bos_id)
+            .field("add_bos", &self.add_bos)
+            .field("stop_ids", &self.stop_ids)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Read a file of the tokenizer folder: a regular file (not a symlink that could point
+/// outside the install), at most [`MAX_FILE_BYTES`]. `Ok(None)` when absent.
+fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, TextError> {
+    let meta = match fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(TextError::File {
+                path: path.into(),
+                why: e.to_string(),
+            });
+        }
+    };
+    if !meta.file_type().is_file() {
+        return Err(TextError::File {
+            path: path.into(),
+            why: "not a regular file (symlinks and folders are refused)".into(),
+        });
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(TextError::File {
+            path: path.into(),
+            why: format!(
+                "{} bytes, more than the {MAX_FILE_BYTES} accepted",
+                meta.len()
+            ),
+        });
+    }
+    fs::read(path).map(Some).map_err(|e| TextError::File {
+        path: path.into(),
+        why: e.to_string(),
+    })
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, TextError> {
+    match read_optional(path)? {
+        None => Ok(None),
+        Some(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| TextError::File {
+                path: path.into(),
+                why: format!("not valid JSON: {e}"),
+            }),
+    }
+}
+
+/// A special token in tokenizer_config.json: a string, or an AddedToken object
+/// (`{"content": "...", ...}`), or null.
+fn token_string(cfg: &Value, field: &str, path: &Path) -> Result<Option<String>, TextError> {
+    match cfg.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Object(o)) => match o.get("content") {
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            _ => Err(TextError::Field {
+                path: path.into(),
+                field: format!("{field}.content"),
+                why: "expected a string".into(),
+            }),
+        },
+        Some(_) => Err(TextError::Field {
+            path: path.into(),
+            field: field.into(),
+            why: "expected a string, an object with `content`, or null".into(),
+        }),
+    }
+}
+
+/// `eos_token_id` as configs write it: an integer or a list of integers.
+fn id_list(v: Option<&Value>, field: &str, path: &Path) -> Result<Vec<u32>, TextError> {
+    let bad = || TextError::Field {
+        path: path.into(),
+        field: field.into(),
+        why: "expected a token id (0..2^32) or a list of them".into(),
+    };
+    let one = |v: &Value| {
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(bad)
+    };
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().map(one).collect(),
+        Some(v) => Ok(vec![one(v)?]),
+    }
+}
+
+impl TextCodec {
+    /// Load the text side of the install at `install_dir` (files under `tokenizer/`).
+    pub fn load(install_dir: &Path) -> Result<TextCodec, TextError> {
+        let dir = install_dir.join(TOKENIZER_DIR);
+        let tokenizer_path = dir.join("tokenizer.json");
+        let bytes = read_optional(&tokenizer_path)?.ok_or_else(|| TextError::File {
+            path: tokenizer_path.clone(),
+            why: "missing (the runtime needs a tokenizers-format tokenizer.json)".into(),
+        })?;
+        // The tokenizers crate is not written for hostile input; a panic while parsing
+        // is turned into an error naming the file.
+        let parsed = catch_unwind(AssertUnwindSafe(|| {
+            tokenizers::Tokenizer::from_bytes(&bytes)
+        }));
+        let tokenizer = match parsed {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                return Err(TextError::Tokenizer {
+                    path: tokenizer_path,
+                    why: format!("not a valid tokenizer: {e}"),
+                });
+            }
+            Err(_) => {
+                return Err(TextError::Tokenizer {
+                    path: tokenizer_path,
+                    why: "the tokenizer library panicked while reading it".into(),
+                });
+            }
+        };
+
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg = read_json(&cfg_path)?.unwrap_or(Value::Object(Default::default()));
+        if !cfg.is_object() {
+            return Err(TextError::File {
+                path: cfg_path,
+                why: "expected a JSON object".into(),
+            });
+        }
+        let add_bos = match cfg.get("add_bos_token") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(TextError::Field {
+                    path: cfg_path,
+                    field: "add_bos_token".into(),
+                    why: "expected true or false".into(),
+                });
+            }
+        };
+        let mut special_strings = Vec::new();
+        for field in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+            if let Some(s) = token_string(&cfg, field, &cfg_path)? {
+                special_strings.push((field, s));
+            }
+        }
+        let special = |name: &str| {
+            special_strings
+                .iter()
+                .find(|(f, _)| *f == name)
+                .map(|(_, s)| s.as_str())
+        };
+        let bos_id = match special("bos_token") {
+            None => None,
+            Some(s) => Some(tokenizer.token_to_id(s).ok_or_else(|| TextError::Field {
+                path: cfg_path.clone(),
+                field: "bos_token".into(),
+                why: format!("{s:?} is not a token of tokenizer.json"),
+            })?),
+        };
+        if add_bos && bos_id.is_none() {
+            return Err(TextError::Field {
+                path: cfg_path,
+                field: "bos_token".into(),
+                why: "add_bos_token is true but no bos_token is set".into(),
+            });
+        }
+        let chat_template = Self::find_template(&dir, &cfg, &cfg_path)?;
+
+        // Stop tokens: every EOS the generation config, the model config and the
+        // tokenizer config name (instruct models often list several).
+        let mut stop_ids = Vec::new();
+        for (file, field) in [
+            ("generation_config.json", "eos_token_id"),
+            ("config.json", "eos_token_id"),
+        ] {
+            let path = dir.join(file);
+            if let Some(v) = read_json(&path)? {
+                stop_ids.extend(id_list(v.get(field), field, &path)?);
+            }
+        }
+        if let Some(eos) = special("eos_token") {
+            let id = tokenizer.token_to_id(eos).ok_or_else(|| TextError::Field {
+                path: cfg_path.clone(),
+                field: "eos_token".into(),
+                why: format!("{eos:?} is not a token of tokenizer.json"),
+            })?;
+            stop_ids.push(id);
+        }
+        let mut seen = BTreeSet::new();
+        stop_ids.retain(|id| seen.insert(*id));
+        if stop_ids.is_empty() {
+            return Err(TextError::Field {
+                path: dir.join("generation_config.json"),
+                field: "eos_token_id".into(),
+                why: "no end-of-sequence token in generation_config.json, config.json or tokenizer_config.json".into(),
+            });
+        }
+        Ok(TextCodec {
+            tokenizer,
+            tokenizer_path,
+            chat_template,
+            special_strings,
+            bos_id,
+            add_bos,
+            stop_ids,
+        })
+    }
+
+    /// The chat template: `chat_template` of tokenizer_config.json (a string, or a list
+    /// of `{name, template}` where `default` is used), else `chat_template.jinja`.
+    fn find_template(
+        dir: &Path,
+        cfg: &Value,
+        cfg_path: &Path,
+    ) -> Result<Option<(String, PathBuf)>, TextError> {
+        let bad = |why: &str| TextError::Field {
+            path: cfg_path.into(),
+            field: "chat_template".into(),
+            why: why.into(),
+        };
+        match cfg.get("chat_template") {
+            Some(Value::String(s)) => return Ok(Some((s.clone(), cfg_path.into()))),
+            Some(Value::Array(list)) => {
+                for item in list {
+                    if item.get("name").and_then(Value::as_str) == Some("default") {
+                        let t = item
+                            .get("template")
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| bad("the `default` entry has no string `template`"))?;
+                        return Ok(Some((t.to_string(), cfg_path.into())));
+                    }
+                }
+                return Err(bad("a list without a `default` template"));
+            }
+            None | Some(Value::Null) => {}
+            Some(_) => return Err(bad("expected a string or a list of named templates")),
+        }
+        let jinja = dir.join("chat_template.jinja");
+        match read_optional(&jinja)? {
+            None => Ok(None),
+            Some(bytes) => String::from_utf8(bytes)
+                .map(|s| Some((s, jinja.clone())))
+                .map_err(|_| TextError::File {
+                    path: jinja,
+                    why: "not UTF-8".into(),
+                }),
+        }
+    }
+
+    /// Token ids of `text`, special-token strings included as their ids; BOS is added in
+    /// front only when tokenizer_config.json says `add_bos_token: true` (and the text
+    /// does not already start with it, as a rendered chat prompt may).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let enc = catch_unwind(AssertUnwindSafe(|| self.tokenizer.encode(text, false)))
+            .map_err(|_| TextError::Encode("the tokenizer library panicked".into()))?
+            .map_err(|e| TextError::Encode(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        if let (true, Some(bos)) = (self.add_bos, self.bos_id)
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids` (special tokens kept unless `skip_special`).
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TextError> {
+        catch_unwind(AssertUnwindSafe(|| {
+            self.tokenizer.decode(ids, skip_special)
+        }))
+        .map_err(|_| TextError::Encode("the tokenizer library panicked".into()))?
+        .map_err(|e| TextError::Encode(e.to_string()))
+    }
+
+    /// Ids that end generation (EOS of the generation config, model config and
+    /// tokenizer config, deduplicated, in that order).
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
+    /// The BOS id, when the tokenizer config names one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// Whether the install has a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// The prompt for one user turn, rendered with the install's chat template as
+    /// transformers' `apply_chat_template(..., add_generation_prompt=True)` renders it.
+    /// `system`: `None` leaves the template's default (many add their own system
+    /// message), `Some("")` sends an explicitly empty system message.
+    pub fn chat_prompt(&self, system: Option<&str>, user: &str) -> Result<String, TextError> {
+        let (source, path) = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| TextError::Field {
+                path: self.tokenizer_path.with_file_name("tokenizer_config.json"),
+                field: "chat_template".into(),
+                why: "the install has no chat template (use a plain prompt)".into(),
+            })?;
+        let terr = |e: minijinja::Error| TextError::Template {
+            path: path.clone(),
+            why: format!("{e:#}"),
+        };
+        let mut env = minijinja::Environment::new();
+        // transformers compiles templates with trim_blocks and lstrip_blocks on.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<(), minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!("the template raised: {msg}"),
+                ))
+            },
+        );
+        env.add_template("chat", source).map_err(terr)?;
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(serde_json::json!({"role": "system", "content": s}));
+        }
+        messages.push(serde_json::json!({"role": "user", "content": user}));
+        let mut ctx = serde_json::Map::new();
+        ctx.insert("messages".into(), Value::Array(messages));
+        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
+        for (field, s) in &self.special_strings {
+            ctx.insert((*field).into(), Value::String(s.clone()));
+        }
+        let tmpl = env.get_template("chat").map_err(terr)?;
+        tmpl.render(minijinja::Value::from_serialize(&ctx))
+            .map_err(terr)
+    }
+
+    /// A decoder for a stream of generated ids.
+    pub fn stream_decoder(&self, skip_special: bool) -> StreamDecoder<'_> {
+        StreamDecoder {
+            codec: self,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+            skip_special,
+        }
+    }
+}
+
+/// Turns generated ids, one at a time, into text as soon as it is complete: a token that
+/// ends inside a multi-byte UTF-8 character (byte-level BPE, byte-fallback tokens) is
+/// held back until the character is whole.
+///
+/// It decodes a window that starts one token before the new ones and emits the
+/// difference, so decoders that treat the first token specially (a leading-space strip)
+/// do not drop text at window boundaries.
+pub struct StreamDecoder<'a> {
+    codec: &'a TextCodec,
+    ids: Vec<u32>,
+    /// Start of the window: the last token already printed before `read`.
+    prefix: usize,
+    /// Ids before this index have been printed.
+    read: usize,
+    skip_special: bool,
+}
+
+impl StreamDecoder<'_> {
+    /// Add one id; returns the text it completes (often empty while a character is partial).
+    pub fn push(&mut self, id: u32) -> Result<String, TextError> {
+        self.ids.push(id);
+        let before = self
+            .codec
+            .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
+        let now = self
+            .codec
+            .decode(&self.ids[self.prefix..], self.skip_special)?;
+        // An incomplete character decodes to U+FFFD at the end: wait for more bytes.
+        if now.len() <= before.len() || now.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        match now.get(before.len()..) {
+            Some(new) if now.starts_with(&before) => {
+                let new = new.to_string();
+                self.prefix = self.read;
+                self.read = self.ids.len();
+                Ok(new)
+            }
+            _ => Ok(String::new()),
+        }
+    }
+
+    /// The text still held back (an incomplete character at the end, as U+FFFD).
+    pub fn finish(&mut self) -> Result<String, TextError> {
+        let before = self
+            .codec
+            .decode(&self.ids[self.prefix..self.read], self.skip_special)?;
+        let now = self
+            .codec
+            .decode(&self.ids[self.prefix..], self.skip_special)?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok(match now.get(before.len()..) {
+            Some(rest) if now.starts_with(&before) => rest.to_string(),
+            _ => String::new(),
+        })
+    }
+}
