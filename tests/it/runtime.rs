@@ -346,3 +346,173 @@ fn experts_stream_through_2_or_16_slots_with_the_tokens_of_resident_mode() {
         assert!(peak <= bound, "peak RSS {peak} > {bound}");
     }
 }
+
+// ------------------------------------------------------------------ SmolLM2 (real model)
+
+fn require_py() -> bool {
+    std::env::var("GTURBO_REQUIRE_PY").as_deref() == Ok("1")
+}
+
+/// INT4 and BF16 installs of the SmolLM2 snapshot from `scripts/fetch_smollm2.sh`
+/// (GTURBO_SMOLLM2_SNAPSHOT overrides `target/smollm2/snapshot`), made once per test
+/// run; `None` after saying why when the snapshot is absent (a failure under
+/// GTURBO_REQUIRE_PY=1).
+fn smollm2(test: &str) -> Option<&'static (PathBuf, PathBuf, PathBuf)> {
+    static INSTALLS: std::sync::OnceLock<Option<(PathBuf, PathBuf, PathBuf)>> =
+        std::sync::OnceLock::new();
+    let snap = std::env::var_os("GTURBO_SMOLLM2_SNAPSHOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/smollm2/snapshot"));
+    if !snap.join("model.safetensors.index.json").is_file() {
+        let why = format!(
+            "no SmolLM2 snapshot at {} (run scripts/fetch_smollm2.sh)",
+            snap.display()
+        );
+        assert!(!require_py(), "{test}: GTURBO_REQUIRE_PY=1 but {why}");
+        eprintln!("SKIPPED {test}: {why}");
+        return None;
+    }
+    INSTALLS
+        .get_or_init(|| {
+            // Kept for the whole test run (several tests share the installs).
+            let tmp = temp_dir().keep();
+            let (int4, bf16) = (tmp.join("smol-int4.gturbo"), tmp.join("smol-bf16.gturbo"));
+            install("llama", &snap, &int4, &[]);
+            install("llama", &snap, &bf16, &["--quant", "bf16"]);
+            Some((snap, int4, bf16))
+        })
+        .as_ref()
+}
+
+#[test]
+fn smollm2_int4_continues_the_capital_of_france_with_paris() {
+    let Some((_, int4, _)) = smollm2("smollm2_int4_continues_the_capital_of_france_with_paris")
+    else {
+        return;
+    };
+    let o = run(
+        int4,
+        &[
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "3",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        v["prompt_ids"],
+        serde_json::json!([504, 3575, 282, 4649, 314])
+    );
+    let t = v["text"].as_str().unwrap();
+    assert!(t.starts_with(" Paris"), "INT4 continued with {t:?}");
+}
+
+#[test]
+fn smollm2_bf16_answers_the_chat_question_naming_paris_and_stops_at_im_end() {
+    let Some((_, int4, bf16)) = smollm2("smollm2_bf16_answers_the_chat_question") else {
+        return;
+    };
+    let chat = [
+        "--chat",
+        "What is the capital of France?",
+        "--system",
+        "",
+        "--max-tokens",
+        "48",
+        "--json",
+    ];
+    let o = run(bf16, &chat);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let answer = v["text"].as_str().unwrap();
+    assert_eq!(v["stop"], "eos", "{v}");
+    assert_eq!(
+        v["tokens"].as_array().unwrap().last(),
+        Some(&Value::from(2)),
+        "ends at <|im_end|> (id 2)"
+    );
+    assert!(answer.contains("Paris"), "BF16 answered {answer:?}");
+    // The INT4 answer is reported as it comes (re-quantised Q4_1 weights lose quality).
+    let o = run(int4, &chat);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+    eprintln!(
+        "BF16 chat answer: {answer:?}\nINT4 chat answer: {:?} (stop {})",
+        v["text"], v["stop"]
+    );
+}
+
+/// A paragraph for the longer greedy comparison and the INT4-vs-BF16 KL figure.
+const PARAGRAPH: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. \
+It is named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.";
+
+#[test]
+fn smollm2_bf16_matches_mlx_lm_greedy_tokens_for_32_steps() {
+    let Some((snap, _, bf16)) = smollm2("smollm2_bf16_matches_mlx_lm_greedy_tokens_for_32_steps")
+    else {
+        return;
+    };
+    let o = run(
+        bf16,
+        &["--prompt", PARAGRAPH, "--max-tokens", "32", "--json"],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ids = serde_json::to_string(&v["prompt_ids"]).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/mlx_lm_greedy.py");
+    let peer = Command::new("python3")
+        .arg(script)
+        .arg(snap)
+        .arg(&ids)
+        .arg("32")
+        .output();
+    let peer = match peer {
+        Ok(p) if p.status.success() => p,
+        other => {
+            let why = match other {
+                Ok(p) => String::from_utf8_lossy(&p.stderr).into_owned(),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                !require_py(),
+                "GTURBO_REQUIRE_PY=1 but mlx-lm failed: {why}"
+            );
+            eprintln!("SKIPPED mlx-lm comparison: {why}");
+            return;
+        }
+    };
+    let want: Value = serde_json::from_slice(&peer.stdout).unwrap();
+    assert_eq!(v["tokens"], want, "gturbo {} vs mlx-lm {want}", v["tokens"]);
+}
+
+#[test]
+fn smollm2_int4_stays_close_to_bf16_by_kl_divergence() {
+    let Some((_, int4, bf16)) = smollm2("smollm2_int4_stays_close_to_bf16_by_kl_divergence") else {
+        return;
+    };
+    let tmp = temp_dir();
+    let para = tmp.path().join("paragraph.txt");
+    std::fs::write(&para, PARAGRAPH).unwrap();
+    let o = Command::new(gturbo_bin())
+        .arg("eval")
+        .args([int4, bf16])
+        .arg("--text")
+        .arg(&para)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    eprintln!("SmolLM2 INT4 vs BF16 over the paragraph: {v}");
+    let kl = v["mean_kl_nats"].as_f64().unwrap();
+    let top1 = v["top1_agreement"].as_f64().unwrap();
+    assert!(v["positions"].as_u64().unwrap() >= 40, "{v}");
+    // Re-quantising Q4_1-derived weights costs quality (measured: mean KL 0.87 nats,
+    // top-1 agreement 56% over this paragraph, and the INT4 chat answer still names
+    // Paris); a broken INT4 path (nibble order, scales) gives several nats and
+    // near-zero agreement.
+    assert!(kl > 0.0 && kl < 2.0, "mean KL {kl}");
+    assert!(top1 > 0.4, "top-1 agreement {top1}");
+}
