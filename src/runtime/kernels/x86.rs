@@ -116,6 +116,12 @@ fn matvec_avx2(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
                 .zip(weights.chunks_exact(wrow))
                 .zip(scales.chunks_exact(srow))
                 .zip(biases.chunks_exact(srow));
+            if !prep.q8.is_empty() {
+                for (((o, wr), sr), br) in rows {
+                    *o = q4_row_q8(wr, sr, br, prep);
+                }
+                return;
+            }
             let (px, gs) = (&prep.x[..cols], &prep.group_sums[..cols / GROUP]);
             if bits == 4 {
                 for (((o, wr), sr), br) in rows {
@@ -180,6 +186,39 @@ fn quant_row<const BITS: i32>(w: &[u8], s: &[u8], b: &[u8], px: &[f32], gsum: &[
         btotal += bf16_at(bg, 0) * gs;
     }
     hsum(total) + btotal
+}
+
+/// One INT4 row against int8 activations: low and high nibbles times the even and odd
+/// activations with `maddubs` (pairs of u8·i8 into i16, at most 2·15·127 per pair, so
+/// no saturation), widened to i32 with `madd`; the group's integer sums are exact in
+/// f32 (< 2^24) and scaled by `s·d`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn q4_row_q8(w: &[u8], s: &[u8], b: &[u8], prep: &Prepared) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut btotal = 0.0f32;
+    for (((((wg, xg), sg), bg), d), gs) in w
+        .chunks_exact(32)
+        .zip(prep.q8.chunks_exact(GROUP))
+        .zip(s.chunks_exact(2))
+        .zip(b.chunks_exact(2))
+        .zip(&prep.q8_scale)
+        .zip(&prep.group_sums)
+    {
+        let v = ld32(wg);
+        let lo = _mm256_and_si256(v, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+        let p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, ld32(xg)),
+            _mm256_maddubs_epi16(hi, ld32(&xg[32..])),
+        );
+        let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(bf16_at(sg, 0) * d), acc);
+        btotal += bf16_at(bg, 0) * gs;
+    }
+    hsum(acc) + btotal
 }
 
 /// A BF16 row against `x`, 32 elements per step, scalar tail.
