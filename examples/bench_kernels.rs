@@ -91,23 +91,41 @@ impl Owned {
     }
 }
 
+/// Nanoseconds this thread has run on a CPU, from `/proc/thread-self/schedstat`
+/// (Linux): on a busy host the single-thread figure that excludes time spent
+/// descheduled.
+fn cpu_ns() -> Option<u64> {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
 
-/// Median seconds of `f` over `reps` runs after one warm-up.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+/// Median wall-clock seconds of `f` over `reps` runs after one warm-up, and the
+/// median seconds of CPU time the calling thread ran (NaN where not available).
+fn time(reps: usize, mut f: impl FnMut()) -> (f64, f64) {
     f();
-    median(
-        (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
+    let (wall, cpu): (Vec<f64>, Vec<f64>) = (0..reps)
+        .map(|_| {
+            let c = cpu_ns();
+            let t = Instant::now();
+            f();
+            let wall = t.elapsed().as_secs_f64();
+            let cpu = match (c, cpu_ns()) {
+                (Some(a), Some(b)) => (b - a) as f64 / 1e9,
+                _ => f64::NAN,
+            };
+            (wall, cpu)
+        })
+        .unzip();
+    (median(wall), median(cpu))
 }
 
 /// The per-layer shapes in decode order: q, k, v, o, gate, up, down.
@@ -122,16 +140,25 @@ const LAYER_SHAPES: [(usize, usize); 7] = [
 ];
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // `--only int4|int4q8|int8|bf16` runs one encoding.
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1).cloned());
     let reps = if quick { 5 } else { 21 };
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     println!("backend: {}", Cpu::new(1).name());
-    for (enc, label) in [
-        ("int4", "int4"),
-        ("int4", "int4, int8 activations"),
-        ("int8", "int8"),
-        ("bf16", "bf16"),
+    for (enc, key, label) in [
+        ("int4", "int4", "int4"),
+        ("int4", "int4q8", "int4, int8 activations"),
+        ("int8", "int8", "int8"),
+        ("bf16", "bf16", "bf16"),
     ] {
+        if only.as_deref().is_some_and(|o| o != key) {
+            continue;
+        }
         let act = if label.contains("activations") {
             Activations::Int8
         } else {
@@ -151,8 +178,8 @@ fn main() {
             (VOCAB, HIDDEN),
         ];
         println!(
-            "{:>12} {:>10} | {:>10} {:>8} | {:>10} {:>8}",
-            "shape", "MB", "1T µs", "GB/s", "2T µs", "GB/s"
+            "{:>12} {:>8} | {:>8} {:>6} {:>8} {:>6} | {:>8} {:>6}",
+            "shape", "MB", "1T µs", "GB/s", "1T cpu", "GB/s", "2T µs", "GB/s"
         );
         let mut per_shape = std::collections::HashMap::new();
         for (rows, cols) in shapes {
@@ -162,24 +189,25 @@ fn main() {
             let mut y = vec![0.0f32; rows];
             let inner = if rows == VOCAB { 3 } else { 50 };
             let mut line = format!(
-                "{:>12} {:>10.3}",
+                "{:>12} {:>8.3}",
                 format!("{rows}x{cols}"),
                 w.weight_bytes() as f64 / 1e6
             );
             for cpu in &cpus {
-                let t = cpu.install(|| {
+                let (t, c) = cpu.install(|| {
                     time(reps, || {
                         for _ in 0..inner {
                             cpu.matvec(&w, &x, &mut y)
                         }
                     })
-                }) / inner as f64;
+                });
+                let (t, c) = (t / inner as f64, c / inner as f64);
                 per_shape.insert((rows, cols, cpu.threads()), t);
-                line += &format!(
-                    " | {:>10.1} {:>8.2}",
-                    t * 1e6,
-                    w.weight_bytes() as f64 / t / 1e9
-                );
+                let gbs = |t: f64| w.weight_bytes() as f64 / t / 1e9;
+                line += &format!(" | {:>8.1} {:>6.2}", t * 1e6, gbs(t));
+                if cpu.threads() == 1 {
+                    line += &format!(" {:>8.1} {:>6.2}", c * 1e6, gbs(c));
+                }
             }
             println!("{line}");
         }
@@ -237,15 +265,20 @@ fn main() {
                         cpu.matmul(&w, &xs[..n * HIDDEN], n, &mut ys[..n * VOCAB]);
                     }
                 };
-                let t = cpu.install(|| time(if n == 1 { reps } else { reps.min(5) }, sweep));
+                let (t, c) = cpu.install(|| time(if n == 1 { reps } else { reps.min(5) }, sweep));
                 let per_tok = t / n as f64;
                 let label = if n == 1 {
                     "decode matvec".to_string()
                 } else {
                     format!("prefill matmul n={n}")
                 };
+                let cpu_note = if cpu.threads() == 1 {
+                    format!("  (cpu time: {:.3} ms/token)", c / n as f64 * 1e3)
+                } else {
+                    String::new()
+                };
                 println!(
-                    "{}T {label:>20}: {:8.3} ms/token  {:7.1} tok/s  {:6.2} GB/s",
+                    "{}T {label:>20}: {:8.3} ms/token  {:7.1} tok/s  {:6.2} GB/s{cpu_note}",
                     cpu.threads(),
                     per_tok * 1e3,
                     1.0 / per_tok,

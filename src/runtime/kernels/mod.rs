@@ -300,8 +300,8 @@ pub enum Activations {
     /// llama.cpp does, so the inner loop is an integer multiply-add: about twice as
     /// fast. Each `x` moves by at most `d/2`, so a product moves by at most
     /// `Σ_g d_g/2 · Σ_k |s_g·q_k|` (under 0.4% of `Σ |s·q|·max|x|`); the bias term
-    /// `b·Σx` stays exact. Applies to INT4 `matvec` only; INT8 and float matrices and
-    /// `matmul` stay exact.
+    /// `b·Σx` stays exact. Applies to INT4 `matvec` and `matmul` (so prefill and decode
+    /// see the same arithmetic); INT8 and float matrices stay exact.
     Int8,
 }
 
@@ -461,7 +461,8 @@ pub(crate) struct Prepared {
     /// holds code `s` of word `i`); for float matrices `x` unchanged. Empty in int8
     /// mode.
     pub(crate) x: Vec<f32>,
-    /// `Σ x_k` over each group of 64 (quantized matrices only).
+    /// `Σ x_k` over each group of 64 (quantized matrices only; in int8 mode the sum
+    /// of the original f32 values, so the bias term stays exact).
     pub(crate) group_sums: Vec<f32>,
     /// Int8 mode (INT4 only): per group of 64, the 32 even elements then the 32 odd
     /// ones (the low and high nibbles of the 32 code bytes), as int8 bytes.
@@ -546,15 +547,34 @@ impl Backend for Cpu {
         // block of a transposed result, transposed back at the end. Each row is
         // dequantized once (in the permuted order the prepared inputs share) and
         // dotted with all `n` inputs.
-        let preps: Vec<Prepared> = xs.chunks_exact(cols).map(|x| Prepared::new(w, x)).collect();
+        let int8 =
+            self.activations == Activations::Int8 && matches!(*w, Matrix::Quant { bits: 4, .. });
         let mut yt = vec![0.0f32; rows * n];
-        self.for_row_chunks(rows, n, &mut yt, |r0, yt| {
-            let mut wrow = vec![0.0f32; cols];
-            for (i, out) in yt.chunks_exact_mut(n).enumerate() {
-                self.row_prepared(&w.slice_rows(r0 + i, r0 + i + 1), &mut wrow);
-                self.dots(&wrow, &preps, out);
-            }
-        });
+        if int8 {
+            // Int8 activations: the integer kernel, unpacking each group's codes once
+            // for all the vectors.
+            let preps: Vec<Prepared> = xs
+                .chunks_exact(cols)
+                .map(|x| Prepared::with(w, x, Activations::Int8))
+                .collect();
+            self.for_row_chunks(rows, n, &mut yt, |r0, yt| {
+                let part = w.slice_rows(r0, r0 + yt.len() / n);
+                match self.isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => x86::matmul_q8(&part, &preps, yt),
+                    Isa::Portable => portable::matmul_q8(&part, &preps, yt),
+                }
+            });
+        } else {
+            let preps: Vec<Prepared> = xs.chunks_exact(cols).map(|x| Prepared::new(w, x)).collect();
+            self.for_row_chunks(rows, n, &mut yt, |r0, yt| {
+                let mut wrow = vec![0.0f32; cols];
+                for (i, out) in yt.chunks_exact_mut(n).enumerate() {
+                    self.row_prepared(&w.slice_rows(r0 + i, r0 + i + 1), &mut wrow);
+                    self.dots(&wrow, &preps, out);
+                }
+            });
+        }
         for (r, vals) in yt.chunks_exact(n).enumerate() {
             for (j, v) in vals.iter().enumerate() {
                 ys[j * rows + r] = *v;

@@ -113,6 +113,31 @@ fn quant_row(bits: u32, w: &[u8], s: &[u8], b: &[u8], px: &[f32], gsum: &[f32]) 
     total
 }
 
+/// `yt[r·n + j] = row r · x_j` for INT4 rows and int8-prepared inputs.
+pub(super) fn matmul_q8(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
+    let Matrix::Quant {
+        weights,
+        scales,
+        biases,
+        cols,
+        ..
+    } = *w
+    else {
+        unreachable!("int8 matmul of a float matrix");
+    };
+    let (wrow, srow) = (cols / 2, cols / GROUP * 2);
+    for (((out, wr), sr), br) in yt
+        .chunks_exact_mut(preps.len())
+        .zip(weights.chunks_exact(wrow))
+        .zip(scales.chunks_exact(srow))
+        .zip(biases.chunks_exact(srow))
+    {
+        for (o, p) in out.iter_mut().zip(preps) {
+            *o = q4_row_q8(wr, sr, br, p);
+        }
+    }
+}
+
 /// One INT4 row against int8 activations: the integer sum per group is exact, then
 /// scaled by `s·d`.
 fn q4_row_q8(w: &[u8], s: &[u8], b: &[u8], prep: &Prepared) -> f32 {

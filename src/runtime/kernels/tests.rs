@@ -420,6 +420,19 @@ fn int8_activations_stay_within_their_stated_bound() {
         for cpu in &cpus {
             let mut y = vec![f32::NAN; f.rows];
             cpu.matvec(&m, x, &mut y);
+            // Prefill sees the same arithmetic: row j of a matmul whose other inputs
+            // differ equals the matvec to f32 rounding.
+            for n in [2, 5] {
+                let mut xs = rng.vec(n * f.cols);
+                let j = n - 1;
+                xs[j * f.cols..].copy_from_slice(x);
+                let mut ys = vec![f32::NAN; n * f.rows];
+                cpu.matmul(&m, &xs, n, &mut ys);
+                for (r, (a, b)) in ys[j * f.rows..].iter().zip(&y).enumerate() {
+                    let tol = 2.0 * TOL * want[r].1 + 1e-30;
+                    assert!((*a as f64 - *b as f64).abs() <= tol, "{cpu:?} n={n} row {r}");
+                }
+            }
             for (r, (g, (w, mag))) in y.iter().zip(&want).enumerate() {
                 let span = r * f.cols..(r + 1) * f.cols;
                 let bound: f64 = f.dense[span.clone()]
