@@ -91,16 +91,17 @@ impl Owned {
     }
 }
 
-/// Nanoseconds this thread has run on a CPU, from `/proc/thread-self/schedstat`
-/// (Linux): on a busy host the single-thread figure that excludes time spent
-/// descheduled.
+/// Nanoseconds all threads of this process have run on a CPU, summed from
+/// `/proc/self/task/*/schedstat` (Linux): on a busy host, the cost that excludes time
+/// spent descheduled. With one thread it is that thread's time; with a pool it
+/// includes the workers (spinning included).
 fn cpu_ns() -> Option<u64> {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -150,6 +151,27 @@ fn main() {
     let reps = if quick { 5 } else { 21 };
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     println!("backend: {}", Cpu::new(1).name());
+    // What splitting a product over two threads costs: a matvec small enough that the
+    // hand-off dominates (64 rows → 2 tasks of 32 rows).
+    {
+        let m = Owned::new("int4", 64, HIDDEN, &mut seed);
+        let w = m.matrix();
+        let x = vec![0.5f32; HIDDEN];
+        let mut y = vec![0.0f32; 64];
+        let mut line = "dispatch: 64x576 int4 matvec, µs:".to_string();
+        for t in [1, 2] {
+            let cpu = Cpu::new(t);
+            let (wall, cpu_s) = cpu.install(|| {
+                time(reps, || {
+                    for _ in 0..5000 {
+                        cpu.matvec(&w, &x, &mut y)
+                    }
+                })
+            });
+            line += &format!(" {t}T {:.2} (cpu {:.2})", wall * 200.0, cpu_s * 200.0);
+        }
+        println!("{line}");
+    }
     for (enc, key, label) in [
         ("int4", "int4", "int4"),
         ("int4", "int4q8", "int4, int8 activations"),
@@ -178,8 +200,8 @@ fn main() {
             (VOCAB, HIDDEN),
         ];
         println!(
-            "{:>12} {:>8} | {:>8} {:>6} {:>8} {:>6} | {:>8} {:>6}",
-            "shape", "MB", "1T µs", "GB/s", "1T cpu", "GB/s", "2T µs", "GB/s"
+            "{:>12} {:>8} | {:>8} {:>6} {:>8} {:>6} | {:>8} {:>6} {:>8}",
+            "shape", "MB", "1T µs", "GB/s", "1T cpu", "GB/s", "2T µs", "GB/s", "2T cpu"
         );
         let mut per_shape = std::collections::HashMap::new();
         for (rows, cols) in shapes {
@@ -187,7 +209,13 @@ fn main() {
             let w = m.matrix();
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
             let mut y = vec![0.0f32; rows];
-            let inner = if rows == VOCAB { 3 } else { 50 };
+            // Repetitions long enough (≥ 25 ms) for the scheduler's CPU-time counters.
+            let t1 = {
+                let t = Instant::now();
+                cpus[0].matvec(&w, &x, &mut y);
+                t.elapsed().as_secs_f64()
+            };
+            let inner = ((0.025 / t1.max(1e-7)) as usize).clamp(1, 100_000);
             let mut line = format!(
                 "{:>12} {:>8.3}",
                 format!("{rows}x{cols}"),
@@ -207,6 +235,8 @@ fn main() {
                 line += &format!(" | {:>8.1} {:>6.2}", t * 1e6, gbs(t));
                 if cpu.threads() == 1 {
                     line += &format!(" {:>8.1} {:>6.2}", c * 1e6, gbs(c));
+                } else {
+                    line += &format!(" {:>8.1}", c * 1e6);
                 }
             }
             println!("{line}");
@@ -272,11 +302,7 @@ fn main() {
                 } else {
                     format!("prefill matmul n={n}")
                 };
-                let cpu_note = if cpu.threads() == 1 {
-                    format!("  (cpu time: {:.3} ms/token)", c / n as f64 * 1e3)
-                } else {
-                    String::new()
-                };
+                let cpu_note = format!("  (cpu time: {:.3} ms/token)", c / n as f64 * 1e3);
                 println!(
                     "{}T {label:>20}: {:8.3} ms/token  {:7.1} tok/s  {:6.2} GB/s{cpu_note}",
                     cpu.threads(),

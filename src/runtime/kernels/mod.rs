@@ -324,7 +324,7 @@ impl std::fmt::Debug for Cpu {
 }
 
 /// Fewest rows one task takes: below this the hand-off costs more than it saves.
-const MIN_ROWS_PER_TASK: usize = 16;
+const MIN_ROWS_PER_TASK: usize = 32;
 /// Tasks per thread: a few, so a thread descheduled on a busy host does not hold up
 /// the whole product.
 const TASKS_PER_THREAD: usize = 4;
@@ -454,6 +454,22 @@ impl Cpu {
     }
 }
 
+/// 1.5·2^23: `(t + ROUND_BIAS) - ROUND_BIAS` rounds `t` to an integer for |t| ≤ 2^22.
+const ROUND_BIAS: f32 = 12_582_912.0;
+
+/// Sum of a slice with eight partial sums (vectorises; a plain `sum` is one serial
+/// chain of additions).
+fn sum8(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut c = x.chunks_exact(8);
+    for v in &mut c {
+        for i in 0..8 {
+            acc[i] += v[i];
+        }
+    }
+    acc.iter().sum::<f32>() + c.remainder().iter().sum::<f32>()
+}
+
 /// The input vector in the order the inner loops read it, plus per-group sums.
 pub(crate) struct Prepared {
     /// For quantized matrices, `x` with each block of `8·per_word` elements permuted so
@@ -487,7 +503,7 @@ impl Prepared {
             prep.x = x.to_vec();
             return prep;
         };
-        prep.group_sums = x.chunks_exact(GROUP).map(|g| g.iter().sum()).collect();
+        prep.group_sums = x.chunks_exact(GROUP).map(sum8).collect();
         if bits == 4 && activations == Activations::Int8 {
             prep.q8 = vec![0u8; x.len()];
             for (src, dst) in x.chunks_exact(GROUP).zip(prep.q8.chunks_exact_mut(GROUP)) {
@@ -495,7 +511,11 @@ impl Prepared {
                 let d = max / 127.0;
                 let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
                 for (k, v) in src.iter().enumerate() {
-                    let q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                    // Round to nearest (ties to even) by adding and removing 1.5·2^23:
+                    // exact for |t| ≤ 2^22, and branch-free where `round` is a libm
+                    // call on baseline x86-64.
+                    let t = (v * inv).clamp(-127.0, 127.0);
+                    let q = ((t + ROUND_BIAS) - ROUND_BIAS) as i8;
                     dst[(k % 2) * 32 + k / 2] = q as u8;
                 }
                 prep.q8_scale.push(d);

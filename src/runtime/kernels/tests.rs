@@ -430,7 +430,10 @@ fn int8_activations_stay_within_their_stated_bound() {
                 cpu.matmul(&m, &xs, n, &mut ys);
                 for (r, (a, b)) in ys[j * f.rows..].iter().zip(&y).enumerate() {
                     let tol = 2.0 * TOL * want[r].1 + 1e-30;
-                    assert!((*a as f64 - *b as f64).abs() <= tol, "{cpu:?} n={n} row {r}");
+                    assert!(
+                        (*a as f64 - *b as f64).abs() <= tol,
+                        "{cpu:?} n={n} row {r}"
+                    );
                 }
             }
             for (r, (g, (w, mag))) in y.iter().zip(&want).enumerate() {
