@@ -430,6 +430,15 @@ impl Cpu {
         }
     }
 
+    /// `Σ a·b_j` for four `b_j`, sharing the loads of `a`.
+    fn dot4(&self, a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+        match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::dot4(a, b),
+            Isa::Portable => b.map(|b| portable::dot(a, b)),
+        }
+    }
+
     /// `out[j] = Σ wrow·preps[j].x`.
     fn dots(&self, wrow: &[f32], preps: &[Prepared], out: &mut [f32]) {
         match self.isa {
@@ -588,10 +597,28 @@ impl Backend for Cpu {
         } else {
             let preps: Vec<Prepared> = xs.chunks_exact(cols).map(|x| Prepared::new(w, x)).collect();
             self.for_row_chunks(rows, n, &mut yt, |r0, yt| {
-                let mut wrow = vec![0.0f32; cols];
-                for (i, out) in yt.chunks_exact_mut(n).enumerate() {
-                    self.row_prepared(&w.slice_rows(r0 + i, r0 + i + 1), &mut wrow);
-                    self.dots(&wrow, &preps, out);
+                // Four rows at a time, dequantized into an L1-sized scratch: each input
+                // chunk is loaded once for four rows.
+                let mut wrows = vec![0.0f32; 4 * cols];
+                let done = r0 + yt.len() / n / 4 * 4;
+                let mut blocks = yt.chunks_exact_mut(4 * n);
+                for (b, out) in (&mut blocks).enumerate() {
+                    let r = r0 + 4 * b;
+                    for (k, wrow) in wrows.chunks_exact_mut(cols).enumerate() {
+                        self.row_prepared(&w.slice_rows(r + k, r + k + 1), wrow);
+                    }
+                    let wr: Vec<&[f32]> = wrows.chunks_exact(cols).collect();
+                    for (j, p) in preps.iter().enumerate() {
+                        let v = self.dot4(&p.x, [wr[0], wr[1], wr[2], wr[3]]);
+                        for (k, v) in v.into_iter().enumerate() {
+                            out[k * n + j] = v;
+                        }
+                    }
+                }
+                let wrow = &mut wrows[..cols];
+                for (i, out) in blocks.into_remainder().chunks_exact_mut(n).enumerate() {
+                    self.row_prepared(&w.slice_rows(done + i, done + i + 1), wrow);
+                    self.dots(wrow, &preps, out);
                 }
             });
         }
