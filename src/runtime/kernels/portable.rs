@@ -17,6 +17,17 @@ pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
         } => {
             let wrow = cols * bits as usize / 8;
             let srow = cols / GROUP * 2;
+            if !prep.q8.is_empty() {
+                for (((o, wr), sr), br) in y
+                    .iter_mut()
+                    .zip(weights.chunks_exact(wrow))
+                    .zip(scales.chunks_exact(srow))
+                    .zip(biases.chunks_exact(srow))
+                {
+                    *o = q4_row_q8(wr, sr, br, prep);
+                }
+                return;
+            }
             for (((o, wr), sr), br) in y
                 .iter_mut()
                 .zip(weights.chunks_exact(wrow))
@@ -98,6 +109,54 @@ fn quant_row(bits: u32, w: &[u8], s: &[u8], b: &[u8], px: &[f32], gsum: &[f32]) 
         }
         let q_dot: f32 = acc.iter().sum();
         total += bf16_at(sg, 0) * q_dot + bf16_at(bg, 0) * gs;
+    }
+    total
+}
+
+/// `yt[r·n + j] = row r · x_j` for INT4 rows and int8-prepared inputs.
+pub(super) fn matmul_q8(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
+    let Matrix::Quant {
+        weights,
+        scales,
+        biases,
+        cols,
+        ..
+    } = *w
+    else {
+        unreachable!("int8 matmul of a float matrix");
+    };
+    let (wrow, srow) = (cols / 2, cols / GROUP * 2);
+    for (((out, wr), sr), br) in yt
+        .chunks_exact_mut(preps.len())
+        .zip(weights.chunks_exact(wrow))
+        .zip(scales.chunks_exact(srow))
+        .zip(biases.chunks_exact(srow))
+    {
+        for (o, p) in out.iter_mut().zip(preps) {
+            *o = q4_row_q8(wr, sr, br, p);
+        }
+    }
+}
+
+/// One INT4 row against int8 activations: the integer sum per group is exact, then
+/// scaled by `s·d`.
+fn q4_row_q8(w: &[u8], s: &[u8], b: &[u8], prep: &Prepared) -> f32 {
+    let mut total = 0.0f32;
+    for (((((wg, xg), sg), bg), d), gs) in w
+        .chunks_exact(32)
+        .zip(prep.q8.chunks_exact(GROUP))
+        .zip(s.chunks_exact(2))
+        .zip(b.chunks_exact(2))
+        .zip(&prep.q8_scale)
+        .zip(&prep.group_sums)
+    {
+        let (even, odd) = xg.split_at(32);
+        let mut isum = 0i32;
+        for ((byte, e), o) in wg.iter().zip(even).zip(odd) {
+            isum +=
+                (byte & 0x0F) as i32 * (*e as i8) as i32 + (byte >> 4) as i32 * (*o as i8) as i32;
+        }
+        total += bf16_at(sg, 0) * d * isum as f32 + bf16_at(bg, 0) * gs;
     }
     total
 }

@@ -391,3 +391,73 @@ fn helpers_match_their_definitions() {
     softmax_inplace(&mut masked);
     assert_eq!(masked, [0.5, 0.0, 0.5]);
 }
+
+#[test]
+fn int8_activations_stay_within_their_stated_bound() {
+    // Each activation moves by at most d/2 (d = max|x_g|/127), so the product moves by
+    // at most Σ_k |s·q_k|·d_g/2; on top of that, the f32 tolerance.
+    let mut rng = Rng(0x5EED_0006);
+    let mut fx = Vec::new();
+    for (rows, cols) in [(1, 64), (37, 192), (130, 576), (67, 1536)] {
+        fx.push(Fixture::quant(Bits::Four, rows, cols, &mut rng));
+    }
+    let cpus = [
+        Cpu::portable(1).with_activations(Activations::Int8),
+        Cpu::portable(2).with_activations(Activations::Int8),
+        Cpu::new(1).with_activations(Activations::Int8),
+        Cpu::new(3).with_activations(Activations::Int8),
+    ];
+    for f in &fx {
+        let m = f.matrix();
+        let xbuf = rng.vec(f.cols + 1);
+        let x = &xbuf[1..];
+        let d: Vec<f64> = x
+            .chunks_exact(GROUP)
+            .map(|g| g.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64 / 127.0)
+            .collect();
+        let want = f.reference(x);
+        let mut exact_rows = 0;
+        for cpu in &cpus {
+            let mut y = vec![f32::NAN; f.rows];
+            cpu.matvec(&m, x, &mut y);
+            // Prefill sees the same arithmetic: row j of a matmul whose other inputs
+            // differ equals the matvec to f32 rounding.
+            for n in [2, 5] {
+                let mut xs = rng.vec(n * f.cols);
+                let j = n - 1;
+                xs[j * f.cols..].copy_from_slice(x);
+                let mut ys = vec![f32::NAN; n * f.rows];
+                cpu.matmul(&m, &xs, n, &mut ys);
+                for (r, (a, b)) in ys[j * f.rows..].iter().zip(&y).enumerate() {
+                    let tol = 2.0 * TOL * want[r].1 + 1e-30;
+                    assert!(
+                        (*a as f64 - *b as f64).abs() <= tol,
+                        "{cpu:?} n={n} row {r}"
+                    );
+                }
+            }
+            for (r, (g, (w, mag))) in y.iter().zip(&want).enumerate() {
+                let span = r * f.cols..(r + 1) * f.cols;
+                let bound: f64 = f.dense[span.clone()]
+                    .iter()
+                    .zip(&f.bias[span])
+                    .enumerate()
+                    .map(|(k, (w, b))| (w - b).abs() as f64 * d[k / GROUP] / 2.0)
+                    .sum();
+                let err = (*g as f64 - w).abs();
+                assert!(
+                    err <= bound + TOL * mag,
+                    "{cpu:?} {}x{} row {r}: error {err:e} > {bound:e}",
+                    f.rows,
+                    f.cols
+                );
+                exact_rows += usize::from(err <= TOL * mag);
+            }
+        }
+        // The mode is in effect: not every row is exact to f32 rounding (the 1x64
+        // fixture is one all-zero group, which is).
+        if f.cols > GROUP {
+            assert!(exact_rows < cpus.len() * f.rows, "{}x{}", f.rows, f.cols);
+        }
+    }
+}

@@ -49,6 +49,15 @@ pub(super) fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
     unsafe { dot4_avx2(a, b) }
 }
 
+/// `yt[r·n + j] = row r · x_j` for INT4 rows and int8-prepared inputs (`n` =
+/// `preps.len()`).
+#[allow(unsafe_code)]
+pub(super) fn matmul_q8(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
+    assert!(available(), "AVX2/FMA/F16C kernels on a CPU without them");
+    // SAFETY: the CPU features `matmul_q8_avx2` enables were detected just above.
+    unsafe { matmul_q8_avx2(w, preps, yt) }
+}
+
 /// Eight floats from the start of `x` (panics if shorter).
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -116,6 +125,12 @@ fn matvec_avx2(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
                 .zip(weights.chunks_exact(wrow))
                 .zip(scales.chunks_exact(srow))
                 .zip(biases.chunks_exact(srow));
+            if !prep.q8.is_empty() {
+                for (((o, wr), sr), br) in rows {
+                    *o = q4_row_q8(wr, sr, br, prep);
+                }
+                return;
+            }
             let (px, gs) = (&prep.x[..cols], &prep.group_sums[..cols / GROUP]);
             if bits == 4 {
                 for (((o, wr), sr), br) in rows {
@@ -180,6 +195,105 @@ fn quant_row<const BITS: i32>(w: &[u8], s: &[u8], b: &[u8], px: &[f32], gsum: &[
         btotal += bf16_at(bg, 0) * gs;
     }
     hsum(total) + btotal
+}
+
+/// One INT4 row against int8 activations: low and high nibbles times the even and odd
+/// activations with `maddubs` (pairs of u8·i8 into i16, at most 2·15·127 per pair, so
+/// no saturation), widened to i32 with `madd`; the group's integer sums are exact in
+/// f32 (< 2^24) and scaled by `s·d`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn q4_row_q8(w: &[u8], s: &[u8], b: &[u8], prep: &Prepared) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut btotal = 0.0f32;
+    for (((((wg, xg), sg), bg), d), gs) in w
+        .chunks_exact(32)
+        .zip(prep.q8.chunks_exact(GROUP))
+        .zip(s.chunks_exact(2))
+        .zip(b.chunks_exact(2))
+        .zip(&prep.q8_scale)
+        .zip(&prep.group_sums)
+    {
+        let v = ld32(wg);
+        let lo = _mm256_and_si256(v, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+        let p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, ld32(xg)),
+            _mm256_maddubs_epi16(hi, ld32(&xg[32..])),
+        );
+        let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(bf16_at(sg, 0) * d), acc);
+        btotal += bf16_at(bg, 0) * gs;
+    }
+    hsum(acc) + btotal
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn matmul_q8_avx2(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
+    let Matrix::Quant {
+        weights,
+        scales,
+        biases,
+        cols,
+        ..
+    } = *w
+    else {
+        unreachable!("int8 matmul of a float matrix");
+    };
+    let (wrow, srow) = (cols / 2, cols / GROUP * 2);
+    for (((out, wr), sr), br) in yt
+        .chunks_exact_mut(preps.len())
+        .zip(weights.chunks_exact(wrow))
+        .zip(scales.chunks_exact(srow))
+        .zip(biases.chunks_exact(srow))
+    {
+        let mut oc = out.chunks_exact_mut(4);
+        let mut pc = preps.chunks_exact(4);
+        for (o, p) in (&mut oc).zip(&mut pc) {
+            o.copy_from_slice(&q4_row_q8x4(wr, sr, br, [&p[0], &p[1], &p[2], &p[3]]));
+        }
+        for (o, p) in oc.into_remainder().iter_mut().zip(pc.remainder()) {
+            *o = q4_row_q8(wr, sr, br, p);
+        }
+    }
+}
+
+/// [`q4_row_q8`] for four inputs at once, unpacking each group's codes once.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn q4_row_q8x4(w: &[u8], s: &[u8], b: &[u8], p: [&Prepared; 4]) -> [f32; 4] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let groups = w.len() / 32;
+    let q8 = p.map(|p| &p.q8[..groups * GROUP]);
+    let d = p.map(|p| &p.q8_scale[..groups]);
+    let gs = p.map(|p| &p.group_sums[..groups]);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut bt = [0.0f32; 4];
+    for (g, ((wg, sg), bg)) in w
+        .chunks_exact(32)
+        .zip(s.chunks_exact(2))
+        .zip(b.chunks_exact(2))
+        .enumerate()
+    {
+        let v = ld32(wg);
+        let lo = _mm256_and_si256(v, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+        let (scale, bias) = (bf16_at(sg, 0), bf16_at(bg, 0));
+        for j in 0..4 {
+            let xg = &q8[j][g * GROUP..];
+            let prod = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, ld32(xg)),
+                _mm256_maddubs_epi16(hi, ld32(&xg[32..])),
+            );
+            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+            acc[j] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * d[j][g]), acc[j]);
+            bt[j] += bias * gs[j][g];
+        }
+    }
+    [0, 1, 2, 3].map(|j| hsum(acc[j]) + bt[j])
 }
 
 /// A BF16 row against `x`, 32 elements per step, scalar tail.
