@@ -1011,7 +1011,7 @@ mod tests {
             .unwrap();
         let start = text.find("<<'JSON'\n").unwrap() + 8;
         let end = text[start..].find("\nJSON\n").unwrap() + start;
-        Manifest::parse(text[start..end].as_bytes()).unwrap()
+        Manifest::parse(&text.as_bytes()[start..end]).unwrap()
     }
 
     fn ats(f: &[VerifyFailure]) -> Vec<String> {
