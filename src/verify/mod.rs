@@ -922,6 +922,30 @@ fn hash_one(
     Ok((hex::encode(h.finalize()), len))
 }
 
+/// Whether the receipt vouches for this install without hashing: it exists, names the
+/// SHA-256 of the manifest on disk, and lists exactly the manifest's files with the
+/// sizes they have on disk. This is what a runtime may accept instead of full hashing
+/// when the user asks it to trust the receipt; it proves sizes, not bytes. Call it
+/// after [`check_layout`] found nothing.
+pub fn receipt_vouches(dir: &Path) -> Result<bool, VerifyFailure> {
+    let (bytes, m) = read_manifest(dir)?;
+    let Some(r) = read_receipt(dir)? else {
+        return Ok(false);
+    };
+    if r.manifest_sha256 != hex::encode(Sha256::digest(&bytes)) || r.files.len() != m.files.len() {
+        return Ok(false);
+    }
+    for (rf, mf) in r.files.iter().zip(&m.files) {
+        if rf.path != mf.path || rf.bytes != mf.bytes || rf.sha256 != mf.sha256 {
+            return Ok(false);
+        }
+        if open_inside(dir, &mf.path)?.1 != mf.bytes {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// The receipt on disk, if any. A receipt that cannot be read or parsed is a failure.
 fn read_receipt(dir: &Path) -> Result<Option<Receipt>, VerifyFailure> {
     let name = receipt::FILE_NAME;
