@@ -89,4 +89,4 @@ if [ "${#failed[@]}" -ne 0 ]; then
     echo "fuzz: crash or failure in: ${failed[*]} (inputs under fuzz/artifacts/)" >&2
     exit 1
 fi
-echo "fuzz: no crashes in: $targets" >&2
+echo "fuzz: no crashes in: ${targets//$'\n'/ }" >&2
