@@ -31,7 +31,7 @@ if [ ! -f "$marker" ] || [ ! -f "$inst/manifest.json" ]; then
     "$dev" replica flash-next --scaled "$work/snapshot" >/dev/null
     index_sha=$(sha256sum "$work/snapshot/model.safetensors.index.json" | cut -d' ' -f1)
     "$gturbo" -qq install qwen38flashnext --from "$work/snapshot" \
-        --index-sha256 "$index_sha" --out "$inst"
+        --index-sha256 "$index_sha" --out "$inst" >/dev/null
     python3 - "$inst" "$experts" <<'PY'
 import hashlib, json, os, sys
 inst, experts = sys.argv[1], int(sys.argv[2])

@@ -31,8 +31,10 @@ use crate::format::resident::ResidentHead;
 use crate::format::{LayoutError, PAGE, check_relative_path};
 
 /// Bytes read and hashed at a time by each hashing thread: memory stays
-/// `threads × CHUNK` whatever the file sizes.
-pub const CHUNK: usize = 1 << 20;
+/// `threads × CHUNK` whatever the file sizes. Small enough that the kernel's copy and
+/// the hash both stay in the core's L2: on the 2-core EPYC CI host page-cache reads
+/// run at 4.5 GB/s with 64–128 KiB buffers and 1 GB/s with 256 KiB or more.
+pub const CHUNK: usize = 128 << 10;
 /// Largest tokenizer JSON file parsed by the cheap checks.
 pub const MAX_TOKENIZER_JSON_BYTES: u64 = 256 << 20;
 /// Largest receipt read back.
