@@ -5,8 +5,8 @@
 #
 # Usage: scripts/fuzz.sh [SECONDS]
 #
-# The seed corpus is generated here from valid headers rather than committed as
-# binaries; fuzz/corpus and fuzz/artifacts are gitignored. A crash leaves its input in
+# The seed corpora are generated here (valid safetensors headers; a valid manifest,
+# resident index and resident file) rather than committed as binaries; fuzz/corpus and fuzz/artifacts are gitignored. A crash leaves its input in
 # fuzz/artifacts/<target>/; turn it into a unit-test regression case before fixing.
 set -euo pipefail
 
@@ -50,12 +50,33 @@ seed_header_parse() {
     header_seed '{}' 0 >"$dir/seed-empty"
 }
 
+# manifest_parse seeds: a consistent manifest (one expert pool, one row pool, a
+# tokenizer), a bare resident index, and a whole resident file (head, index, page of
+# padding, a 64-byte payload).
+seed_manifest_parse() {
+    local dir="fuzz/corpus/manifest_parse"
+    mkdir -p "$dir"
+    cat >"$dir/seed-manifest" <<'JSON'
+{"arch":{"axes":{"hc_count":4,"hc_lowrank":64,"head_dim":64},"model_type":"qwen4_exp","requiredAxes":["gatedAttention","gatedDeltaNetLinearAttention"]},"excluded_tensors":33,"expert_pools":[{"blob_bytes":55296,"dtype":"BF16","experts":8,"file":"packed_experts/layer_00.bin","file_bytes":524288,"layer":0,"parts":[{"biases":1024,"cols":256,"offset":0,"part":"gate","rows":128,"scales":1024,"weights":16384},{"biases":1024,"cols":256,"offset":18432,"part":"up","rows":128,"scales":1024,"weights":16384},{"biases":1024,"cols":128,"offset":36864,"part":"down","rows":256,"scales":1024,"weights":16384}],"scheme":"int4_g64","sidecar":null,"stride":65536}],"family":"qwen38flashnext","files":[{"bytes":524288,"kind":"experts","path":"packed_experts/layer_00.bin","sha256":"6b629405b9162e1d1ca56fd00a0977b78d1f2246d0b0bf15b3383e3674c40781"},{"bytes":1802240,"kind":"rows","path":"ple/layer_01_ngram_rows.bin","sha256":"671e01490ba2df48e09ef39013e7ac48881cbae0a8812514e014003cc6261dca"},{"bytes":5980672,"kind":"resident","path":"resident.bin","sha256":"0367017b94cab14bc06443623880d6c429ef0a04ef3173f0c28c521dc2e963d3"},{"bytes":5452,"kind":"tokenizer","path":"tokenizer/tokenizer.json","sha256":"4a93e03bf8ace2a94e7cc5be83d8698756047bb99b24702b36b371fedef8f9a6"}],"format":"gturbo","model_id":"snap","plan_fingerprint":"d1ba3e963019fcb88282f789b5faf8fac1f1ef3855e2e78a552d1bc0df7a0a92","quantizedAtInstall":{"bits":4,"group_size":64,"overrides":[["**.mlp.gate.weight","int8_g64"],["**.mlp.shared_expert_gate.weight","int8_g64"]],"parity_gate":"bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)","quality_gate":null,"scheme":"int4_g64"},"resident":{"entries":128,"file":"resident.bin","payload_start":32768},"row_pools":[{"dtype":"BF16","file":"ple/layer_01_ngram_rows.bin","file_bytes":1802240,"layer":1,"name":"ngram_rows","row_bytes":320,"rows_per_block":51,"scheme":"passthrough","shards":[{"blocks":59,"offset":0,"region_bytes":966656,"rows":3000,"tensor":"t0"},{"blocks":51,"offset":966656,"region_bytes":835584,"rows":2551,"tensor":"t1"}],"width":160}],"sidecars":{"mtp":"carried"},"source":{"commit":null,"index_sha256":"03b786beabf4ab2717420e7a9104c624344550cb2c727d10cc73cdd0a529bf18","repo":"snap","revision":"local"},"tool":{"name":"gturbo","version":"0.1.0"},"version":1}
+JSON
+    local index='{"format":"gturbo-resident","version":1,"tensors":[{"name":"a.weight","dtype":"BF16","shape":[2,64],"scheme":"int4_g64","weights":{"offset":0,"len":64},"scales":{"offset":64,"len":4},"biases":{"offset":128,"len":4}},{"name":"n.weight","dtype":"F32","shape":[8],"scheme":"passthrough","data":{"offset":16384,"len":32}}]}'
+    printf '%s' "$index" >"$dir/seed-index"
+    {
+        printf 'GTRBRES1'
+        le64 "${#index}"
+        printf '%s' "$index"
+        head -c $((16384 - 16 - ${#index})) /dev/zero
+        head -c $((16384 + 64)) /dev/zero
+    } >"$dir/seed-resident"
+}
+
 targets=$(cargo +nightly fuzz list)
 failed=()
 for target in $targets; do
-    if [ "$target" = header_parse ]; then
-        seed_header_parse
-    fi
+    case "$target" in
+    header_parse) seed_header_parse ;;
+    manifest_parse) seed_manifest_parse ;;
+    esac
     mkdir -p "fuzz/corpus/$target"
     echo "== fuzz $target for ${seconds}s" >&2
     if ! cargo +nightly fuzz run --sanitizer none "$target" -- \
@@ -68,4 +89,4 @@ if [ "${#failed[@]}" -ne 0 ]; then
     echo "fuzz: crash or failure in: ${failed[*]} (inputs under fuzz/artifacts/)" >&2
     exit 1
 fi
-echo "fuzz: no crashes in: $targets" >&2
+echo "fuzz: no crashes in: ${targets//$'\n'/ }" >&2

@@ -31,8 +31,10 @@ use crate::format::resident::ResidentHead;
 use crate::format::{LayoutError, PAGE, check_relative_path};
 
 /// Bytes read and hashed at a time by each hashing thread: memory stays
-/// `threads × CHUNK` whatever the file sizes.
-pub const CHUNK: usize = 1 << 20;
+/// `threads × CHUNK` whatever the file sizes. Small enough that the kernel's copy and
+/// the hash both stay in the core's L2: on the 2-core EPYC CI host page-cache reads
+/// run at 4.5 GB/s with 64–128 KiB buffers and 1 GB/s with 256 KiB or more.
+pub const CHUNK: usize = 128 << 10;
 /// Largest tokenizer JSON file parsed by the cheap checks.
 pub const MAX_TOKENIZER_JSON_BYTES: u64 = 256 << 20;
 /// Largest receipt read back.
@@ -922,6 +924,30 @@ fn hash_one(
     Ok((hex::encode(h.finalize()), len))
 }
 
+/// Whether the receipt vouches for this install without hashing: it exists, names the
+/// SHA-256 of the manifest on disk, and lists exactly the manifest's files with the
+/// sizes they have on disk. This is what a runtime may accept instead of full hashing
+/// when the user asks it to trust the receipt; it proves sizes, not bytes. Call it
+/// after [`check_layout`] found nothing.
+pub fn receipt_vouches(dir: &Path) -> Result<bool, VerifyFailure> {
+    let (bytes, m) = read_manifest(dir)?;
+    let Some(r) = read_receipt(dir)? else {
+        return Ok(false);
+    };
+    if r.manifest_sha256 != hex::encode(Sha256::digest(&bytes)) || r.files.len() != m.files.len() {
+        return Ok(false);
+    }
+    for (rf, mf) in r.files.iter().zip(&m.files) {
+        if rf.path != mf.path || rf.bytes != mf.bytes || rf.sha256 != mf.sha256 {
+            return Ok(false);
+        }
+        if open_inside(dir, &mf.path)?.1 != mf.bytes {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// The receipt on disk, if any. A receipt that cannot be read or parsed is a failure.
 fn read_receipt(dir: &Path) -> Result<Option<Receipt>, VerifyFailure> {
     let name = receipt::FILE_NAME;
@@ -999,4 +1025,128 @@ fn write_receipt(
         return Err(fail(e));
     }
     Ok(outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The seed manifest of the fuzz script, in a directory with files of its sizes.
+    fn manifest() -> Manifest {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fuzz.sh"))
+            .unwrap();
+        let start = text.find("<<'JSON'\n").unwrap() + 8;
+        let end = text[start..].find("\nJSON\n").unwrap() + start;
+        Manifest::parse(&text.as_bytes()[start..end]).unwrap()
+    }
+
+    fn ats(f: &[VerifyFailure]) -> Vec<String> {
+        f.iter().map(|f| format!("{}: {}", f.file, f.at)).collect()
+    }
+
+    #[test]
+    fn the_seed_manifest_is_consistent() {
+        assert_eq!(check_manifest(&manifest()), vec![]);
+    }
+
+    #[test]
+    fn manifest_cross_checks_name_the_field() {
+        let mut m = manifest();
+        m.files[0].bytes += 1;
+        m.files[1].kind = "weights".into();
+        m.files[3].sha256 = "ABC".into();
+        m.row_pools[0].layer = 2;
+        m.expert_pools[0].sidecar = Some("mtp2".into());
+        m.resident.payload_start = 100;
+        let got = ats(&check_manifest(&m));
+        assert_eq!(
+            got,
+            [
+                "manifest.json: files[1].kind",
+                "manifest.json: files[3].sha256",
+                "manifest.json: files[0].bytes",
+                "manifest.json: files[1].kind",
+                "manifest.json: resident.payload_start",
+                "manifest.json: expert_pools[0].file",
+                "manifest.json: expert_pools[0].sidecar",
+                "manifest.json: row_pools[0].file",
+            ]
+            .map(String::from)
+            .to_vec(),
+        );
+    }
+
+    #[test]
+    fn unsorted_duplicate_and_reserved_paths_are_refused() {
+        let mut m = manifest();
+        m.files.swap(0, 1);
+        m.files[3].path = "manifest.json".into();
+        let got = ats(&check_manifest(&m));
+        assert!(
+            got.contains(&"manifest.json: files[1].path".to_string()),
+            "{got:?}"
+        );
+        assert!(
+            got.contains(&"manifest.json: files[3].path".to_string()),
+            "{got:?}"
+        );
+        assert!(
+            got.contains(&"manifest.json: files".to_string()),
+            "no tokenizer left: {got:?}"
+        );
+        let mut m = manifest();
+        m.files[2].path = "../resident.bin".into();
+        let f = &check_manifest(&m)[0];
+        assert_eq!(
+            f.to_string(),
+            "manifest.json: files[2].path: \"../resident.bin\" has a \"..\" component; paths must stay inside the directory"
+        );
+    }
+
+    #[test]
+    fn open_inside_never_follows_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("i");
+        std::fs::create_dir_all(d.join("sub")).unwrap();
+        std::fs::write(d.join("sub/a.bin"), b"abc").unwrap();
+        std::fs::write(tmp.path().join("secret"), b"secret").unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("secret"), d.join("link")).unwrap();
+        std::os::unix::fs::symlink(d.join("sub"), d.join("sublink")).unwrap();
+        assert_eq!(open_inside(&d, "sub/a.bin").unwrap().1, 3);
+        let e = open_inside(&d, "link").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "link: link is a symlink; verify-install never follows links"
+        );
+        let e = open_inside(&d, "sublink/a.bin").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "sublink/a.bin: sublink is a symlink; verify-install never follows links"
+        );
+        assert_eq!(
+            open_inside(&d, "sub").unwrap_err().detail,
+            "not a regular file"
+        );
+        assert_eq!(
+            open_inside(&d, "sub/a.bin/x").unwrap_err().detail,
+            "sub/a.bin is not a directory"
+        );
+        assert_eq!(open_inside(&d, "../secret").unwrap_err().at, "path");
+        assert_eq!(
+            open_inside(&d, "nope").unwrap_err().detail,
+            "missing: listed in the manifest, not on disk"
+        );
+    }
+
+    #[test]
+    fn failure_lines_name_file_and_field() {
+        assert_eq!(
+            VerifyFailure::new("a.bin", "byte 8", "bad").to_string(),
+            "a.bin: byte 8: bad"
+        );
+        assert_eq!(
+            VerifyFailure::new("a.bin", "", "bad").to_string(),
+            "a.bin: bad"
+        );
+    }
 }

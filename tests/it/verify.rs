@@ -577,6 +577,33 @@ fn symlinks_are_named_and_never_followed() {
 }
 
 #[test]
+fn the_receipt_vouches_for_sizes_only_while_it_matches() {
+    let c = copy();
+    assert_eq!(gturbo::verify::receipt_vouches(&c.dir), Ok(true));
+    // A flipped byte keeps the sizes: trusting the receipt is the user's choice.
+    flip(&c.dir.join("packed_experts/layer_00.bin"), 10);
+    assert_eq!(gturbo::verify::receipt_vouches(&c.dir), Ok(true));
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(c.dir.join("packed_experts/layer_00.bin"))
+        .unwrap();
+    f.set_len(16384).unwrap();
+    assert_eq!(gturbo::verify::receipt_vouches(&c.dir), Ok(false));
+
+    let c = copy();
+    let m = manifest(&c.dir);
+    write_manifest(&c.dir, &m);
+    assert_eq!(
+        gturbo::verify::receipt_vouches(&c.dir),
+        Ok(false),
+        "reformatted manifest"
+    );
+    let c = copy();
+    std::fs::remove_file(c.dir.join("verified-install.json")).unwrap();
+    assert_eq!(gturbo::verify::receipt_vouches(&c.dir), Ok(false));
+}
+
+#[test]
 fn usage_errors_exit_2() {
     let tmp = tempfile::tempdir().unwrap();
     let o = verify(&tmp.path().join("nope.gturbo"), &[]);
