@@ -50,25 +50,31 @@ fn install_from_snapshot(snapshot: &Path, into: &Path) {
     }
 }
 
-/// transformers' rendering of the one-turn chat prompt (system `None` = no system
-/// message), or `None` when transformers is missing and not required.
-fn hf_chat_prompt(snapshot: &Path, system: Option<&str>, user: &str) -> Option<String> {
+/// transformers' rendering of one-turn chat prompts (system `None` = no system
+/// message), in one Python run; `None` when transformers is missing and not required.
+fn hf_chat_prompts(snapshot: &Path, turns: &[(Option<&str>, &str)]) -> Option<Vec<String>> {
     let script = r#"
 import json, sys
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-msgs = json.loads(sys.argv[2])
-sys.stdout.write(json.dumps(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)))
+out = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in json.loads(sys.argv[2])]
+sys.stdout.write(json.dumps(out))
 "#;
-    let mut msgs = Vec::new();
-    if let Some(s) = system {
-        msgs.push(serde_json::json!({"role": "system", "content": s}));
-    }
-    msgs.push(serde_json::json!({"role": "user", "content": user}));
+    let all: Vec<Vec<serde_json::Value>> = turns
+        .iter()
+        .map(|(system, user)| {
+            let mut msgs = Vec::new();
+            if let Some(s) = system {
+                msgs.push(serde_json::json!({"role": "system", "content": s}));
+            }
+            msgs.push(serde_json::json!({"role": "user", "content": user}));
+            msgs
+        })
+        .collect();
     let out = Command::new("python3")
         .args(["-c", script])
         .arg(snapshot)
-        .arg(serde_json::to_string(&msgs).unwrap())
+        .arg(serde_json::to_string(&all).unwrap())
         .output();
     match out {
         Ok(o) if o.status.success() => Some(serde_json::from_slice(&o.stdout).unwrap()),
@@ -133,14 +139,10 @@ fn smollm2_chat_prompt_matches_transformers() {
         "{default:?}"
     );
     let custom = codec.chat_prompt(Some("Answer in one word."), q).unwrap();
-    for (system, ours) in [
-        (Some(""), &empty),
-        (None, &default),
-        (Some("Answer in one word."), &custom),
-    ] {
-        if let Some(hf) = hf_chat_prompt(&snap, system, q) {
-            assert_eq!(ours, &hf, "system {system:?}");
-        }
+    let systems = [Some(""), None, Some("Answer in one word.")];
+    let turns: Vec<_> = systems.iter().map(|s| (*s, q)).collect();
+    if let Some(hf) = hf_chat_prompts(&snap, &turns) {
+        assert_eq!([empty.clone(), default, custom], hf.as_slice());
     }
     // The rendered prompt encodes with <|im_start|> as one token and no BOS added twice.
     let ids = codec.encode(&empty).unwrap();
