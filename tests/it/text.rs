@@ -144,8 +144,8 @@ fn smollm2_chat_prompt_matches_transformers() {
     if let Some(hf) = hf_chat_prompts(&snap, &turns) {
         assert_eq!([empty.clone(), default, custom], hf.as_slice());
     }
-    // The rendered prompt encodes with <|im_start|> as one token and no BOS added twice.
-    let ids = codec.encode(&empty).unwrap();
+    // The rendered prompt encodes with <|im_start|> as one token, nothing added.
+    let ids = codec.encode_chat(&empty).unwrap();
     assert_eq!(ids[0], 1);
     assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3);
 }
@@ -195,7 +195,7 @@ fn replica_tokenizers_load_render_and_round_trip() {
         prompt,
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
-    let ids = codec.encode(&prompt).unwrap();
+    let ids = codec.encode_chat(&prompt).unwrap();
     let im_start = ids[0];
     assert_eq!(codec.decode(&ids, false).unwrap(), prompt);
     assert!(
@@ -218,8 +218,10 @@ fn replica_tokenizers_load_render_and_round_trip() {
         prompt.starts_with("<|begin_of_text|><|start_header_id|>system"),
         "{prompt:?}"
     );
-    let ids = codec.encode(&prompt).unwrap();
+    // The template writes BOS itself; encode_chat adds none, so there is exactly one.
+    let ids = codec.encode_chat(&prompt).unwrap();
     assert_eq!(ids.iter().filter(|&&i| i == bos).count(), 1);
+    assert_eq!(ids[0], bos);
 }
 
 #[test]
