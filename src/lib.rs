@@ -13,6 +13,7 @@
 //!   sizes, the census and the plan fingerprint.
 //! - [`transform`]: what happens to bytes (INT4/INT8 affine quantization).
 //! - [`format`]: the `.gturbo` on-disk types shared by install, verify and run.
+//! - [`runtime`]: what runs an install: compute kernels and the model runners.
 //! - [`cli`]: argument parsing, output and exit codes.
 //! - [`testkit`]: a local HF-compatible hub and the replica generator, for tests and demos.
 

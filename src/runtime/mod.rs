@@ -1,4 +1,5 @@
-//! The embedded runtime: text in and out, sampling.
+//! The embedded runtime that runs an install.
 
+pub mod kernels;
 pub mod sample;
 pub mod text;
