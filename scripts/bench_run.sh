@@ -8,7 +8,8 @@
 # RUNS runs each; prints medians of prefill tok/s, decode tok/s and peak RSS side by side
 # with ratios gturbo / peer. Never run by CI (the llama.cpp build alone takes minutes).
 #
-# Environment: TOKENS (default 32), RUNS (3), THREADS (nproc), PEERS ("gturbo mlx llama").
+# Environment: TOKENS (default 32), RUNS (3), THREADS (nproc), PEERS ("gturbo mlx llama"),
+# BENCH_PROMPT (the prompt text).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOKENS="${TOKENS:-32}"
@@ -17,16 +18,15 @@ THREADS="${THREADS:-$(nproc)}"
 PEERS="${PEERS:-gturbo mlx llama}"
 B=target/bench
 mkdir -p "$B"
+rm -f "$B"/gturbo.* "$B"/mlx.* "$B"/llama.*
 
 scripts/fetch_smollm2.sh target/smollm2/snapshot
 SNAP=target/smollm2/snapshot
 GGUF=target/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT_FILE="$B/prompt.txt"
-# About 100 tokens of plain English: enough prefill to time, short enough for mlx-lm's
-# slow 4-bit CPU path.
-cat > "$PROMPT_FILE" <<'EOF'
-The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution. Although initially criticised by some of France's leading artists and intellectuals for its design, it has since become
-EOF
+# About 40 tokens of plain English (BENCH_PROMPT overrides): enough prefill to time,
+# short enough for mlx-lm, whose 4-bit CPU path prefills at well under 1 tok/s here.
+printf '%s' "${BENCH_PROMPT:-The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. It}" > "$PROMPT_FILE"
 
 # One measured run: "$@" under /usr/bin/time -v; stdout -> $1.out, RSS (KiB) -> $1.rss.
 timed() {
@@ -115,7 +115,8 @@ for peer in $PEERS; do
 done
 
 echo
-echo "SmolLM2-135M-Instruct, $TOKENS generated tokens, $(wc -w < "$PROMPT_FILE") prompt words, $THREADS threads, median of $RUNS runs"
+n_prompt=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["prompt_tokens"])' "$(ls "$B"/*.1.out 2> /dev/null | grep -v gturbo | head -1)" 2> /dev/null || echo "?")
+echo "SmolLM2-135M-Instruct, $n_prompt prompt tokens, $TOKENS generated tokens (greedy), $THREADS threads, median of $RUNS runs"
 printf '%-34s %12s %12s %14s\n' engine "prefill t/s" "decode t/s" "peak RSS MiB"
 label() { case $1 in gturbo) echo "gturbo run (INT4 g64)";; mlx) echo "mlx-lm (4-bit g64, CPU)";; llama) echo "llama.cpp (Q4_1 GGUF)";; esac; }
 for peer in $PEERS; do
