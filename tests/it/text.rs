@@ -348,3 +348,66 @@ fn a_symlinked_tokenizer_file_is_refused() {
         "{msg}"
     );
 }
+
+/// The converted SmolLM2 snapshot is what the `llama` family expects: it installs at
+/// INT4 g64 and as a BF16 passthrough, and the independent checker (numpy + MLX) agrees
+/// with every byte of both installs, tokenizer files included.
+#[test]
+fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
+    let Some(snap) = smollm2_snapshot("smollm2_snapshot_installs_with_the_llama_family") else {
+        return;
+    };
+    let checker = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_install.py");
+    let probe = Command::new("python3")
+        .args(["-c", "import numpy, mlx.core"])
+        .status();
+    let can_check = matches!(probe, Ok(s) if s.success());
+    assert!(
+        can_check || !require_py(),
+        "GTURBO_REQUIRE_PY=1 but numpy/mlx are missing for scripts/check_install.py"
+    );
+    let work = temp_dir();
+    for quant in ["int4", "bf16"] {
+        let out = work.path().join(format!("smollm2-{quant}.gturbo"));
+        let o = Command::new(crate::support::gturbo_bin())
+            .args([
+                "install",
+                "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "--family",
+                "llama",
+            ])
+            .arg("--from")
+            .arg(&snap)
+            .args(["--quant", quant, "--no-progress", "-q", "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "install {quant}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+        assert_eq!(manifest["family"], "llama", "{quant}");
+        // The runtime's text side loads what the install copied.
+        let codec = TextCodec::load(&out).unwrap();
+        assert_eq!(codec.stop_ids(), [2]);
+        if !can_check {
+            eprintln!("SKIPPED check_install.py for {quant}: numpy/mlx missing");
+            continue;
+        }
+        let c = Command::new("python3")
+            .arg(&checker)
+            .arg(&snap)
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&c.stdout);
+        assert!(
+            c.status.success() && stdout.contains(" 0 failed"),
+            "check_install {quant}:\n{stdout}\n{}",
+            String::from_utf8_lossy(&c.stderr)
+        );
+    }
+}
