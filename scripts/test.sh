@@ -17,6 +17,17 @@ if [ -f scripts/mlx_crosscheck.py ]; then
   export GTURBO_MLX_CROSSCHECK="$PWD/target/peers/mlx_crosscheck.json"
 fi
 
+# The real smoke model (SmolLM2-135M-Instruct as a BF16 HF snapshot): fetched and
+# converted once, then reused (about 35 s cold, instant warm). Tests find it here.
+scripts/fetch_smollm2.sh target/smollm2/snapshot
+export GTURBO_SMOLLM2_SNAPSHOT="$PWD/target/smollm2/snapshot"
+# mlx-lm's view of it (tokens, chat answer, greedy ids on a paragraph): an independent
+# check of the conversion, and the reference tokens for the runtime's tests.
+if [ ! -f target/peers/smollm2_check.json ] || [ target/smollm2/snapshot/.complete -nt target/peers/smollm2_check.json ]; then
+  python3 scripts/smollm2_check.py target/smollm2/snapshot --json target/peers/smollm2_check.json
+fi
+export GTURBO_SMOLLM2_CHECK="$PWD/target/peers/smollm2_check.json"
+
 # The tests that talk to Python peers fail instead of skipping when this is set.
 export GTURBO_REQUIRE_PY=1
 cargo test --all-targets 2>&1 | tee target/peers/cargo-test.log

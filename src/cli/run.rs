@@ -86,18 +86,21 @@ fn prompt_ids(args: &RunArgs, dir: &Path) -> Result<(Vec<u32>, Option<TextCodec>
         return Ok((ids.clone(), TextCodec::load(dir).ok()));
     }
     let codec = TextCodec::load(dir).map_err(text_failure)?;
-    let text = match (&args.prompt, &args.chat) {
-        (Some(p), _) => p.clone(),
-        (None, Some(user)) => codec
-            .chat_prompt(args.system.as_deref(), user)
-            .map_err(text_failure)?,
+    // A rendered chat prompt already holds its special tokens: `encode_chat` adds none.
+    let ids = match (&args.prompt, &args.chat) {
+        (Some(p), _) => codec.encode(p).map_err(text_failure)?,
+        (None, Some(user)) => {
+            let rendered = codec
+                .chat_prompt(args.system.as_deref(), user)
+                .map_err(text_failure)?;
+            codec.encode_chat(&rendered).map_err(text_failure)?
+        }
         (None, None) => {
             return Err(Failure::usage(
                 "give --prompt TEXT, --chat TEXT or --prompt-ids IDS",
             ));
         }
     };
-    let ids = codec.encode(&text).map_err(text_failure)?;
     Ok((ids, Some(codec)))
 }
 

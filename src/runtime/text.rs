@@ -309,20 +309,34 @@ impl TextCodec {
         }
     }
 
-    /// Token ids of `text`, special-token strings included as their ids; BOS is added in
-    /// front only when tokenizer_config.json says `add_bos_token: true` (and the text
-    /// does not already start with it, as a rendered chat prompt may).
+    /// Token ids of a plain prompt, as transformers' `tokenizer(text)` gives them: the
+    /// tokenizer's post-processor runs (some add BOS there), and BOS is put in front when
+    /// tokenizer_config.json says `add_bos_token: true` and it is not there yet.
+    /// Special-token strings in `text` become their ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
-        let enc = catch_unwind(AssertUnwindSafe(|| self.tokenizer.encode(text, false)))
-            .map_err(|_| TextError::Encode("the tokenizer library panicked".into()))?
-            .map_err(|e| TextError::Encode(e.to_string()))?;
-        let mut ids = enc.get_ids().to_vec();
+        let mut ids = self.encode_raw(text, true)?;
         if let (true, Some(bos)) = (self.add_bos, self.bos_id)
             && ids.first() != Some(&bos)
         {
             ids.insert(0, bos);
         }
         Ok(ids)
+    }
+
+    /// Token ids of a prompt rendered by [`TextCodec::chat_prompt`]: the template already
+    /// wrote every special token it wants, so nothing is added (as `apply_chat_template`
+    /// tokenizes).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, TextError> {
+        self.encode_raw(rendered, false)
+    }
+
+    fn encode_raw(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TextError> {
+        let enc = catch_unwind(AssertUnwindSafe(|| {
+            self.tokenizer.encode(text, add_special)
+        }))
+        .map_err(|_| TextError::Encode("the tokenizer library panicked".into()))?
+        .map_err(|e| TextError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids` (special tokens kept unless `skip_special`).

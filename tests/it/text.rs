@@ -50,25 +50,31 @@ fn install_from_snapshot(snapshot: &Path, into: &Path) {
     }
 }
 
-/// transformers' rendering of the one-turn chat prompt (system `None` = no system
-/// message), or `None` when transformers is missing and not required.
-fn hf_chat_prompt(snapshot: &Path, system: Option<&str>, user: &str) -> Option<String> {
+/// transformers' rendering of one-turn chat prompts (system `None` = no system
+/// message), in one Python run; `None` when transformers is missing and not required.
+fn hf_chat_prompts(snapshot: &Path, turns: &[(Option<&str>, &str)]) -> Option<Vec<String>> {
     let script = r#"
 import json, sys
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-msgs = json.loads(sys.argv[2])
-sys.stdout.write(json.dumps(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)))
+out = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in json.loads(sys.argv[2])]
+sys.stdout.write(json.dumps(out))
 "#;
-    let mut msgs = Vec::new();
-    if let Some(s) = system {
-        msgs.push(serde_json::json!({"role": "system", "content": s}));
-    }
-    msgs.push(serde_json::json!({"role": "user", "content": user}));
+    let all: Vec<Vec<serde_json::Value>> = turns
+        .iter()
+        .map(|(system, user)| {
+            let mut msgs = Vec::new();
+            if let Some(s) = system {
+                msgs.push(serde_json::json!({"role": "system", "content": s}));
+            }
+            msgs.push(serde_json::json!({"role": "user", "content": user}));
+            msgs
+        })
+        .collect();
     let out = Command::new("python3")
         .args(["-c", script])
         .arg(snapshot)
-        .arg(serde_json::to_string(&msgs).unwrap())
+        .arg(serde_json::to_string(&all).unwrap())
         .output();
     match out {
         Ok(o) if o.status.success() => Some(serde_json::from_slice(&o.stdout).unwrap()),
@@ -133,17 +139,13 @@ fn smollm2_chat_prompt_matches_transformers() {
         "{default:?}"
     );
     let custom = codec.chat_prompt(Some("Answer in one word."), q).unwrap();
-    for (system, ours) in [
-        (Some(""), &empty),
-        (None, &default),
-        (Some("Answer in one word."), &custom),
-    ] {
-        if let Some(hf) = hf_chat_prompt(&snap, system, q) {
-            assert_eq!(ours, &hf, "system {system:?}");
-        }
+    let systems = [Some(""), None, Some("Answer in one word.")];
+    let turns: Vec<_> = systems.iter().map(|s| (*s, q)).collect();
+    if let Some(hf) = hf_chat_prompts(&snap, &turns) {
+        assert_eq!([empty.clone(), default, custom], hf.as_slice());
     }
-    // The rendered prompt encodes with <|im_start|> as one token and no BOS added twice.
-    let ids = codec.encode(&empty).unwrap();
+    // The rendered prompt encodes with <|im_start|> as one token, nothing added.
+    let ids = codec.encode_chat(&empty).unwrap();
     assert_eq!(ids[0], 1);
     assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3);
 }
@@ -193,7 +195,7 @@ fn replica_tokenizers_load_render_and_round_trip() {
         prompt,
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
-    let ids = codec.encode(&prompt).unwrap();
+    let ids = codec.encode_chat(&prompt).unwrap();
     let im_start = ids[0];
     assert_eq!(codec.decode(&ids, false).unwrap(), prompt);
     assert!(
@@ -216,8 +218,10 @@ fn replica_tokenizers_load_render_and_round_trip() {
         prompt.starts_with("<|begin_of_text|><|start_header_id|>system"),
         "{prompt:?}"
     );
-    let ids = codec.encode(&prompt).unwrap();
+    // The template writes BOS itself; encode_chat adds none, so there is exactly one.
+    let ids = codec.encode_chat(&prompt).unwrap();
     assert_eq!(ids.iter().filter(|&&i| i == bos).count(), 1);
+    assert_eq!(ids[0], bos);
 }
 
 #[test]
@@ -343,4 +347,67 @@ fn a_symlinked_tokenizer_file_is_refused() {
         msg.contains("tokenizer.json") && msg.contains("not a regular file"),
         "{msg}"
     );
+}
+
+/// The converted SmolLM2 snapshot is what the `llama` family expects: it installs at
+/// INT4 g64 and as a BF16 passthrough, and the independent checker (numpy + MLX) agrees
+/// with every byte of both installs, tokenizer files included.
+#[test]
+fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
+    let Some(snap) = smollm2_snapshot("smollm2_snapshot_installs_with_the_llama_family") else {
+        return;
+    };
+    let checker = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_install.py");
+    let probe = Command::new("python3")
+        .args(["-c", "import numpy, mlx.core"])
+        .status();
+    let can_check = matches!(probe, Ok(s) if s.success());
+    assert!(
+        can_check || !require_py(),
+        "GTURBO_REQUIRE_PY=1 but numpy/mlx are missing for scripts/check_install.py"
+    );
+    let work = temp_dir();
+    for quant in ["int4", "bf16"] {
+        let out = work.path().join(format!("smollm2-{quant}.gturbo"));
+        let o = Command::new(crate::support::gturbo_bin())
+            .args([
+                "install",
+                "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "--family",
+                "llama",
+            ])
+            .arg("--from")
+            .arg(&snap)
+            .args(["--quant", quant, "--no-progress", "-q", "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "install {quant}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+        assert_eq!(manifest["family"], "llama", "{quant}");
+        // The runtime's text side loads what the install copied.
+        let codec = TextCodec::load(&out).unwrap();
+        assert_eq!(codec.stop_ids(), [2]);
+        if !can_check {
+            eprintln!("SKIPPED check_install.py for {quant}: numpy/mlx missing");
+            continue;
+        }
+        let c = Command::new("python3")
+            .arg(&checker)
+            .arg(&snap)
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&c.stdout);
+        assert!(
+            c.status.success() && stdout.contains(" 0 failed"),
+            "check_install {quant}:\n{stdout}\n{}",
+            String::from_utf8_lossy(&c.stderr)
+        );
+    }
 }
