@@ -224,8 +224,7 @@ impl Matrix<'_> {
                 cols,
                 ..
             } => {
-                let wr = cols * bits as usize / 8;
-                let sr = cols / GROUP * 2;
+                let (wr, sr) = quant_row_bytes(bits, cols);
                 Matrix::Quant {
                     bits,
                     weights: &weights[r0 * wr..r1 * wr],
@@ -635,6 +634,13 @@ impl Backend for Cpu {
         assert_eq!(out.len(), w.cols(), "row: out length");
         portable::row(&w.slice_rows(r, r + 1), out);
     }
+}
+
+/// Bytes of one row of a quantized `[_, cols]` matrix: (packed weights, scales), the
+/// biases being as wide as the scales. A group never crosses a row, so row `r` of every
+/// part starts at `r` times these.
+pub(super) fn quant_row_bytes(bits: u32, cols: usize) -> (usize, usize) {
+    (cols * bits as usize / 8, cols / GROUP * 2)
 }
 
 /// Read little-endian BF16 element `i` of `data`.

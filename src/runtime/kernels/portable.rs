@@ -1,7 +1,7 @@
 //! Portable inner loops: plain Rust over fixed-width arrays, written so the compiler
 //! vectorises them on any target (NEON on Apple silicon, SSE2 on baseline x86-64).
 
-use super::{Matrix, Prepared, bf16_at};
+use super::{Matrix, Prepared, bf16_at, quant_row_bytes};
 use crate::transform::quant::{GROUP, bf16_to_f32};
 
 /// `y = W x` over all rows of `w`.
@@ -15,8 +15,7 @@ pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
             cols,
             ..
         } => {
-            let wrow = cols * bits as usize / 8;
-            let srow = cols / GROUP * 2;
+            let (wrow, srow) = quant_row_bytes(bits, cols);
             if !prep.q8.is_empty() {
                 for (((o, wr), sr), br) in y
                     .iter_mut()
@@ -125,7 +124,7 @@ pub(super) fn matmul_q8(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
     else {
         unreachable!("int8 matmul of a float matrix");
     };
-    let (wrow, srow) = (cols / 2, cols / GROUP * 2);
+    let (wrow, srow) = quant_row_bytes(4, cols);
     for (((out, wr), sr), br) in yt
         .chunks_exact_mut(preps.len())
         .zip(weights.chunks_exact(wrow))

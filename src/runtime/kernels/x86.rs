@@ -5,7 +5,7 @@
 //! Loads go through [`ld8`]/[`ld32`], which slice first (bounds checked) and then read
 //! unaligned from the slice's own pointer.
 
-use super::{Matrix, Prepared, bf16_at};
+use super::{Matrix, Prepared, bf16_at, quant_row_bytes};
 use crate::transform::quant::GROUP;
 use std::arch::x86_64::*;
 
@@ -118,8 +118,7 @@ fn matvec_avx2(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
             cols,
             ..
         } => {
-            let wrow = cols * bits as usize / 8;
-            let srow = cols / GROUP * 2;
+            let (wrow, srow) = quant_row_bytes(bits, cols);
             let rows = y
                 .iter_mut()
                 .zip(weights.chunks_exact(wrow))
@@ -242,7 +241,7 @@ fn matmul_q8_avx2(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
     else {
         unreachable!("int8 matmul of a float matrix");
     };
-    let (wrow, srow) = (cols / 2, cols / GROUP * 2);
+    let (wrow, srow) = quant_row_bytes(4, cols);
     for (((out, wr), sr), br) in yt
         .chunks_exact_mut(preps.len())
         .zip(weights.chunks_exact(wrow))
