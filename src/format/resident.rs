@@ -528,23 +528,7 @@ mod tests {
 
     #[test]
     fn entries_start_on_pages_and_subregions_are_aligned() {
-        let inputs = vec![
-            ResidentInput {
-                name: "a.weight".into(),
-                dtype: "BF16".into(),
-                shape: vec![3, 128],
-                elem_bytes: 2,
-                scheme: Scheme::Int4G64,
-            },
-            ResidentInput {
-                name: "n.weight".into(),
-                dtype: "BF16".into(),
-                shape: vec![100],
-                elem_bytes: 2,
-                scheme: Scheme::Passthrough,
-            },
-        ];
-        let l = ResidentLayout::place(&inputs).unwrap();
+        let l = two_entries();
         let a = &l.index.tensors[0];
         assert_eq!(
             a.weights,
