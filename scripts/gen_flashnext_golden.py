@@ -36,6 +36,9 @@ The goldens come from the reference, reloaded from that checkpoint with
 `from_pretrained` (so the loader's renames and shard concatenation are exercised),
 upcast to float32, eager attention, one CPU thread.
 
+`scripts/check_flashnext_notes.py` re-implements the forward pass from
+REFERENCE_NOTES.md alone and checks it against these goldens.
+
 Golden files (tests/data/flashnext_toy/golden/)
 -----------------------------------------------
 meta.json        versions, toy summary, prompts (ids and text), per-layer residual
