@@ -1,5 +1,5 @@
 //! Routed experts: one aligned `pread` per expert blob into a bounded LRU slot cache
-//! ([`slots`]), or (resident mode) every pool memory-mapped.
+//! (`experts::slots`), or (resident mode) every pool memory-mapped.
 //!
 //! A pool file holds expert `e` of one layer at `e × stride` (a PAGE multiple), so an
 //! expert costs exactly one read of `blob_bytes` at a page-aligned offset. The cache
