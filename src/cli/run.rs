@@ -7,10 +7,11 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use super::Failure;
+use crate::runtime::RunError;
 use crate::runtime::experts::ExpertMode;
 use crate::runtime::generate::{self, Generation};
 use crate::runtime::kernels::{Backend, Cpu};
-use crate::runtime::load::{self, Install, LoadError, LoadOptions};
+use crate::runtime::load::{self, Install, LoadOptions};
 use crate::runtime::model::Model;
 use crate::runtime::sample::{Sampler, SamplerConfig};
 use crate::runtime::text::{TextCodec, TextError};
@@ -61,8 +62,10 @@ pub struct RunArgs {
     pub json: bool,
 }
 
-impl From<LoadError> for Failure {
-    fn from(e: LoadError) -> Failure {
+/// Gate refusals and damaged installs exit 1; I/O errors and input the install
+/// cannot run (an empty or too long prompt, a token id outside the vocabulary) exit 2.
+impl From<RunError> for Failure {
+    fn from(e: RunError) -> Failure {
         Failure {
             code: if e.is_refusal() { 1 } else { 2 },
             message: e.to_string(),

@@ -1,25 +1,32 @@
-//! Routed experts: one aligned `pread` per expert blob into a bounded LRU slot cache,
-//! or (resident mode) every pool memory-mapped.
+//! Routed experts: one aligned `pread` per expert blob into a bounded LRU slot cache
+//! (`experts::slots`), or (resident mode) every pool memory-mapped.
 //!
 //! A pool file holds expert `e` of one layer at `e × stride` (a PAGE multiple), so an
 //! expert costs exactly one read of `blob_bytes` at a page-aligned offset. The cache
-//! keeps at most `slots` blobs; a miss evicts the least recently used slot and reuses
-//! its buffer when no computation still holds it.
+//! keeps at most `slots` blobs; a miss reuses the buffer of the least recently used
+//! slot no computation holds.
+//!
+//! This module knows the manifest's pool entries and open files, not the install's
+//! directory: [`ExpertStore::open`] is handed a function that opens a file of the
+//! install by its manifest name (the loader's, which checks the name stays inside).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 use memmap2::Mmap;
 
+use super::error::RunError;
 use super::kernels::Matrix;
-use super::load::{LoadError, safe_join};
 use crate::format::Scheme;
-use crate::format::manifest::Manifest;
+use crate::format::manifest::{self, Manifest};
 use crate::format::pools::{BlobPart, ExpertPool};
 use crate::header::Dtype;
+
+mod slots;
+
+pub use slots::Pinned;
+use slots::SlotCache;
 
 /// Where expert blobs live while running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,34 +43,23 @@ struct Pool {
     map: Option<Mmap>,
 }
 
-struct Slot {
-    key: (usize, usize),
-    data: Arc<Vec<u8>>,
-    last_used: u64,
-}
-
-#[derive(Default)]
-struct Lru {
-    slots: Vec<Slot>,
-    clock: u64,
-}
-
 /// The experts of every MoE layer of the main model.
 pub struct ExpertStore {
     /// Pools by layer (`None` for dense layers).
     pools: Vec<Option<Pool>>,
     mode: ExpertMode,
-    lru: Mutex<Lru>,
-    hits: AtomicU64,
-    misses: AtomicU64,
+    /// The slot cache (slot mode only).
+    cache: Option<SlotCache>,
+    /// Lookups served from a mapped pool (resident mode).
+    mapped_hits: AtomicU64,
 }
 
-/// One expert blob, borrowed from a map or shared from a cache slot.
+/// One expert blob, borrowed from a map or pinned in a cache slot.
 pub enum ExpertBlob<'a> {
     /// A slice of a mapped pool.
     Mapped(&'a [u8]),
-    /// A cache slot's buffer.
-    Cached(Arc<Vec<u8>>),
+    /// A cache slot, which stays unevicted while this lives.
+    Cached(Pinned<'a>),
 }
 
 impl ExpertBlob<'_> {
@@ -71,7 +67,7 @@ impl ExpertBlob<'_> {
     pub fn bytes(&self) -> &[u8] {
         match self {
             ExpertBlob::Mapped(b) => b,
-            ExpertBlob::Cached(v) => v,
+            ExpertBlob::Cached(p) => p.bytes(),
         }
     }
 }
@@ -94,32 +90,33 @@ impl CacheStats {
 }
 
 impl ExpertStore {
-    /// Open the main model's pools (sidecar pools are not run).
-    pub fn open(dir: &Path, m: &Manifest, mode: ExpertMode) -> Result<ExpertStore, LoadError> {
+    /// Open the main model's pools (sidecar pools are not run); `open_file` opens a
+    /// file of the install by its manifest name.
+    pub fn open(
+        m: &Manifest,
+        mode: ExpertMode,
+        mut open_file: impl FnMut(&str) -> Result<File, RunError>,
+    ) -> Result<ExpertStore, RunError> {
         let mut pools: Vec<Option<Pool>> = Vec::new();
         for p in m.expert_pools.iter().filter(|p| p.sidecar.is_none()) {
             let layer = usize::try_from(p.layer)
                 .ok()
                 .filter(|&l| l < 1 << 20)
                 .ok_or_else(|| {
-                    LoadError::invalid(&p.file, format!("layer {} out of range", p.layer))
+                    RunError::invalid(&p.file, format!("layer {} out of range", p.layer))
                 })?;
             if p.scheme == Scheme::Passthrough
                 && !matches!(p.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
             {
-                return Err(LoadError::invalid(
+                return Err(RunError::invalid(
                     &p.file,
                     format!("experts stored as {:?} cannot be computed with", p.dtype),
                 ));
             }
-            let path = safe_join(dir, &p.file)?;
-            let file = File::open(&path).map_err(|e| LoadError::io(&p.file, e))?;
-            let len = file
-                .metadata()
-                .map_err(|e| LoadError::io(&p.file, e))?
-                .len();
+            let file = open_file(&p.file)?;
+            let len = file.metadata().map_err(|e| RunError::io(&p.file, e))?.len();
             if len != p.file_bytes {
-                return Err(LoadError::invalid(
+                return Err(RunError::invalid(
                     &p.file,
                     format!("{len} bytes, the manifest says {}", p.file_bytes),
                 ));
@@ -130,7 +127,7 @@ impl ExpertStore {
                     // read-only once published; a concurrent truncation would fault
                     // (SIGBUS), which is the accepted mmap contract.
                     #[allow(unsafe_code)]
-                    let map = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(&p.file, e))?;
+                    let map = unsafe { Mmap::map(&file) }.map_err(|e| RunError::io(&p.file, e))?;
                     Some(map)
                 }
                 ExpertMode::Slots(_) => None,
@@ -139,7 +136,7 @@ impl ExpertStore {
                 pools.resize_with(layer + 1, || None);
             }
             if pools[layer].is_some() {
-                return Err(LoadError::invalid(
+                return Err(RunError::invalid(
                     &p.file,
                     format!("a second pool for layer {layer}"),
                 ));
@@ -157,9 +154,11 @@ impl ExpertStore {
         Ok(ExpertStore {
             pools,
             mode,
-            lru: Mutex::new(Lru::default()),
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
+            cache: match mode {
+                ExpertMode::Slots(n) => Some(SlotCache::new(n)),
+                ExpertMode::Resident => None,
+            },
+            mapped_hits: AtomicU64::new(0),
         })
     }
 
@@ -175,9 +174,10 @@ impl ExpertStore {
 
     /// Hit and miss counts so far.
     pub fn stats(&self) -> CacheStats {
+        let (hits, misses) = self.cache.as_ref().map_or((0, 0), SlotCache::counts);
         CacheStats {
-            hits: self.hits.load(Ordering::Relaxed),
-            misses: self.misses.load(Ordering::Relaxed),
+            hits: hits + self.mapped_hits.load(Ordering::Relaxed),
+            misses,
         }
     }
 
@@ -191,64 +191,46 @@ impl ExpertStore {
             .unwrap_or(0)
     }
 
-    /// Expert `e` of `layer`.
-    pub fn get(&self, layer: usize, e: usize) -> Result<ExpertBlob<'_>, LoadError> {
+    /// Expert `e` of `layer`. In slot mode the blob stays pinned in its slot while the
+    /// returned value lives; a thread should drop it before asking for the next one
+    /// (the decoder does), or hold fewer blobs than there are slots.
+    pub fn get(&self, layer: usize, e: usize) -> Result<ExpertBlob<'_>, RunError> {
         let p = self
             .pools
             .get(layer)
             .and_then(Option::as_ref)
             .ok_or_else(|| {
-                LoadError::invalid("manifest.json", format!("no expert pool for layer {layer}"))
+                RunError::invalid(
+                    manifest::FILE_NAME,
+                    format!("no expert pool for layer {layer}"),
+                )
             })?;
         if e as u64 >= p.pool.experts {
-            return Err(LoadError::invalid(
+            return Err(RunError::invalid(
                 &p.pool.file,
                 format!("expert {e} out of range (pool has {})", p.pool.experts),
             ));
         }
         let off = e as u64 * p.pool.stride;
         let len = p.pool.blob_bytes as usize;
-        if let Some(map) = &p.map {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(ExpertBlob::Mapped(&map[off as usize..off as usize + len]));
+        match (&p.map, &self.cache) {
+            (Some(map), _) => {
+                self.mapped_hits.fetch_add(1, Ordering::Relaxed);
+                Ok(ExpertBlob::Mapped(&map[off as usize..off as usize + len]))
+            }
+            (None, Some(cache)) => {
+                let blob = cache.get((layer, e), len, |buf| {
+                    p.file
+                        .read_exact_at(buf, off)
+                        .map_err(|err| RunError::io(&p.pool.file, err))
+                })?;
+                Ok(ExpertBlob::Cached(blob))
+            }
+            (None, None) => Err(RunError::invalid(
+                &p.pool.file,
+                "pool neither mapped nor cached (opened in resident mode without a map)",
+            )),
         }
-        let ExpertMode::Slots(cap) = self.mode else {
-            unreachable!("a pool without a map is only opened in slot mode");
-        };
-        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
-        lru.clock += 1;
-        let now = lru.clock;
-        if let Some(s) = lru.slots.iter_mut().find(|s| s.key == (layer, e)) {
-            s.last_used = now;
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(ExpertBlob::Cached(s.data.clone()));
-        }
-        self.misses.fetch_add(1, Ordering::Relaxed);
-        // Reuse the least recently used slot's buffer when the cache is full and no
-        // computation still holds it; otherwise allocate.
-        let mut buf = if lru.slots.len() >= cap {
-            let (i, _) = lru
-                .slots
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, s)| s.last_used)
-                .unwrap_or((0, &lru.slots[0]));
-            let old = lru.slots.swap_remove(i);
-            Arc::try_unwrap(old.data).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        buf.resize(len, 0);
-        p.file
-            .read_exact_at(&mut buf, off)
-            .map_err(|err| LoadError::io(&p.pool.file, err))?;
-        let data = Arc::new(buf);
-        lru.slots.push(Slot {
-            key: (layer, e),
-            data: data.clone(),
-            last_used: now,
-        });
-        Ok(ExpertBlob::Cached(data))
     }
 }
 

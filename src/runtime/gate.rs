@@ -6,8 +6,6 @@
 //! required axes with this registry before any weight file is opened, and refuses
 //! with one line that names the family and every missing axis.
 
-use std::fmt;
-
 /// Grouped-query attention (KV heads shared by groups of query heads).
 pub const GQA_ATTENTION: &str = "gqaAttention";
 /// Rotary position embeddings, rotate-half layout.
@@ -58,10 +56,14 @@ pub const RUNNERS: &[Runner] = &[Runner {
 }];
 
 /// Why an install cannot run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GateError {
     /// No runner accepts the family. `missing`: its required axes that no runner
     /// implements, in manifest order.
+    #[error(
+        "family {family} is installed but has no runner; missing axes: {}",
+        no_runner_axes(missing)
+    )]
     NoRunner {
         /// Family id.
         family: String,
@@ -69,6 +71,10 @@ pub enum GateError {
         missing: Vec<String>,
     },
     /// The family's runner lacks axes the install requires.
+    #[error(
+        "family {family} is installed but its runner {runner} lacks axes; missing axes: {}",
+        missing.join(", ")
+    )]
     MissingAxes {
         /// Family id.
         family: String,
@@ -79,34 +85,15 @@ pub enum GateError {
     },
 }
 
-impl fmt::Display for GateError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            GateError::NoRunner { family, missing } if missing.is_empty() => write!(
-                f,
-                "family {family} is installed but has no runner; missing axes: none (every \
-                 required axis exists in another family's runner)"
-            ),
-            GateError::NoRunner { family, missing } => write!(
-                f,
-                "family {family} is installed but has no runner; missing axes: {}",
-                missing.join(", ")
-            ),
-            GateError::MissingAxes {
-                family,
-                runner,
-                missing,
-            } => write!(
-                f,
-                "family {family} is installed but its runner {runner} lacks axes; missing \
-                 axes: {}",
-                missing.join(", ")
-            ),
-        }
+/// The axis list of a `NoRunner` refusal: when every required axis exists in some
+/// other family's runner, say so rather than print an empty list.
+fn no_runner_axes(missing: &[String]) -> String {
+    if missing.is_empty() {
+        "none (every required axis exists in another family's runner)".into()
+    } else {
+        missing.join(", ")
     }
 }
-
-impl std::error::Error for GateError {}
 
 /// The runner registered for `family`, if any (axes not checked).
 pub fn runner_for(family: &str) -> Option<&'static Runner> {
@@ -184,6 +171,16 @@ mod tests {
             err.to_string(),
             "family qwen38flashnext is installed but has no runner; missing axes: \
              gatedAttention, attentionIndexer"
+        );
+    }
+
+    #[test]
+    fn unknown_family_whose_axes_all_exist_elsewhere_says_none_are_missing() {
+        let err = check("mistral", &s(&["rope", "swiglu"])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "family mistral is installed but has no runner; missing axes: none (every \
+             required axis exists in another family's runner)"
         );
     }
 

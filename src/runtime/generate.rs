@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::load::LoadError;
+use super::error::{InputError, RunError};
 use super::model::{Model, Session};
 
 /// Why generation stopped.
@@ -63,12 +63,9 @@ pub fn generate(
     stop_ids: &[u32],
     mut pick: impl FnMut(&[f32]) -> u32,
     mut on_token: impl FnMut(u32),
-) -> Result<Generation, LoadError> {
+) -> Result<Generation, RunError> {
     if prompt.is_empty() {
-        return Err(LoadError::invalid(
-            "input",
-            "the prompt encodes to no tokens",
-        ));
+        return Err(InputError::EmptyPrompt.into());
     }
     let mut s: Session = model.session();
     let t0 = Instant::now();

@@ -10,58 +10,18 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use super::error::RunError;
 use super::experts::{ExpertMode, ExpertStore};
-use super::gate::{self, GateError, Runner};
+use super::gate::{self, Runner};
 use super::kernels::Matrix;
 use crate::format::QuantSizes;
 use crate::format::manifest::{self, Manifest};
 use crate::format::resident::{ResidentEntry, ResidentHead, Span};
 use crate::verify::{self, VerifyFailure};
 
-/// Why an install cannot be run.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    /// The capability gate refused the family or an axis.
-    #[error("{0}")]
-    Gate(#[from] GateError),
-    /// A file of the install is missing, damaged or inconsistent.
-    #[error("{file}: {msg}")]
-    Invalid {
-        /// The file, relative to the install (or absolute).
-        file: String,
-        /// What is wrong, naming the field.
-        msg: String,
-    },
-    /// An I/O error on a file.
-    #[error("{file}: {source}")]
-    Io {
-        /// The file.
-        file: String,
-        /// The error.
-        source: std::io::Error,
-    },
-}
-
-impl LoadError {
-    /// Whether gturbo refused the install (gate, damage) rather than failed to run.
-    pub fn is_refusal(&self) -> bool {
-        matches!(self, LoadError::Gate(_) | LoadError::Invalid { .. })
-    }
-
-    pub(crate) fn invalid(file: impl Into<String>, msg: impl Into<String>) -> LoadError {
-        LoadError::Invalid {
-            file: file.into(),
-            msg: msg.into(),
-        }
-    }
-
-    pub(crate) fn io(file: impl Into<String>, source: std::io::Error) -> LoadError {
-        LoadError::Io {
-            file: file.into(),
-            source,
-        }
-    }
-}
+/// The loader's old name for [`RunError`], kept private so that `check_entry` (being
+/// moved into `format` by a concurrent change) reads as before.
+type LoadError = RunError;
 
 /// How to open an install.
 #[derive(Debug, Clone, Copy)]
@@ -80,9 +40,9 @@ impl Default for LoadOptions {
 
 /// Read `manifest.json` (verify-install's cheap parser: size cap, known keys, safe
 /// paths) and apply the capability gate; opens no other file.
-pub fn open_gated(dir: &Path) -> Result<(Manifest, &'static Runner), LoadError> {
-    let manifest = verify::open_manifest(dir)
-        .map_err(|f| LoadError::invalid(f.file.clone(), at_detail(&f)))?;
+pub fn open_gated(dir: &Path) -> Result<(Manifest, &'static Runner), RunError> {
+    let manifest =
+        verify::open_manifest(dir).map_err(|f| RunError::invalid(f.file.clone(), at_detail(&f)))?;
     let runner = gate::check(&manifest.family, &manifest.arch.required_axes)?;
     Ok((manifest, runner))
 }
@@ -124,7 +84,7 @@ impl std::fmt::Debug for Install {
 }
 
 /// Open an install: gate, layout, resident map, expert pools.
-pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, LoadError> {
+pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
     let (manifest, runner) = open_gated(dir)?;
     // verify-install's cheap checks (sizes, resident index, pool geometry, tokenizer
     // JSON; no hashing): after them every span sliced below lies inside its file.
@@ -134,15 +94,15 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, LoadError> {
             1 => String::new(),
             n => format!(" (and {} more; `gturbo verify-install` lists them)", n - 1),
         };
-        return Err(LoadError::invalid(
+        return Err(RunError::invalid(
             first.file.clone(),
             format!("{}{more}", at_detail(first)),
         ));
     }
     let rel = &manifest.resident.file;
     let path = safe_join(dir, rel)?;
-    let file = File::open(&path).map_err(|e| LoadError::io(rel, e))?;
-    let len = file.metadata().map_err(|e| LoadError::io(rel, e))?.len();
+    let file = File::open(&path).map_err(|e| RunError::io(rel, e))?;
+    let len = file.metadata().map_err(|e| RunError::io(rel, e))?.len();
     // SAFETY: a `.gturbo` install is read-only once published (the installer writes
     // it in a staging directory and renames it into place, manifest last), and the
     // map is only read. The accepted mmap contract: if another process truncated or
@@ -150,12 +110,11 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, LoadError> {
     // changed bytes; gturbo does not defend against concurrent modification of an
     // install it is running.
     #[allow(unsafe_code)]
-    let map = unsafe { Mmap::map(&file) }.map_err(|e| LoadError::io(rel, e))?;
-    let head =
-        ResidentHead::parse(&map, len).map_err(|e| LoadError::invalid(rel, e.to_string()))?;
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| RunError::io(rel, e))?;
+    let head = ResidentHead::parse(&map, len).map_err(|e| RunError::invalid(rel, e.to_string()))?;
     let (index, payload_start) = (head.index, head.payload_start);
     if payload_start != manifest.resident.payload_start {
-        return Err(LoadError::invalid(
+        return Err(RunError::invalid(
             rel,
             format!(
                 "payload starts at {payload_start}, manifest resident.payloadStart says {}",
@@ -168,7 +127,10 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, LoadError> {
         check_entry(rel, &e, len - payload_start)?;
         tensors.insert(e.name.clone(), e);
     }
-    let experts = ExpertStore::open(dir, &manifest, opts.experts)?;
+    let experts = ExpertStore::open(&manifest, opts.experts, |rel| {
+        let path = safe_join(dir, rel)?;
+        File::open(&path).map_err(|e| RunError::io(rel, e))
+    })?;
     Ok(Install {
         dir: dir.to_path_buf(),
         manifest,
@@ -182,13 +144,13 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, LoadError> {
 }
 
 /// `dir/rel`, refusing names that would leave the install.
-pub(crate) fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, LoadError> {
+fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, RunError> {
     let p = Path::new(rel);
     let ok = !rel.is_empty()
         && p.components()
             .all(|c| matches!(c, std::path::Component::Normal(_)));
     if !ok {
-        return Err(LoadError::invalid(
+        return Err(RunError::invalid(
             manifest::FILE_NAME,
             format!("file name {rel:?} leaves the install directory"),
         ));
@@ -246,9 +208,9 @@ impl Install {
         &self.resident[a..a + s.len as usize]
     }
 
-    fn entry(&self, name: &str) -> Result<&ResidentEntry, LoadError> {
+    fn entry(&self, name: &str) -> Result<&ResidentEntry, RunError> {
         self.tensors.get(name).ok_or_else(|| {
-            LoadError::invalid(
+            RunError::invalid(
                 &self.manifest.resident.file,
                 format!("tensor {name} is not in the resident index"),
             )
@@ -261,11 +223,11 @@ impl Install {
     }
 
     /// A 2-D tensor as a matrix view, checked to be `[rows, cols]`.
-    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix<'_>, LoadError> {
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix<'_>, RunError> {
         let e = self.entry(name)?;
         let shape: Vec<u64> = vec![rows as u64, cols as u64];
         if e.shape != shape {
-            return Err(LoadError::invalid(
+            return Err(RunError::invalid(
                 &self.manifest.resident.file,
                 format!(
                     "tensor {name} has shape {:?}, the config implies {shape:?}",
@@ -277,17 +239,17 @@ impl Install {
     }
 
     /// A 1-D tensor (norm weights) widened to f32, checked to have `len` elements.
-    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, RunError> {
         let e = self.entry(name)?;
         if e.shape != [len as u64] {
-            return Err(LoadError::invalid(
+            return Err(RunError::invalid(
                 &self.manifest.resident.file,
                 format!("tensor {name} has shape {:?}, expected [{len}]", e.shape),
             ));
         }
         let m = self.matrix_any(name, e, 1, len)?;
         let mut out = vec![0f32; len];
-        super::kernels::Backend::row(&super::kernels::Cpu::new(1), &m, 0, &mut out);
+        m.widen_row(0, &mut out);
         Ok(out)
     }
 
@@ -297,7 +259,7 @@ impl Install {
         e: &ResidentEntry,
         rows: usize,
         cols: usize,
-    ) -> Result<Matrix<'_>, LoadError> {
+    ) -> Result<Matrix<'_>, RunError> {
         matrix_view(
             &self.manifest.resident.file,
             name,
@@ -317,8 +279,8 @@ fn matrix_view<'a>(
     cols: usize,
     span: impl Fn(Span) -> &'a [u8],
     e: &ResidentEntry,
-) -> Result<Matrix<'a>, LoadError> {
-    let bad = |msg: String| LoadError::invalid(file, format!("tensor {name}: {msg}"));
+) -> Result<Matrix<'a>, RunError> {
+    let bad = |msg: String| RunError::invalid(file, format!("tensor {name}: {msg}"));
     let dtype = e.dtype.as_str();
     match e.scheme.bits() {
         Some(bits) => match (e.weights, e.scales, e.biases) {

@@ -1,11 +1,18 @@
 //! The embedded runtime that runs an install: the capability gate, the loader
 //! (memory-mapped resident weights, expert blobs read into a bounded cache), the
 //! decoder runner, the compute kernels, text in and out, and sampling.
+//!
+//! Layering, each module using only those above it: `gate` and `kernels`; `error`
+//! (the one [`RunError`] of the entry points); `experts` (the slot cache over open
+//! pool files); `load` (opens the install's files); `model`; `generate`.
+
+pub use error::RunError;
 
 pub mod kernels;
 pub mod sample;
 pub mod text;
 
+pub mod error;
 pub mod experts;
 pub mod gate;
 pub mod generate;

@@ -7,11 +7,12 @@
 //! `down(silu(gate x) · up x)`; MoE routing `softmax(router x)` over all experts,
 //! top-k, optionally renormalised to sum 1 (`norm_topk_prob`).
 
+use super::error::{InputError, RunError};
 use super::experts::expert_matrices;
 use super::gate::{QK_NORM, ROUTED_MOE};
 use super::kernels::{Backend, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
-use super::load::{Install, LoadError};
-use crate::format::manifest::Manifest;
+use super::load::Install;
+use crate::format::manifest::{self, Manifest};
 
 /// Architecture numbers read from the manifest's `arch.axes`.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,14 +56,14 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
 }
 
-fn axis_err(m: &Manifest, axis: &str, msg: &str) -> LoadError {
-    LoadError::invalid(
-        "manifest.json",
+fn axis_err(m: &Manifest, axis: &str, msg: &str) -> RunError {
+    RunError::invalid(
+        manifest::FILE_NAME,
         format!("arch.axes.{axis} (family {}): {msg}", m.family),
     )
 }
 
-fn axis_usize(m: &Manifest, axis: &str) -> Result<Option<usize>, LoadError> {
+fn axis_usize(m: &Manifest, axis: &str) -> Result<Option<usize>, RunError> {
     match m.arch.axes.get(axis) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(v) => v
@@ -73,11 +74,11 @@ fn axis_usize(m: &Manifest, axis: &str) -> Result<Option<usize>, LoadError> {
     }
 }
 
-fn need_usize(m: &Manifest, axis: &str) -> Result<usize, LoadError> {
+fn need_usize(m: &Manifest, axis: &str) -> Result<usize, RunError> {
     axis_usize(m, axis)?.ok_or_else(|| axis_err(m, axis, "missing"))
 }
 
-fn axis_f64(m: &Manifest, axis: &str) -> Result<Option<f64>, LoadError> {
+fn axis_f64(m: &Manifest, axis: &str) -> Result<Option<f64>, RunError> {
     match m.arch.axes.get(axis) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(v) => v
@@ -88,7 +89,7 @@ fn axis_f64(m: &Manifest, axis: &str) -> Result<Option<f64>, LoadError> {
     }
 }
 
-fn axis_bool(m: &Manifest, axis: &str) -> Result<Option<bool>, LoadError> {
+fn axis_bool(m: &Manifest, axis: &str) -> Result<Option<bool>, RunError> {
     match m.arch.axes.get(axis) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(v) => v
@@ -102,7 +103,7 @@ impl Config {
     /// Read the decoder's numbers from the manifest. Defaults follow the Hugging Face
     /// configs: `head_dim = hidden / heads`, `norm_topk_prob = false`,
     /// `rms_norm_eps = 1e-6`, `rope_theta = 10000`.
-    pub fn from_manifest(m: &Manifest) -> Result<Config, LoadError> {
+    pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
         if m.arch
             .axes
             .get("rope_scaling")
@@ -218,7 +219,7 @@ fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 impl<'a> Model<'a> {
     /// Bind the install's tensors (no weight bytes are read here beyond norms).
-    pub fn new(install: &'a Install, backend: &'a dyn Backend) -> Result<Model<'a>, LoadError> {
+    pub fn new(install: &'a Install, backend: &'a dyn Backend) -> Result<Model<'a>, RunError> {
         let cfg = Config::from_manifest(&install.manifest)?;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let embed = install.matrix("model.embed_tokens.weight", cfg.vocab, h)?;
@@ -235,14 +236,17 @@ impl<'a> Model<'a> {
             let mlp = match &cfg.moe {
                 Some(moe) => {
                     let pool = install.experts.pool(l).ok_or_else(|| {
-                        LoadError::invalid("manifest.json", format!("no expert pool for layer {l}"))
+                        RunError::invalid(
+                            manifest::FILE_NAME,
+                            format!("no expert pool for layer {l}"),
+                        )
                     })?;
                     let i = moe.intermediate as u64;
                     let want = [(i, h as u64), (i, h as u64), (h as u64, i)];
                     let got: Vec<(u64, u64)> =
                         pool.parts.iter().map(|b| (b.rows, b.cols)).collect();
                     if pool.experts != moe.experts as u64 || got != want {
-                        return Err(LoadError::invalid(
+                        return Err(RunError::invalid(
                             &pool.file,
                             format!(
                                 "{} experts of shapes {got:?}, the config implies {} of {want:?}",
@@ -326,31 +330,30 @@ impl<'a> Model<'a> {
         s: &mut Session,
         tokens: &[u32],
         all: bool,
-    ) -> Result<Vec<f32>, LoadError> {
+    ) -> Result<Vec<f32>, RunError> {
         let c = &self.cfg;
         let n = tokens.len();
         if n == 0 {
             return Ok(Vec::new());
         }
         if s.pos + n > c.max_positions {
-            return Err(LoadError::invalid(
-                "manifest.json",
-                format!(
-                    "sequence of {} tokens exceeds max_position_embeddings {}",
-                    s.pos + n,
-                    c.max_positions
-                ),
-            ));
+            // The install is fine: the prompt plus what was generated is too long.
+            return Err(InputError::SequenceTooLong {
+                tokens: s.pos + n,
+                max: c.max_positions,
+            }
+            .into());
         }
         let (h, hd) = (c.hidden, c.head_dim);
         let (qw, kvw) = (c.heads * hd, c.kv_heads * hd);
         let mut x = vec![0f32; n * h];
         for (i, &t) in tokens.iter().enumerate() {
             if t as usize >= c.vocab {
-                return Err(LoadError::invalid(
-                    "input",
-                    format!("token id {t} is outside the vocabulary ({})", c.vocab),
-                ));
+                return Err(InputError::TokenOutsideVocabulary {
+                    token: t,
+                    vocab: c.vocab,
+                }
+                .into());
             }
             self.backend
                 .row(&self.embed, t as usize, &mut x[i * h..(i + 1) * h]);
@@ -443,12 +446,12 @@ impl<'a> Model<'a> {
         xn: &[f32],
         n: usize,
         out: &mut [f32],
-    ) -> Result<(), LoadError> {
+    ) -> Result<(), RunError> {
         let moe = self
             .cfg
             .moe
             .as_ref()
-            .ok_or_else(|| LoadError::invalid("manifest.json", "no MoE config"))?;
+            .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
         let (h, e_count, inter) = (self.cfg.hidden, moe.experts, moe.intermediate);
         let mut probs = vec![0f32; n * e_count];
         self.backend.matmul(router, xn, n, &mut probs);
@@ -469,7 +472,7 @@ impl<'a> Model<'a> {
         }
         out.fill(0.0);
         let pool = self.install.experts.pool(l).ok_or_else(|| {
-            LoadError::invalid("manifest.json", format!("no expert pool for layer {l}"))
+            RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
         })?;
         for (e, toks) in chosen.iter().enumerate() {
             if toks.is_empty() {

@@ -516,3 +516,32 @@ fn smollm2_int4_stays_close_to_bf16_by_kl_divergence() {
     assert!(kl > 0.0 && kl < 2.0, "mean KL {kl}");
     assert!(top1 > 0.4, "top-1 agreement {top1}");
 }
+
+// ------------------------------------------------------------------ input errors
+
+#[test]
+fn input_the_install_cannot_run_is_reported_as_input_with_exit_2() {
+    let tmp = temp_dir();
+    let out = qwen3_install(tmp.path(), 0);
+    // A token id past the vocabulary is the caller's, not a fault of the install.
+    let o = run(&out, &["--prompt-ids", "1,4000000000"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let line = error_line(&o);
+    assert!(
+        line.starts_with("gturbo: error: input: token id 4000000000 is outside the vocabulary ("),
+        "{line}"
+    );
+    // A sequence longer than the model's positions: 3 prompt tokens fit 4 positions,
+    // the second generated token does not.
+    let path = out.join("manifest.json");
+    let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    m["arch"]["axes"]["max_position_embeddings"] = Value::from(4);
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+    let o = run(&out, &["--prompt-ids", "1,2,3", "--max-tokens", "5"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_eq!(
+        error_line(&o),
+        "gturbo: error: input: a sequence of 5 tokens (prompt and generated) exceeds the \
+         model's max_position_embeddings 4"
+    );
+}

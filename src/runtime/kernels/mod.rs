@@ -211,6 +211,17 @@ impl Matrix<'_> {
         }
     }
 
+    /// Row `r` widened to f32 into `out` (`out.len() == cols`). A plain conversion of
+    /// host bytes that needs no backend: norm weights are read once at load with it,
+    /// and [`Cpu`]'s [`Backend::row`] is this. Panics (never reads out of bounds) when
+    /// `r` or `out` do not fit the shape.
+    pub fn widen_row(&self, r: usize, out: &mut [f32]) {
+        debug_assert!(self.check().is_ok());
+        assert!(r < self.rows(), "row {r} of a {}-row matrix", self.rows());
+        assert_eq!(out.len(), self.cols(), "row: out length");
+        portable::row(&self.slice_rows(r, r + 1), out);
+    }
+
     /// The bytes of rows `r0..r1` as a matrix of their own (a group never crosses a
     /// row, so this is a plain sub-slice of every part).
     fn slice_rows(&self, r0: usize, r1: usize) -> Matrix<'_> {
@@ -629,10 +640,7 @@ impl Backend for Cpu {
     }
 
     fn row(&self, w: &Matrix, r: usize, out: &mut [f32]) {
-        debug_assert!(w.check().is_ok());
-        assert!(r < w.rows(), "row {r} of a {}-row matrix", w.rows());
-        assert_eq!(out.len(), w.cols(), "row: out length");
-        portable::row(&w.slice_rows(r, r + 1), out);
+        w.widen_row(r, out);
     }
 }
 
