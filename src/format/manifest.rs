@@ -185,13 +185,13 @@ impl Manifest {
         })
     }
 
-    /// Canonical bytes: sorted keys (serde_json's map is ordered), two-space indent,
-    /// trailing newline.
+    /// Canonical bytes ([`super::json::to_pretty`]: sorted keys, two-space indent,
+    /// trailing newline).
     pub fn to_canonical_bytes(&self) -> Vec<u8> {
-        let value = serde_json::to_value(self).unwrap_or(serde_json::Value::Null);
-        let mut out = serde_json::to_vec_pretty(&value).unwrap_or_default();
-        out.push(b'\n');
-        out
+        super::json::to_pretty(self).expect(
+            "a Manifest always serializes: derived impls over strings, integers, \
+             string-keyed maps and serde_json::Values",
+        )
     }
 }
 
