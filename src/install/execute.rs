@@ -998,6 +998,7 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
     Manifest {
         format: manifest::FORMAT.into(),
         version: manifest::VERSION,
+        minor_version: manifest::MINOR_VERSION,
         family: plan.family.clone(),
         model_id: plan.source.repo.clone(),
         source: ManifestSource {

@@ -191,7 +191,7 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
     let q = &m.quantized_at_install;
     if q.bits != q.scheme.bits().unwrap_or(0) || q.group_size != 64 {
         out.push(fail(
-            "quantizedAtInstall".into(),
+            m.quantized_at_install_key().into(),
             format!(
                 "scheme {} with bits {} and group_size {}; expected bits {} and group_size 64",
                 q.scheme.label(),
