@@ -70,6 +70,12 @@ ROW_FULL_LIMIT = 512 << 20
 QUANT_CHUNK_ELEMS = 1 << 24
 
 
+def quantized_at_install(man):
+    """The quantization record: `quantized_at_install` since manifest 1.1, the 1.0
+    spelling `quantizedAtInstall` before (manifests/FORMAT.md, manifest.json, Versions)."""
+    return man["quantized_at_install"] if man.get("minor_version", 0) >= 1 else man["quantizedAtInstall"]
+
+
 def align_up(n, a):
     return (n + a - 1) // a * a
 
@@ -380,7 +386,7 @@ def check_resident(rep, snap, man, gdir, maps, pooled, family_rules):
     # Scheme policy from the family file, when the repo's families/ has it.
     # The manifest's applied overrides win over the family file's; a passthrough
     # (`--quant bf16`) install stores everything at its source dtype.
-    qa = man["quantizedAtInstall"]
+    qa = quantized_at_install(man)
     if qa["scheme"] == "passthrough":
         for t in entries:
             rep.check(t["scheme"] == "passthrough", fname, 16, t["name"],
@@ -584,7 +590,7 @@ def check_experts(rep, snap, man, maps, args, pooled):
 def check_rows(rep, snap, man, maps, args, pooled):
     lines = []
     rng = random.Random(args.seed + 1)
-    global_scheme = man["quantizedAtInstall"]["scheme"]
+    global_scheme = quantized_at_install(man)["scheme"]
     for pool in man["row_pools"]:
         f0 = rep.failed
         fname = pool["file"]

@@ -250,6 +250,16 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
+/// Why [`json_text`] cannot fail: the documents it prints are derived `Serialize`
+/// impls and `json!` values over strings, numbers and string-keyed maps.
+const REPORT_SERIALIZES: &str =
+    "a CLI report always serializes: derived impls and json! values with string keys";
+
+/// A `--json` document as pretty text.
+fn json_text(doc: &impl serde::Serialize) -> String {
+    serde_json::to_string_pretty(doc).expect(REPORT_SERIALIZES)
+}
+
 fn warn(quiet: u8, msg: &str) {
     if quiet < 2 {
         eprintln!("warning: {msg}");
@@ -379,12 +389,9 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
         .unwrap_or_else(|| PathBuf::from(format!("{}.gturbo", family.id())));
     let report = report::DryRunReport::new(&family, &source.describe(), &prepared, &out);
     if args.json && !args.dry_run {
-        reporter.plan(&serde_json::to_value(&report).unwrap_or_default());
+        reporter.plan(&serde_json::to_value(&report).expect(REPORT_SERIALIZES));
     } else if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).unwrap_or_default()
-        );
+        println!("{}", json_text(&report));
     } else {
         print!("{}", report.to_text());
     }
@@ -433,10 +440,7 @@ fn verify_cmd(
     let report = tokio::task::block_in_place(|| crate::verify::verify(dir, &options));
     drop(progress);
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).unwrap_or_default()
-        );
+        println!("{}", json_text(&report));
     } else {
         for f in &report.failures {
             println!("{f}");
@@ -463,7 +467,7 @@ fn families_cmd(json: bool) -> Result<(), Failure> {
     let rows: Vec<report::FamilyRow> = all.iter().map(report::FamilyRow::new).collect();
     if json {
         let doc = serde_json::json!({ "schema_version": 1, "families": rows });
-        println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+        println!("{}", json_text(&doc));
     } else {
         print!("{}", report::families_text(&rows));
     }

@@ -231,7 +231,7 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
             "max_kl_nats": a.max_kl,
             "top1_agreement": a.top1,
         });
-        println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+        println!("{}", super::json_text(&doc));
     } else {
         println!(
             "{} positions: mean KL(A||B) {:.5} nats (max {:.4}), top-1 agreement {:.1}%",
@@ -297,10 +297,6 @@ fn footer(
             "expert_slot_bytes": install.experts.slot_bytes(),
             "expert_cache": { "hits": stats.hits, "misses": stats.misses, "hit_rate": hit },
         });
-        let _ = writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_default()
-        );
+        let _ = writeln!(out, "{}", super::json_text(&doc));
     }
 }

@@ -474,19 +474,8 @@ pub fn builtin_ids() -> Vec<String> {
         .collect()
 }
 
-/// 40 lowercase hex digits.
-pub fn is_commit(s: &str) -> bool {
-    s.len() == 40
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
-/// 64 lowercase hex digits.
-pub fn is_sha256(s: &str) -> bool {
-    s.len() == 64
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
+/// Pins are written as the format writes digests: lowercase hex.
+pub use crate::format::digest::{is_commit, is_sha256};
 
 #[cfg(test)]
 mod tests {

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{LayoutError, PAGE, QuantSizes, Scheme, align_up};
+use super::{LayoutError, PAGE, Scheme, align_up};
 use crate::header::Dtype;
 
 /// Expert projection inside a blob.
@@ -143,28 +143,29 @@ impl ExpertPool {
         let mut cursor = 0u64;
         for (i, p) in self.parts.iter().enumerate() {
             let at = |f: &str| format!("parts[{i}].{f}");
-            let expected = match self.scheme.bits() {
-                Some(bits) => {
-                    QuantSizes::new(p.rows, p.cols, bits).map(|q| (q.weights, q.scales, q.biases))
-                }
-                None => p
-                    .rows
-                    .checked_mul(p.cols)
-                    .and_then(|n| n.checked_mul(self.dtype.size()))
-                    .map(|w| (w, 0, 0)),
-            };
+            let expected = self
+                .scheme
+                .sizes(p.rows, p.cols, self.dtype.size())
+                .map(|q| (q.weights, q.scales, q.biases));
             match expected {
                 None => errs.push(LayoutError::new(
                     at("cols"),
                     format!(
-                        "shape [{}, {}] has no {} layout (columns must be a positive multiple of 64 for quantized parts, sizes must fit 64 bits)",
+                        "shape [{}, {}] has no {} layout ({}sizes must fit 64 bits)",
                         p.rows,
                         p.cols,
-                        self.scheme.label()
+                        self.scheme.label(),
+                        self.scheme.group().map_or(String::new(), |g| format!(
+                            "columns must be a positive multiple of {g} for quantized parts, "
+                        ))
                     ),
                 )),
                 Some((w, s, b)) => {
-                    for (name, want, got) in [("weights", w, p.weights), ("scales", s, p.scales), ("biases", b, p.biases)] {
+                    for (name, want, got) in [
+                        ("weights", w, p.weights),
+                        ("scales", s, p.scales),
+                        ("biases", b, p.biases),
+                    ] {
                         if want != got {
                             errs.push(LayoutError::new(
                                 at(name),

@@ -4,7 +4,11 @@
 //! published by the same rename), and rewritten by `verify-install` after a full check.
 //! It is not listed in the manifest.
 
+use std::time::SystemTime;
+
 use serde::{Deserialize, Serialize};
+
+use super::manifest::ManifestFile;
 
 /// File name inside the `.gturbo` directory.
 pub const FILE_NAME: &str = "verified-install.json";
@@ -13,9 +17,9 @@ pub const FILE_NAME: &str = "verified-install.json";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Receipt {
-    /// Always `gturbo-receipt`.
+    /// Always [`FORMAT`].
     pub format: String,
-    /// Receipt version (1).
+    /// Receipt version ([`VERSION`]).
     pub version: u32,
     /// SHA-256 of `manifest.json` as verified.
     pub manifest_sha256: String,
@@ -47,12 +51,110 @@ pub struct ReceiptFile {
     pub sha256: String,
 }
 
+/// Always `gturbo-receipt`.
+pub const FORMAT: &str = "gturbo-receipt";
+/// Current receipt version.
+pub const VERSION: u32 = 1;
+
+/// What produced a receipt's proof.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prover {
+    /// `gturbo install`, which hashed every file it wrote.
+    Install,
+    /// `gturbo verify-install`, after a full check.
+    VerifyInstall,
+}
+
+impl Prover {
+    /// The `verified_by` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Prover::Install => "install",
+            Prover::VerifyInstall => "verify-install",
+        }
+    }
+}
+
+impl From<&ManifestFile> for ReceiptFile {
+    fn from(f: &ManifestFile) -> ReceiptFile {
+        ReceiptFile {
+            path: f.path.clone(),
+            bytes: f.bytes,
+            sha256: f.sha256.clone(),
+        }
+    }
+}
+
 impl Receipt {
-    /// Canonical bytes (sorted keys, two-space indent, trailing newline).
+    /// The receipt `by` writes at `now` for the manifest whose SHA-256 is
+    /// `manifest_sha256`, with the `files` hashes it computed and the source
+    /// provenance it vouches for (`""` and `None` when it vouches for none).
+    pub fn new(
+        by: Prover,
+        manifest_sha256: String,
+        files: Vec<ReceiptFile>,
+        source_repo: String,
+        source_commit: Option<String>,
+        now: SystemTime,
+    ) -> Receipt {
+        Receipt {
+            format: FORMAT.into(),
+            version: VERSION,
+            manifest_sha256,
+            files,
+            verified_by: by.as_str().into(),
+            tool_version: env!("CARGO_PKG_VERSION").into(),
+            // A clock before 1970 records 0; the HTTP date still says when.
+            verified_at_unix: now
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            verified_at: httpdate::fmt_http_date(now),
+            source_repo,
+            source_commit,
+        }
+    }
+
+    /// Canonical bytes ([`super::json::to_pretty`]: sorted keys, two-space indent,
+    /// trailing newline).
     pub fn to_canonical_bytes(&self) -> Vec<u8> {
-        let value = serde_json::to_value(self).unwrap_or(serde_json::Value::Null);
-        let mut out = serde_json::to_vec_pretty(&value).unwrap_or_default();
-        out.push(b'\n');
-        out
+        super::json::to_pretty(self)
+            .expect("a Receipt always serializes: derived impls over strings and integers")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_receipt_is_canonical_json_with_its_prover_and_time() {
+        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000);
+        let file = ManifestFile {
+            path: "resident.bin".into(),
+            bytes: 3,
+            sha256: "ab".repeat(32),
+            kind: "resident".into(),
+        };
+        let r = Receipt::new(
+            Prover::VerifyInstall,
+            "cd".repeat(32),
+            vec![ReceiptFile::from(&file)],
+            "org/m".into(),
+            None,
+            at,
+        );
+        let text = String::from_utf8(r.to_canonical_bytes()).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["format"], "gturbo-receipt");
+        assert_eq!(v["version"], 1);
+        assert_eq!(v["verified_by"], "verify-install");
+        assert_eq!(v["verified_at_unix"], 1_700_000_000u64);
+        assert_eq!(v["verified_at"], "Tue, 14 Nov 2023 22:13:20 GMT");
+        assert_eq!(v["files"][0]["sha256"], "ab".repeat(32));
+        assert!(text.starts_with("{\n  \"files\": ["), "{text}");
+        assert!(text.ends_with("}\n"));
+        let back: Receipt = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(Prover::Install.as_str(), "install");
     }
 }

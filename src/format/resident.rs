@@ -9,7 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{LayoutError, PAGE, QuantSizes, SUBREGION_ALIGN, Scheme, align_up};
+use super::sizes::matrix_dims;
+use super::{Affine, LayoutError, PAGE, SUBREGION_ALIGN, Scheme, align_up};
 use crate::header::Dtype;
 
 /// File magic.
@@ -32,29 +33,189 @@ pub struct Span {
 }
 
 /// One tensor in the resident file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+///
+/// On disk (the JSON index) an entry is `{"name", "dtype", "shape", "scheme", "data"}`
+/// for passthrough or `{..., "scheme", "weights", "scales", "biases"}` for a quantized
+/// scheme, in that key order; the typed [`Storage`] makes the two shapes the only ones
+/// that exist in memory.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "WireEntry")]
 pub struct ResidentEntry {
     /// Source tensor name.
     pub name: String,
-    /// Source dtype (`BF16`, `F32`, `I64`, ...).
-    pub dtype: String,
+    /// Source dtype: the element type of passthrough data, and the dtype whose values
+    /// a quantized entry's scales and biases encode.
+    pub dtype: Dtype,
     /// Logical shape.
     pub shape: Vec<u64>,
-    /// How the bytes are stored.
-    pub scheme: Scheme,
-    /// Passthrough bytes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data: Option<Span>,
-    /// Packed U32 weights (quantized schemes).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weights: Option<Span>,
-    /// BF16 scales (quantized schemes).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scales: Option<Span>,
-    /// BF16 biases (quantized schemes).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub biases: Option<Span>,
+    /// How the bytes are stored, and where.
+    pub storage: Storage,
+}
+
+/// How a resident entry's bytes are stored, with its spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// The source bytes at the source dtype (scheme `passthrough`).
+    Dense {
+        /// The data.
+        data: Span,
+    },
+    /// MLX affine quantization (see [`super::sizes`]).
+    Quant {
+        /// Bits and group size.
+        affine: Affine,
+        /// Packed U32 weights.
+        weights: Span,
+        /// Scales.
+        scales: Span,
+        /// Biases.
+        biases: Span,
+    },
+}
+
+/// An entry as written in the JSON index (field order is the on-disk key order).
+#[derive(Serialize)]
+struct WireEntryOut<'a> {
+    name: &'a str,
+    dtype: &'static str,
+    shape: &'a [u64],
+    scheme: std::borrow::Cow<'static, str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<Span>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weights: Option<Span>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scales: Option<Span>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    biases: Option<Span>,
+}
+
+/// An entry as read from the JSON index, before its dtype and spans are checked
+/// against its scheme.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireEntry {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    scheme: Scheme,
+    #[serde(default)]
+    data: Option<Span>,
+    #[serde(default)]
+    weights: Option<Span>,
+    #[serde(default)]
+    scales: Option<Span>,
+    #[serde(default)]
+    biases: Option<Span>,
+}
+
+impl Serialize for ResidentEntry {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (scheme, data, weights, scales, biases) = match self.storage {
+            Storage::Dense { data } => (
+                Scheme::Passthrough.label().into(),
+                Some(data),
+                None,
+                None,
+                None,
+            ),
+            Storage::Quant {
+                affine,
+                weights,
+                scales,
+                biases,
+            } => (
+                affine.label().into(),
+                None,
+                Some(weights),
+                Some(scales),
+                Some(biases),
+            ),
+        };
+        WireEntryOut {
+            name: &self.name,
+            dtype: self.dtype.name(),
+            shape: &self.shape,
+            scheme,
+            data,
+            weights,
+            scales,
+            biases,
+        }
+        .serialize(s)
+    }
+}
+
+impl WireEntry {
+    /// The typed entry; `Err((field, why))` when the dtype is unknown or the spans are
+    /// not the ones the scheme has.
+    fn typed(self) -> Result<ResidentEntry, (&'static str, String)> {
+        let dtype = Dtype::from_name(&self.dtype).ok_or_else(|| {
+            (
+                "dtype",
+                format!("{:?} is not a safetensors dtype", self.dtype),
+            )
+        })?;
+        let storage = match (
+            self.scheme.affine(),
+            self.data,
+            self.weights,
+            self.scales,
+            self.biases,
+        ) {
+            (None, Some(data), None, None, None) => Storage::Dense { data },
+            (Some(affine), None, Some(weights), Some(scales), Some(biases)) => Storage::Quant {
+                affine,
+                weights,
+                scales,
+                biases,
+            },
+            (a, data, weights, scales, biases) => {
+                let has: Vec<&str> = [
+                    ("data", data),
+                    ("weights", weights),
+                    ("scales", scales),
+                    ("biases", biases),
+                ]
+                .into_iter()
+                .filter_map(|(n, s)| s.map(|_| n))
+                .collect();
+                let want = if a.is_some() {
+                    "weights, scales and biases"
+                } else {
+                    "data"
+                };
+                return Err((
+                    "",
+                    format!(
+                        "spans {has:?}; scheme {} stores {want}",
+                        self.scheme.label()
+                    ),
+                ));
+            }
+        };
+        Ok(ResidentEntry {
+            name: self.name,
+            dtype,
+            shape: self.shape,
+            storage,
+        })
+    }
+}
+
+impl TryFrom<WireEntry> for ResidentEntry {
+    type Error = String;
+
+    fn try_from(w: WireEntry) -> Result<ResidentEntry, String> {
+        let name: String = w.name.chars().take(200).collect();
+        w.typed().map_err(|(field, why)| {
+            if field.is_empty() {
+                format!("tensor {name}: {why}")
+            } else {
+                format!("tensor {name}: {field}: {why}")
+            }
+        })
+    }
 }
 
 /// The JSON index at the head of the resident file.
@@ -74,12 +235,10 @@ pub struct ResidentIndex {
 pub struct ResidentInput {
     /// Name.
     pub name: String,
-    /// Source dtype name.
-    pub dtype: String,
+    /// Source dtype.
+    pub dtype: Dtype,
     /// Shape.
     pub shape: Vec<u64>,
-    /// Source element size in bytes.
-    pub elem_bytes: u64,
     /// Scheme.
     pub scheme: Scheme,
 }
@@ -99,33 +258,24 @@ pub struct ResidentLayout {
 
 impl ResidentLayout {
     /// Place `inputs` in order. `None` when a size overflows or a quantized tensor's
-    /// last dimension is not a multiple of 64 (the planner checks that first).
+    /// last dimension has no layout under its scheme (the planner checks that first).
     pub fn place(inputs: &[ResidentInput]) -> Option<ResidentLayout> {
         let mut cursor = 0u64;
         let mut tensors = Vec::with_capacity(inputs.len());
         for t in inputs {
             let start = align_up(cursor, PAGE)?;
-            let mut entry = ResidentEntry {
-                name: t.name.clone(),
-                dtype: t.dtype.clone(),
-                shape: t.shape.clone(),
-                scheme: t.scheme,
-                data: None,
-                weights: None,
-                scales: None,
-                biases: None,
-            };
-            let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
-            match t.scheme.bits() {
+            let (rows, cols) = matrix_dims(&t.shape)?;
+            let q = t.scheme.sizes(rows, cols, t.dtype.size())?;
+            let storage = match t.scheme.affine() {
                 None => {
-                    let len = elems.checked_mul(t.elem_bytes)?;
-                    entry.data = Some(Span { offset: start, len });
-                    cursor = start.checked_add(len)?;
+                    let data = Span {
+                        offset: start,
+                        len: q.weights,
+                    };
+                    cursor = start.checked_add(data.len)?;
+                    Storage::Dense { data }
                 }
-                Some(bits) => {
-                    let cols = *t.shape.last()?;
-                    let rows = elems / cols.max(1);
-                    let q = QuantSizes::new(rows, cols, bits)?;
+                Some(affine) => {
                     let w = Span {
                         offset: start,
                         len: q.weights,
@@ -141,19 +291,29 @@ impl ResidentLayout {
                         len: q.biases,
                     };
                     cursor = b_off.checked_add(b.len)?;
-                    entry.weights = Some(w);
-                    entry.scales = Some(s);
-                    entry.biases = Some(b);
+                    Storage::Quant {
+                        affine,
+                        weights: w,
+                        scales: s,
+                        biases: b,
+                    }
                 }
-            }
-            tensors.push(entry);
+            };
+            tensors.push(ResidentEntry {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                storage,
+            });
         }
         let index = ResidentIndex {
             format: INDEX_FORMAT.into(),
             version: INDEX_VERSION,
             tensors,
         };
-        let index_len = serde_json::to_vec(&index).ok()?.len() as u64;
+        let index_len = serde_json::to_vec(&index)
+            .expect("a resident index always serializes: strings, integers and spans")
+            .len() as u64;
         let payload_start = align_up(16 + index_len, PAGE)?;
         let file_bytes = if inputs.is_empty() {
             payload_start
@@ -227,17 +387,44 @@ impl ResidentHead {
                 format!("cannot read {index_len} bytes: {e}"),
             )
         })?;
-        let index: ResidentIndex = serde_json::from_slice(&json)
+        /// The index as read, before its entries are typed.
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct WireIndex {
+            format: String,
+            version: u32,
+            tensors: Vec<WireEntry>,
+        }
+        let wire: WireIndex = serde_json::from_slice(&json)
             .map_err(|e| LayoutError::new("byte 16 (index)", format!("not a valid index: {e}")))?;
-        if index.format != INDEX_FORMAT || index.version != INDEX_VERSION {
+        if wire.format != INDEX_FORMAT || wire.version != INDEX_VERSION {
             return Err(LayoutError::new(
                 "index format",
                 format!(
                     "{:?} version {}; this reader knows {INDEX_FORMAT:?} version {INDEX_VERSION}",
-                    index.format, index.version
+                    wire.format, wire.version
                 ),
             ));
         }
+        let mut tensors = Vec::with_capacity(wire.tensors.len());
+        for (i, w) in wire.tensors.into_iter().enumerate() {
+            let at = entry_field(i, &w.name);
+            tensors.push(w.typed().map_err(|(field, why)| {
+                LayoutError::new(
+                    if field.is_empty() {
+                        format!("index.{at}")
+                    } else {
+                        format!("index.{at}.{field}")
+                    },
+                    why,
+                )
+            })?);
+        }
+        let index = ResidentIndex {
+            format: wire.format,
+            version: wire.version,
+            tensors,
+        };
         let payload_start = align_up(16 + index_len, PAGE).unwrap_or(u64::MAX);
         Ok(ResidentHead {
             index,
@@ -252,19 +439,69 @@ impl ResidentHead {
     }
 }
 
+/// `tensors[i] (name)`, the name cut to 200 characters: how errors name an entry.
+fn entry_field(i: usize, name: &str) -> String {
+    let name: String = name.chars().take(200).collect();
+    format!("tensors[{i}] ({name})")
+}
+
 impl ResidentEntry {
     /// Byte spans of the entry with their names (`data`, or `weights`, `scales`,
     /// `biases`), in payload order as written.
     pub fn spans(&self) -> Vec<(&'static str, Span)> {
-        [
-            ("data", self.data),
-            ("weights", self.weights),
-            ("scales", self.scales),
-            ("biases", self.biases),
-        ]
-        .into_iter()
-        .filter_map(|(n, s)| s.map(|s| (n, s)))
-        .collect()
+        match self.storage {
+            Storage::Dense { data } => vec![("data", data)],
+            Storage::Quant {
+                weights,
+                scales,
+                biases,
+                ..
+            } => vec![("weights", weights), ("scales", scales), ("biases", biases)],
+        }
+    }
+
+    /// Stored bytes: the sum of the span lengths.
+    pub fn stored_bytes(&self) -> u64 {
+        self.spans().iter().map(|(_, s)| s.len).sum()
+    }
+
+    /// The scheme name the entry is stored under (`passthrough`, `int4_g64`).
+    pub fn scheme_label(&self) -> String {
+        match self.storage {
+            Storage::Dense { .. } => Scheme::Passthrough.label().into(),
+            Storage::Quant { affine, .. } => affine.label(),
+        }
+    }
+
+    /// The span lengths the entry must have, in span order; `Err((field, why))` when
+    /// its shape admits none under its storage.
+    pub fn expected_lens(&self) -> Result<Vec<(&'static str, u64)>, (&'static str, String)> {
+        let (rows, cols) = matrix_dims(&self.shape)
+            .ok_or(("shape", format!("{:?} overflows 64 bits", self.shape)))?;
+        match self.storage {
+            Storage::Dense { .. } => {
+                let q = Scheme::Passthrough
+                    .sizes(rows, cols, self.dtype.size())
+                    .ok_or(("shape", format!("{:?} overflows 64 bits", self.shape)))?;
+                Ok(vec![("data", q.weights)])
+            }
+            Storage::Quant { affine, .. } => {
+                let q = affine.sizes(rows, cols).ok_or((
+                    "shape",
+                    format!(
+                        "{:?} cannot be stored at {}: the last axis must be a positive multiple of {}",
+                        self.shape,
+                        affine.label(),
+                        affine.group()
+                    ),
+                ))?;
+                Ok(vec![
+                    ("weights", q.weights),
+                    ("scales", q.scales),
+                    ("biases", q.biases),
+                ])
+            }
+        }
     }
 }
 
@@ -280,15 +517,15 @@ impl ResidentIndex {
         let mut last_end = 0u64;
         for (i, e) in self.tensors.iter().enumerate() {
             let at = |f: &str| {
-                let name: String = e.name.chars().take(200).collect();
+                let entry = entry_field(i, &e.name);
                 if f.is_empty() {
-                    format!("tensors[{i}] ({name})")
+                    entry
                 } else {
-                    format!("tensors[{i}] ({name}).{f}")
+                    format!("{entry}.{f}")
                 }
             };
             let spans = e.spans();
-            match expected_lens(e) {
+            match e.expected_lens() {
                 Err(why) => errs.push(LayoutError::new(at(why.0), why.1)),
                 Ok(want) => {
                     let got: Vec<(&str, u64)> = spans.iter().map(|(n, s)| (*n, s.len)).collect();
@@ -297,9 +534,9 @@ impl ResidentIndex {
                             at(""),
                             format!(
                                 "spans {got:?}; dtype {} shape {:?} at {} gives {want:?}",
-                                e.dtype,
+                                e.dtype.name(),
                                 e.shape,
-                                e.scheme.label()
+                                e.scheme_label()
                             ),
                         ));
                     }
@@ -355,45 +592,6 @@ impl ResidentIndex {
     }
 }
 
-/// The span lengths an entry must have, in span order; `Err((field, why))` when its
-/// dtype, shape or scheme admits none.
-fn expected_lens(e: &ResidentEntry) -> Result<Vec<(&'static str, u64)>, (&'static str, String)> {
-    let dtype: Dtype = serde_json::from_value(serde_json::Value::String(e.dtype.clone()))
-        .map_err(|_| ("dtype", format!("{:?} is not a safetensors dtype", e.dtype)))?;
-    let elems = e
-        .shape
-        .iter()
-        .try_fold(1u64, |a, &d| a.checked_mul(d))
-        .ok_or(("shape", format!("{:?} overflows 64 bits", e.shape)))?;
-    match e.scheme.bits() {
-        None => {
-            let len = elems
-                .checked_mul(dtype.size())
-                .ok_or(("shape", format!("{:?} overflows 64 bits", e.shape)))?;
-            Ok(vec![("data", len)])
-        }
-        Some(bits) => {
-            let cols = e.shape.last().copied().unwrap_or(0);
-            let q = (cols > 0)
-                .then(|| QuantSizes::new(elems / cols, cols, bits))
-                .flatten()
-                .ok_or((
-                    "shape",
-                    format!(
-                        "{:?} cannot be stored at {}: the last axis must be a positive multiple of 64",
-                        e.shape,
-                        e.scheme.label()
-                    ),
-                ))?;
-            Ok(vec![
-                ("weights", q.weights),
-                ("scales", q.scales),
-                ("biases", q.biases),
-            ])
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -402,16 +600,14 @@ mod tests {
         ResidentLayout::place(&[
             ResidentInput {
                 name: "a.weight".into(),
-                dtype: "BF16".into(),
+                dtype: Dtype::BF16,
                 shape: vec![3, 128],
-                elem_bytes: 2,
                 scheme: Scheme::Int4G64,
             },
             ResidentInput {
                 name: "n.weight".into(),
-                dtype: "BF16".into(),
+                dtype: Dtype::BF16,
                 shape: vec![100],
-                elem_bytes: 2,
                 scheme: Scheme::Passthrough,
             },
         ])
@@ -476,11 +672,11 @@ mod tests {
     fn index_errors_name_the_entry_and_span() {
         let l = two_entries();
         let payload = l.file_bytes - l.payload_start;
+        let dense = |offset, len| Storage::Dense {
+            data: Span { offset, len },
+        };
         let mut ix = l.index.clone();
-        ix.tensors[1].data = Some(Span {
-            offset: 0,
-            len: 200,
-        });
+        ix.tensors[1].storage = dense(0, 200);
         let e = ix.layout_errors(payload);
         assert_eq!(e.len(), 2, "{e:?}");
         assert_eq!(e[0].field, "tensors[1] (n.weight).data.offset");
@@ -492,10 +688,7 @@ mod tests {
         );
 
         let mut ix = l.index.clone();
-        ix.tensors[1].data = Some(Span {
-            offset: u64::MAX - 10,
-            len: 200,
-        });
+        ix.tensors[1].storage = dense(u64::MAX - 10, 200);
         let e = ix.layout_errors(payload);
         assert_eq!(e[1].field, "tensors[1] (n.weight).data.offset");
         assert!(e[1].detail.contains("ends past the payload"), "{e:?}");
@@ -516,14 +709,70 @@ mod tests {
         assert_eq!(e[0].field, "tensors[1] (n.weight)");
         assert!(e[0].detail.contains("gives [(\"data\", 202)]"), "{e:?}");
 
-        let mut ix = l.index.clone();
-        ix.tensors[0].dtype = "Q9".into();
-        assert_eq!(
-            ix.layout_errors(payload)[0].field,
-            "tensors[0] (a.weight).dtype"
-        );
-
         assert_eq!(l.index.layout_errors(payload + 64)[0].field, "payload");
+    }
+
+    /// What the typed entry cannot hold is refused when the head is read, named by
+    /// entry and field as the layout errors name them.
+    #[test]
+    fn entries_the_types_cannot_hold_are_refused_by_entry() {
+        let l = two_entries();
+        let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut ix = serde_json::to_value(&l.index).unwrap();
+            f(&mut ix);
+            let json = serde_json::to_vec(&ix).unwrap();
+            let mut file = MAGIC.to_vec();
+            file.extend_from_slice(&(json.len() as u64).to_le_bytes());
+            file.extend_from_slice(&json);
+            file.resize(l.file_bytes as usize, 0);
+            ResidentHead::parse(&file, file.len() as u64).unwrap_err()
+        };
+        let e = edit(&|ix| ix["tensors"][0]["dtype"] = "Q9".into());
+        assert_eq!(e.field, "index.tensors[0] (a.weight).dtype");
+        assert_eq!(e.detail, "\"Q9\" is not a safetensors dtype");
+        let e =
+            edit(&|ix| ix["tensors"][1]["weights"] = serde_json::json!({"offset": 0, "len": 0}));
+        assert_eq!(e.field, "index.tensors[1] (n.weight)");
+        assert_eq!(
+            e.detail,
+            "spans [\"data\", \"weights\"]; scheme passthrough stores data"
+        );
+        let e = edit(&|ix| {
+            ix["tensors"][0].as_object_mut().unwrap().remove("biases");
+        });
+        assert_eq!(
+            e.detail,
+            "spans [\"weights\", \"scales\"]; scheme int4_g64 stores weights, scales and biases"
+        );
+        let e = edit(&|ix| ix["tensors"][0]["scheme"] = "int3_g128".into());
+        assert_eq!(e.field, "byte 16 (index)");
+        assert!(e.detail.contains("unknown variant `int3_g128`"), "{e}");
+        // Through serde alone (a plan read back), the entry is named too.
+        let mut ix = serde_json::to_value(&l.index).unwrap();
+        ix["tensors"][0]["dtype"] = "Q9".into();
+        let e = serde_json::from_value::<ResidentIndex>(ix).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor a.weight: dtype: \"Q9\" is not a safetensors dtype"
+        );
+    }
+
+    /// The index keeps its on-disk form: the keys in this order, `data` or the three
+    /// quantized spans, the scheme by name.
+    #[test]
+    fn the_index_json_is_the_documented_form() {
+        let l = two_entries();
+        assert_eq!(
+            String::from_utf8(serde_json::to_vec(&l.index).unwrap()).unwrap(),
+            concat!(
+                r#"{"format":"gturbo-resident","version":1,"tensors":["#,
+                r#"{"name":"a.weight","dtype":"BF16","shape":[3,128],"scheme":"int4_g64","#,
+                r#""weights":{"offset":0,"len":192},"scales":{"offset":192,"len":12},"#,
+                r#""biases":{"offset":256,"len":12}},"#,
+                r#"{"name":"n.weight","dtype":"BF16","shape":[100],"scheme":"passthrough","#,
+                r#""data":{"offset":16384,"len":200}}]}"#
+            )
+        );
     }
 
     #[test]
@@ -531,33 +780,32 @@ mod tests {
         let l = two_entries();
         let a = &l.index.tensors[0];
         assert_eq!(
-            a.weights,
-            Some(Span {
-                offset: 0,
-                len: 192
-            })
-        );
-        assert_eq!(
-            a.scales,
-            Some(Span {
-                offset: 192,
-                len: 12
-            })
-        );
-        assert_eq!(
-            a.biases,
-            Some(Span {
-                offset: 256,
-                len: 12
-            })
+            a.storage,
+            Storage::Quant {
+                affine: Scheme::Int4G64.affine().unwrap(),
+                weights: Span {
+                    offset: 0,
+                    len: 192
+                },
+                scales: Span {
+                    offset: 192,
+                    len: 12
+                },
+                biases: Span {
+                    offset: 256,
+                    len: 12
+                },
+            }
         );
         let n = &l.index.tensors[1];
         assert_eq!(
-            n.data,
-            Some(Span {
-                offset: PAGE,
-                len: 200
-            })
+            n.storage,
+            Storage::Dense {
+                data: Span {
+                    offset: PAGE,
+                    len: 200
+                }
+            }
         );
         assert_eq!(l.payload_start, PAGE);
         assert_eq!(l.file_bytes, PAGE + PAGE + 256);

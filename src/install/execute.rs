@@ -34,7 +34,7 @@ use crate::format::manifest::{
     self, Manifest, ManifestArch, ManifestFile, ManifestResident, ManifestSource, ManifestTool,
     QuantizedAtInstall,
 };
-use crate::format::receipt::{self, Receipt, ReceiptFile};
+use crate::format::receipt::{self, Prover, Receipt, ReceiptFile};
 use crate::format::resident::MAGIC;
 use crate::plan::placement::{TensorPlacement, output_file_paths};
 use crate::plan::{Dest, Plan, QuantMode, RangeRead};
@@ -950,30 +950,14 @@ pub async fn execute(
     let manifest_bytes = manifest.to_canonical_bytes();
     write_synced(&mpath, &manifest_bytes)?;
     // The receipt: this install just hashed every file it lists.
-    let now = std::time::SystemTime::now();
-    let receipt = Receipt {
-        format: "gturbo-receipt".into(),
-        version: 1,
-        manifest_sha256: hex::encode(Sha256::digest(&manifest_bytes)),
-        files: manifest
-            .files
-            .iter()
-            .map(|f| ReceiptFile {
-                path: f.path.clone(),
-                bytes: f.bytes,
-                sha256: f.sha256.clone(),
-            })
-            .collect(),
-        verified_by: "install".into(),
-        tool_version: env!("CARGO_PKG_VERSION").into(),
-        verified_at_unix: now
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        verified_at: httpdate::fmt_http_date(now),
-        source_repo: plan.source.repo.clone(),
-        source_commit: plan.source.commit.clone(),
-    };
+    let receipt = Receipt::new(
+        Prover::Install,
+        crate::format::digest::sha256_hex(&manifest_bytes),
+        manifest.files.iter().map(ReceiptFile::from).collect(),
+        plan.source.repo.clone(),
+        plan.source.commit.clone(),
+        std::time::SystemTime::now(),
+    );
     let rpath = staging.join(receipt::FILE_NAME);
     write_synced(&rpath, &receipt.to_canonical_bytes())?;
     for dir in ["packed_experts", "ple", "tokenizer", ""] {
@@ -1014,6 +998,7 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
     Manifest {
         format: manifest::FORMAT.into(),
         version: manifest::VERSION,
+        minor_version: manifest::MINOR_VERSION,
         family: plan.family.clone(),
         model_id: plan.source.repo.clone(),
         source: ManifestSource {

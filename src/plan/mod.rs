@@ -10,11 +10,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::family::{Family, Role};
 use crate::format::resident::{ResidentInput, ResidentLayout};
-use crate::format::{PAGE, QuantSizes, RowBlocks, Scheme, align_up, row_bytes};
+use crate::format::{PAGE, RowBlocks, Scheme, align_up, row_bytes};
 use crate::header::{Dtype, ShardHeader};
 
 pub mod coalesce;
@@ -451,14 +450,6 @@ fn pool_scheme(family: &Family, options: &PlanOptions, dtype: Dtype, cols: &[u64
     }
 }
 
-/// Output bytes of a `[rows, cols]` matrix under `scheme`.
-fn matrix_bytes(rows: u64, cols: u64, elem: u64, scheme: Scheme) -> Option<(u64, u64, u64)> {
-    match scheme.bits() {
-        Some(bits) => QuantSizes::new(rows, cols, bits).map(|q| (q.weights, q.scales, q.biases)),
-        None => rows.checked_mul(cols)?.checked_mul(elem).map(|d| (d, 0, 0)),
-    }
-}
-
 #[derive(Default)]
 struct PoolDraft {
     /// (tensor index, part, expert) for every member.
@@ -543,9 +534,8 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
                             idx,
                             ResidentInput {
                                 name: t.name.clone(),
-                                dtype: t.dtype.name().to_string(),
+                                dtype: t.dtype,
                                 shape: t.shape.clone(),
-                                elem_bytes: t.dtype.size(),
                                 scheme,
                             },
                         ));
@@ -765,7 +755,9 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             (ExpertPart::Up, inter, hidden),
             (ExpertPart::Down, hidden, inter),
         ] {
-            let (w, s, b) = matrix_bytes(r, c, dtype.size(), scheme)
+            let (w, s, b) = scheme
+                .sizes(r, c, dtype.size())
+                .map(|q| (q.weights, q.scales, q.biases))
                 .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
             parts.push(BlobPart {
                 part,
@@ -895,14 +887,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         let n = elems(&t.shape).unwrap_or(0);
         let out = match &t.dest {
             Dest::Excluded { .. } => t.src[1] - t.src[0],
-            Dest::Resident { entry } => {
-                let e = &resident.index.tensors[*entry];
-                [e.data, e.weights, e.scales, e.biases]
-                    .iter()
-                    .flatten()
-                    .map(|s| s.len)
-                    .sum()
-            }
+            Dest::Resident { entry } => resident.index.tensors[*entry].stored_bytes(),
             Dest::ExpertsFused { pool, part } => {
                 let p = &expert_pools[*pool];
                 let per: u64 = p
@@ -993,11 +978,11 @@ pub struct OutputTotals {
 impl Plan {
     /// SHA-256 of the plan's canonical JSON (sorted keys, no whitespace).
     pub fn fingerprint(&self) -> String {
-        // serde_json's Map is a BTreeMap (the `preserve_order` feature is off), so
-        // Value serialization sorts keys: that is the canonical form.
-        let value = serde_json::to_value(self).unwrap_or(serde_json::Value::Null);
-        let bytes = serde_json::to_vec(&value).unwrap_or_default();
-        hex::encode(Sha256::digest(&bytes))
+        let bytes = crate::format::json::to_compact(self).expect(
+            "a Plan always serializes: derived impls (and the resident entries' infallible \
+             one) over strings, integers and string-keyed maps",
+        );
+        crate::format::digest::sha256_hex(&bytes)
     }
 
     /// Output bytes per kind.

@@ -9,6 +9,7 @@ use crate::format::{RowBlocks, Scheme};
 
 use super::{Dest, Plan, PlannedTensor};
 use crate::format::pools::ExpertPart;
+use crate::format::resident::Storage;
 
 /// Output file ids: 0 is `resident.bin`, then expert pools, then row pools.
 pub fn output_file_paths(plan: &Plan) -> Vec<String> {
@@ -70,36 +71,39 @@ enum Kind {
 }
 
 impl TensorPlacement {
-    /// Placement of `t` in `plan`; `None` for excluded tensors.
+    /// Placement of `t` in `plan`; `None` for excluded tensors, and for a row the
+    /// format has no layout for under the tensor's scheme (the planner never plans one).
     pub fn new(plan: &Plan, t: &PlannedTensor) -> Option<TensorPlacement> {
         let cols = t.shape.last().copied().unwrap_or(1).max(1);
         let elems: u64 = t.shape.iter().product();
         let rows = if t.shape.is_empty() { 1 } else { elems / cols };
         let elem = t.dtype.size();
-        let out_row = match t.scheme.bits() {
-            None => (cols * elem, 0, 0),
-            Some(bits) => (cols * bits as u64 / 8, cols / 64 * 2, cols / 64 * 2),
-        };
+        let row = t.scheme.row_sizes(cols, elem)?;
+        let out_row = (row.weights, row.scales, row.biases);
         let n_pools = plan.outputs.expert_pools.len();
         let kind = match &t.dest {
             Dest::Excluded { .. } => return None,
             Dest::Resident { entry } => {
                 let e = &plan.outputs.resident.index.tensors[*entry];
                 let base = plan.outputs.resident.payload_start;
-                match (e.data, e.weights, e.scales, e.biases) {
-                    (Some(d), ..) => Kind::Linear {
+                match e.storage {
+                    Storage::Dense { data } => Kind::Linear {
                         file: 0,
-                        w: base + d.offset,
+                        w: base + data.offset,
                         s: 0,
                         b: 0,
                     },
-                    (None, Some(w), Some(s), Some(b)) => Kind::Linear {
+                    Storage::Quant {
+                        weights,
+                        scales,
+                        biases,
+                        ..
+                    } => Kind::Linear {
                         file: 0,
-                        w: base + w.offset,
-                        s: base + s.offset,
-                        b: base + b.offset,
+                        w: base + weights.offset,
+                        s: base + scales.offset,
+                        b: base + biases.offset,
                     },
-                    _ => return None,
                 }
             }
             Dest::ExpertsFused { pool, part } | Dest::Expert { pool, part, .. } => {

@@ -2,7 +2,7 @@
 //!
 //! Each runner declares the families it reads and the architecture axes it
 //! implements (the vocabulary of `required_axes` in `families/*.json`, copied into a
-//! manifest's `arch.requiredAxes`). The gate compares a manifest's family and
+//! manifest's `arch.required_axes`). The gate compares a manifest's family and
 //! required axes with this registry before any weight file is opened, and refuses
 //! with one line that names the family and every missing axis.
 

@@ -14,14 +14,11 @@ use super::error::RunError;
 use super::experts::{ExpertMode, ExpertStore};
 use super::gate::{self, Runner};
 use super::kernels::Matrix;
-use crate::format::QuantSizes;
+use crate::format::check_relative_path;
 use crate::format::manifest::{self, Manifest};
-use crate::format::resident::{ResidentEntry, ResidentHead, Span};
+use crate::format::resident::{ResidentEntry, ResidentHead, ResidentIndex, Span, Storage};
+use crate::header::Dtype;
 use crate::verify::{self, VerifyFailure};
-
-/// The loader's old name for [`RunError`], kept private so that `check_entry` (being
-/// moved into `format` by a concurrent change) reads as before.
-type LoadError = RunError;
 
 /// How to open an install.
 #[derive(Debug, Clone, Copy)]
@@ -117,14 +114,14 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
         return Err(RunError::invalid(
             rel,
             format!(
-                "payload starts at {payload_start}, manifest resident.payloadStart says {}",
+                "payload starts at {payload_start}, manifest resident.payload_start says {}",
                 manifest.resident.payload_start
             ),
         ));
     }
+    check_index(rel, &index, len - payload_start)?;
     let mut tensors = HashMap::new();
     for e in index.tensors {
-        check_entry(rel, &e, len - payload_start)?;
         tensors.insert(e.name.clone(), e);
     }
     let experts = ExpertStore::open(&manifest, opts.experts, |rel| {
@@ -143,62 +140,24 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
     })
 }
 
-/// `dir/rel`, refusing names that would leave the install.
-fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, RunError> {
-    let p = Path::new(rel);
-    let ok = !rel.is_empty()
-        && p.components()
-            .all(|c| matches!(c, std::path::Component::Normal(_)));
-    if !ok {
-        return Err(RunError::invalid(
+/// `dir/rel`, refusing names that would leave the install ([`check_relative_path`]).
+pub(crate) fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, RunError> {
+    check_relative_path(rel).map_err(|why| {
+        RunError::invalid(
             manifest::FILE_NAME,
-            format!("file name {rel:?} leaves the install directory"),
-        ));
-    }
-    Ok(dir.join(p))
+            format!("file name {rel:?} leaves the install directory: {why}"),
+        )
+    })?;
+    Ok(dir.join(rel))
 }
 
-fn check_entry(rel: &str, e: &ResidentEntry, payload: u64) -> Result<(), LoadError> {
-    let bad = |msg: String| LoadError::invalid(rel, format!("tensor {}: {msg}", e.name));
-    let within = |s: &Option<Span>, what: &str| -> Result<(), LoadError> {
-        match s {
-            Some(s)
-                if s.offset
-                    .checked_add(s.len)
-                    .is_some_and(|end| end <= payload) =>
-            {
-                Ok(())
-            }
-            Some(s) => Err(bad(format!(
-                "{what} span {}+{} runs past the payload ({payload} bytes)",
-                s.offset, s.len
-            ))),
-            None => Err(bad(format!("no {what} span"))),
-        }
-    };
-    match e.scheme.bits() {
-        None => within(&e.data, "data"),
-        Some(bits) => {
-            within(&e.weights, "weights")?;
-            within(&e.scales, "scales")?;
-            within(&e.biases, "biases")?;
-            let cols = *e.shape.last().unwrap_or(&0);
-            let rows = e.shape.iter().product::<u64>() / cols.max(1);
-            let q = QuantSizes::new(rows, cols, bits)
-                .ok_or_else(|| bad(format!("shape {:?} cannot be quantized", e.shape)))?;
-            let lens = (
-                e.weights.map(|s| s.len),
-                e.scales.map(|s| s.len),
-                e.biases.map(|s| s.len),
-            );
-            if lens != (Some(q.weights), Some(q.scales), Some(q.biases)) {
-                return Err(bad(format!(
-                    "span lengths {lens:?} do not match shape {:?}",
-                    e.shape
-                )));
-            }
-            Ok(())
-        }
+/// The mapped index against the mapped payload: the same layout rule verify-install
+/// applies ([`ResidentIndex::layout_errors`]), on the bytes this process will read
+/// (the file could have changed since `check_layout` opened it).
+fn check_index(rel: &str, index: &ResidentIndex, payload: u64) -> Result<(), RunError> {
+    match index.layout_errors(payload).first() {
+        None => Ok(()),
+        Some(e) => Err(RunError::invalid(rel, format!("index.{e}"))),
     }
 }
 
@@ -281,35 +240,48 @@ fn matrix_view<'a>(
     e: &ResidentEntry,
 ) -> Result<Matrix<'a>, RunError> {
     let bad = |msg: String| RunError::invalid(file, format!("tensor {name}: {msg}"));
-    let dtype = e.dtype.as_str();
-    match e.scheme.bits() {
-        Some(bits) => match (e.weights, e.scales, e.biases) {
-            (Some(w), Some(s), Some(b)) => Ok(Matrix::Quant {
-                bits,
-                weights: span(w),
-                scales: span(s),
-                biases: span(b),
+    match e.storage {
+        Storage::Quant {
+            affine,
+            weights,
+            scales,
+            biases,
+        } => {
+            // The kernels compute groups of their own size only.
+            if affine.group() as usize != crate::transform::quant::GROUP {
+                return Err(bad(format!("{} cannot be computed with", affine.label())));
+            }
+            Ok(Matrix::Quant {
+                bits: affine.bits(),
+                weights: span(weights),
+                scales: span(scales),
+                biases: span(biases),
                 rows,
                 cols,
-            }),
-            _ => Err(bad("quantized entry without weights/scales/biases".into())),
-        },
-        None => {
-            let data = span(e.data.ok_or_else(|| bad("no data span".into()))?);
+            })
+        }
+        Storage::Dense { data } => {
+            let data = span(data);
+            let dtype = e.dtype;
             let elem = match dtype {
-                "BF16" | "F16" => 2,
-                "F32" => 4,
-                other => return Err(bad(format!("dtype {other} cannot be computed with"))),
+                Dtype::BF16 | Dtype::F16 | Dtype::F32 => dtype.size() as usize,
+                other => {
+                    return Err(bad(format!(
+                        "dtype {} cannot be computed with",
+                        other.name()
+                    )));
+                }
             };
             if data.len() != rows * cols * elem {
                 return Err(bad(format!(
-                    "{} data bytes for {rows}×{cols} {dtype}",
-                    data.len()
+                    "{} data bytes for {rows}×{cols} {}",
+                    data.len(),
+                    dtype.name()
                 )));
             }
             Ok(match dtype {
-                "BF16" => Matrix::Bf16 { data, rows, cols },
-                "F16" => Matrix::F16 { data, rows, cols },
+                Dtype::BF16 => Matrix::Bf16 { data, rows, cols },
+                Dtype::F16 => Matrix::F16 { data, rows, cols },
                 _ => Matrix::F32 { data, rows, cols },
             })
         }

@@ -60,6 +60,7 @@ use super::token::HfToken;
 use super::{
     ByteStream, RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path,
 };
+use crate::format::digest;
 
 /// Redirect hops followed per request.
 const MAX_REDIRECTS: usize = 10;
@@ -200,12 +201,14 @@ fn display_url(url: &Url) -> String {
     u.to_string()
 }
 
+/// A commit id as a hub may write it (either case; kept lowercased).
 fn is_commit(rev: &str) -> bool {
-    rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit())
+    digest::is_hex(rev, digest::COMMIT_HEX_LEN)
 }
 
+/// A SHA-256 as a hub may write it (either case; kept lowercased).
 fn is_sha256(s: &str) -> bool {
-    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+    digest::is_hex(s, digest::SHA256_HEX_LEN)
 }
 
 /// The `rel="next"` target of a `Link` header (RFC 8288), if any.

@@ -29,6 +29,7 @@ use bytes::Bytes;
 use super::{
     ByteStream, RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path,
 };
+use crate::format::digest::is_hex;
 
 /// Largest chunk [`LocalSource::stream_range`] yields: what one read holds in flight.
 pub const STREAM_CHUNK: usize = 1024 * 1024;
@@ -301,10 +302,6 @@ fn io_err(path: &Path, source: std::io::Error) -> SourceError {
         path: path.display().to_string(),
         source,
     }
-}
-
-fn is_hex(s: &str, len: usize) -> bool {
-    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 fn file_name(p: &Path) -> Option<&str> {

@@ -177,7 +177,8 @@ pub fn f32_to_bf16(x: f32) -> u16 {
     ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
 }
 
-/// Check that `n_elems` elements of rows `cols` wide fit the output slices of `bits`.
+/// Check that `n_elems` elements of rows `cols` wide fit the output slices of `bits`,
+/// by the format's size rule ([`crate::format::Affine::sizes`]).
 fn check_shapes(
     n_elems: usize,
     cols: usize,
@@ -186,17 +187,22 @@ fn check_shapes(
     scales: usize,
     biases: usize,
 ) -> Result<(), ShapeError> {
-    if cols == 0 || !cols.is_multiple_of(GROUP) {
+    let affine = crate::format::Affine::new(bits.bits(), GROUP as u32)
+        .expect("4 and 8 bits at group 64 are MLX layouts");
+    if !affine.fits(cols as u64) {
         return Err(ShapeError::Cols { cols });
     }
     if !n_elems.is_multiple_of(cols) {
         return Err(ShapeError::InputLen { len: n_elems, cols });
     }
-    let groups = n_elems / GROUP;
+    // The element count is a slice length in memory, so its sizes fit 64 bits.
+    let q = affine
+        .sizes((n_elems / cols) as u64, cols as u64)
+        .expect("an in-memory slice of whole rows has sizes that fit 64 bits");
     let want = [
-        ("weights", weights, groups * bits.group_weight_bytes()),
-        ("scales", scales, groups * 2),
-        ("biases", biases, groups * 2),
+        ("weights", weights, q.weights as usize),
+        ("scales", scales, q.scales as usize),
+        ("biases", biases, q.biases as usize),
     ];
     for (slice, len, expected) in want {
         if len != expected {

@@ -25,8 +25,9 @@ use std::time::{Instant, SystemTime};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::format::digest::{is_sha256, sha256_hex};
 use crate::format::manifest::{self, MAX_MANIFEST_BYTES, Manifest};
-use crate::format::receipt::{self, Receipt, ReceiptFile};
+use crate::format::receipt::{self, Prover, Receipt, ReceiptFile};
 use crate::format::resident::ResidentHead;
 use crate::format::{LayoutError, PAGE, check_relative_path};
 
@@ -190,7 +191,7 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
     let q = &m.quantized_at_install;
     if q.bits != q.scheme.bits().unwrap_or(0) || q.group_size != 64 {
         out.push(fail(
-            "quantizedAtInstall".into(),
+            m.quantized_at_install_key().into(),
             format!(
                 "scheme {} with bits {} and group_size {}; expected bits {} and group_size 64",
                 q.scheme.label(),
@@ -218,7 +219,7 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
                 format!("{:?}; expected one of {KINDS:?}", f.kind),
             ));
         }
-        if !is_sha256_hex(&f.sha256) {
+        if !is_sha256(&f.sha256) {
             out.push(fail(
                 format!("files[{i}].sha256"),
                 format!("{:?} is not 64 lowercase hex digits", f.sha256),
@@ -371,12 +372,6 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
         }
     }
     out
-}
-
-fn is_sha256_hex(s: &str) -> bool {
-    s.len() == 64
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// The cheap checks against the disk, no hashing: [`check_manifest`], then every
@@ -766,7 +761,7 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
             return report;
         }
     };
-    let manifest_sha = hex::encode(Sha256::digest(&manifest_bytes));
+    let manifest_sha = sha256_hex(&manifest_bytes);
     report.manifest_sha256 = Some(manifest_sha.clone());
     report.files = 1;
     report.bytes = manifest_bytes.len() as u64;
@@ -934,7 +929,7 @@ pub fn receipt_vouches(dir: &Path) -> Result<bool, VerifyFailure> {
     let Some(r) = read_receipt(dir)? else {
         return Ok(false);
     };
-    if r.manifest_sha256 != hex::encode(Sha256::digest(&bytes)) || r.files.len() != m.files.len() {
+    if r.manifest_sha256 != sha256_hex(&bytes) || r.files.len() != m.files.len() {
         return Ok(false);
     }
     for (rf, mf) in r.files.iter().zip(&m.files) {
@@ -990,22 +985,16 @@ fn write_receipt(
     } else {
         ReceiptOutcome::RewrittenWithoutProvenance
     };
+    // No matching receipt: no provenance, `""` and `None` (FORMAT.md's rewrite rule).
     let (source_repo, source_commit) = carried.unwrap_or_default();
-    let now = SystemTime::now();
-    let r = Receipt {
-        format: "gturbo-receipt".into(),
-        version: 1,
-        manifest_sha256: manifest_sha.to_string(),
+    let r = Receipt::new(
+        Prover::VerifyInstall,
+        manifest_sha.to_string(),
         files,
-        verified_by: "verify-install".into(),
-        tool_version: env!("CARGO_PKG_VERSION").into(),
-        verified_at_unix: now
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        verified_at: httpdate::fmt_http_date(now),
         source_repo,
         source_commit,
-    };
+        SystemTime::now(),
+    );
     let name = receipt::FILE_NAME;
     let tmp = dir.join(format!("{name}.tmp-{}", std::process::id()));
     let fail =

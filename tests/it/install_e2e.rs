@@ -220,7 +220,7 @@ async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
     );
     assert_eq!(manifest["plan_fingerprint"], plan["fingerprint"]);
     assert_eq!(
-        manifest["arch"]["requiredAxes"].as_array().unwrap().len(),
+        manifest["arch"]["required_axes"].as_array().unwrap().len(),
         9
     );
 

@@ -13,7 +13,7 @@ use gturbo::runtime::model::Model;
 use gturbo::testkit::replica::{self, FlashNextSpec, Qwen3MoeSpec, Qwen3Spec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex, temp_dir};
+use crate::support::{gturbo_bin, rewrite_as_manifest_1_0, sha256_hex, temp_dir};
 
 fn text(o: &Output) -> String {
     format!(
@@ -110,7 +110,7 @@ fn a_manifest_claiming_an_axis_no_runner_implements_is_refused() {
     let out = qwen3_install(tmp.path(), 0);
     let path = out.join("manifest.json");
     let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    let axes = m["arch"]["requiredAxes"].as_array_mut().unwrap();
+    let axes = m["arch"]["required_axes"].as_array_mut().unwrap();
     axes.insert(1, Value::from("slidingWindowAttention"));
     axes.push(Value::from("hyperConnectionsLowRank"));
     std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
@@ -121,6 +121,22 @@ fn a_manifest_claiming_an_axis_no_runner_implements_is_refused() {
         "gturbo: error: family qwen3 is installed but its runner decoder lacks axes; missing \
          axes: slidingWindowAttention, hyperConnectionsLowRank"
     );
+}
+
+#[test]
+fn an_install_written_before_manifest_1_1_runs_with_the_same_tokens() {
+    let tmp = temp_dir();
+    let out = qwen3_install(tmp.path(), 0);
+    let args = ["--prompt-ids", "1,2,3", "--max-tokens", "6", "--json"];
+    let tokens = |o: &Output| -> Value {
+        assert!(o.status.success(), "{}", text(o));
+        serde_json::from_slice::<Value>(&o.stdout).unwrap()["tokens"].clone()
+    };
+    let new = tokens(&run(&out, &args));
+    assert!(new.as_array().is_some_and(|t| !t.is_empty()), "{new}");
+    let old_bytes = rewrite_as_manifest_1_0(&out);
+    assert_eq!(tokens(&run(&out, &args)), new);
+    assert_eq!(std::fs::read(out.join("manifest.json")).unwrap(), old_bytes);
 }
 
 #[test]

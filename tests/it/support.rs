@@ -100,3 +100,21 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest as _;
     hex::encode(sha2::Sha256::digest(bytes))
 }
+
+/// Rewrite an install's manifest as manifest version 1.0 wrote it (no `minor_version`,
+/// `quantizedAtInstall`, `arch.requiredAxes`), canonical as 1.0 wrote it too.
+pub fn rewrite_as_manifest_1_0(dir: &Path) -> Vec<u8> {
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let o = m.as_object_mut().unwrap();
+    assert_eq!(o.remove("minor_version"), Some(serde_json::Value::from(1)));
+    let q = o.remove("quantized_at_install").unwrap();
+    o.insert("quantizedAtInstall".into(), q);
+    let arch = o["arch"].as_object_mut().unwrap();
+    let r = arch.remove("required_axes").unwrap();
+    arch.insert("requiredAxes".into(), r);
+    let mut bytes = serde_json::to_vec_pretty(&m).unwrap();
+    bytes.push(b'\n');
+    std::fs::write(&path, &bytes).unwrap();
+    bytes
+}

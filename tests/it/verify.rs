@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use gturbo::testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex};
+use crate::support::{gturbo_bin, rewrite_as_manifest_1_0, sha256_hex};
 
 /// One pristine install per test run, copied by each test that damages it.
 fn pristine() -> &'static Path {
@@ -150,6 +150,40 @@ fn edit_resident_index(dir: &Path, f: impl FnOnce(&mut Value)) {
     b[16..payload_start].fill(0);
     b[16..16 + json.len()].copy_from_slice(&json);
     std::fs::write(&path, b).unwrap();
+}
+
+/// An install written before manifest 1.1 (camelCase keys, no `minor_version`, and a
+/// receipt naming that manifest) verifies as it is: the receipt is rewritten with its
+/// provenance, the manifest is left alone. A manifest mixing the spellings is refused.
+#[test]
+fn an_install_written_before_manifest_1_1_still_verifies() {
+    let c = copy();
+    let old = rewrite_as_manifest_1_0(&c.dir);
+    let rpath = c.dir.join("verified-install.json");
+    let mut r: Value = serde_json::from_slice(&std::fs::read(&rpath).unwrap()).unwrap();
+    r["manifest_sha256"] = sha256_hex(&old).into();
+    std::fs::write(&rpath, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
+    let o = verify(&c.dir, &["--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let report: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["receipt"], "rewritten", "{report}");
+    assert_eq!(std::fs::read(c.dir.join("manifest.json")).unwrap(), old);
+
+    let c = copy();
+    edit_manifest(&c.dir, |m| {
+        let q = m
+            .as_object_mut()
+            .unwrap()
+            .remove("quantized_at_install")
+            .unwrap();
+        m["quantizedAtInstall"] = q;
+    });
+    assert_caught(
+        &c.dir,
+        &[
+            "manifest.json: quantizedAtInstall: the version 1.0 spelling; a version 1.1 manifest names this key quantized_at_install",
+        ],
+    );
 }
 
 #[test]

@@ -30,6 +30,7 @@
 //! assume [`Matrix::check`] passed and the slice lengths are the documented ones; they
 //! panic (never read out of bounds) when that is not so. `check` itself never panics.
 
+use crate::format::Affine;
 use crate::transform::quant::{GROUP, bf16_to_f32};
 use rayon::prelude::*;
 
@@ -196,15 +197,34 @@ impl Matrix<'_> {
                 biases,
                 ..
             } => {
-                if bits != 4 && bits != 8 {
-                    return Err(KernelError::Bits { bits });
-                }
-                if cols == 0 || !cols.is_multiple_of(GROUP) {
+                let affine = match Affine::new(bits, GROUP as u32) {
+                    Some(a) if bits == 4 || bits == 8 => a,
+                    _ => return Err(KernelError::Bits { bits }),
+                };
+                if !affine.fits(cols as u64) {
                     return Err(KernelError::Cols { cols });
                 }
-                want("weights", weights.len(), bits as usize, 8)?;
-                want("scales", scales.len(), 2, GROUP)?;
-                want("biases", biases.len(), 2, GROUP)
+                let too_large = KernelError::TooLarge { rows, cols };
+                let q = affine
+                    .sizes(rows as u64, cols as u64)
+                    .ok_or(too_large.clone())?;
+                for (part, len, expected) in [
+                    ("weights", weights.len(), q.weights),
+                    ("scales", scales.len(), q.scales),
+                    ("biases", biases.len(), q.biases),
+                ] {
+                    let expected = usize::try_from(expected).map_err(|_| too_large.clone())?;
+                    if len != expected {
+                        return Err(KernelError::Len {
+                            part,
+                            len,
+                            expected,
+                            rows,
+                            cols,
+                        });
+                    }
+                }
+                Ok(())
             }
             Matrix::Bf16 { data, .. } | Matrix::F16 { data, .. } => want("data", data.len(), 2, 1),
             Matrix::F32 { data, .. } => want("data", data.len(), 4, 1),
@@ -645,10 +665,14 @@ impl Backend for Cpu {
 }
 
 /// Bytes of one row of a quantized `[_, cols]` matrix: (packed weights, scales), the
-/// biases being as wide as the scales. A group never crosses a row, so row `r` of every
-/// part starts at `r` times these.
+/// biases being as wide as the scales ([`Affine::row_sizes`]). A group never crosses a
+/// row, so row `r` of every part starts at `r` times these. Panics unless
+/// [`Matrix::check`] accepted `bits` and `cols`.
 pub(super) fn quant_row_bytes(bits: u32, cols: usize) -> (usize, usize) {
-    (cols * bits as usize / 8, cols / GROUP * 2)
+    let row = Affine::new(bits, GROUP as u32)
+        .and_then(|a| a.row_sizes(cols as u64))
+        .expect("Matrix::check accepted this bit width and row width");
+    (row.weights as usize, row.scales as usize)
 }
 
 /// Read little-endian BF16 element `i` of `data`.

@@ -1,0 +1,63 @@
+//! SHA-256 digests and commit ids as hex text: the one definition of what the format
+//! (and the pins in family files) accept.
+//!
+//! The format stores lowercase hex and readers of an install accept nothing else
+//! ([`is_sha256`], [`is_commit`]). A hub may answer with either case; the sources check
+//! that with [`is_hex`] and lowercase what they keep.
+
+use sha2::{Digest, Sha256};
+
+/// Hex digits of a SHA-256 digest.
+pub const SHA256_HEX_LEN: usize = 64;
+/// Hex digits of a git commit id (SHA-1).
+pub const COMMIT_HEX_LEN: usize = 40;
+
+/// SHA-256 of `bytes`, lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    ::hex::encode(Sha256::digest(bytes))
+}
+
+/// Whether `s` is `len` hex digits, either case.
+pub fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Whether `s` is `len` lowercase hex digits.
+pub fn is_lower_hex(s: &str, len: usize) -> bool {
+    s.len() == len
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// 64 lowercase hex digits: a SHA-256 as the format writes it.
+pub fn is_sha256(s: &str) -> bool {
+    is_lower_hex(s, SHA256_HEX_LEN)
+}
+
+/// 40 lowercase hex digits: a commit id as the format writes it.
+pub fn is_commit(s: &str) -> bool {
+    is_lower_hex(s, COMMIT_HEX_LEN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_text_by_case_and_length() {
+        let sha = sha256_hex(b"");
+        assert_eq!(
+            sha,
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        assert!(is_sha256(&sha));
+        assert!(!is_sha256(&sha.to_uppercase()));
+        assert!(is_hex(&sha.to_uppercase(), SHA256_HEX_LEN));
+        assert!(!is_sha256(&sha[1..]));
+        assert!(!is_hex("g".repeat(64).as_str(), 64));
+        assert!(is_commit(&"a".repeat(40)));
+        assert!(!is_commit(&"A".repeat(40)));
+        assert!(is_hex(&"A".repeat(40), COMMIT_HEX_LEN));
+        assert!(!is_commit(&"a".repeat(41)));
+    }
+}
