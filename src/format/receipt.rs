@@ -33,6 +33,22 @@ pub struct Receipt {
     pub source_repo: String,
     /// Source commit.
     pub source_commit: Option<String>,
+    /// Each source shard, and whether the install proved its bytes against the
+    /// SHA-256 the source published (absent in receipts written before this field).
+    #[serde(default)]
+    pub source_shards: Vec<ReceiptSource>,
+}
+
+/// One source shard of the install.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiptSource {
+    /// Path in the source repo.
+    pub path: String,
+    /// The SHA-256 the source published, if it published one.
+    pub sha256: Option<String>,
+    /// Whether every byte of the shard was hashed and matched `sha256`.
+    pub verified: bool,
 }
 
 /// One verified file.

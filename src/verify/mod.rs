@@ -984,13 +984,13 @@ fn write_receipt(
 ) -> Result<ReceiptOutcome, VerifyFailure> {
     let carried = old
         .filter(|r| r.manifest_sha256 == manifest_sha && r.files == files)
-        .map(|r| (r.source_repo, r.source_commit));
+        .map(|r| (r.source_repo, r.source_commit, r.source_shards));
     let outcome = if carried.is_some() {
         ReceiptOutcome::Rewritten
     } else {
         ReceiptOutcome::RewrittenWithoutProvenance
     };
-    let (source_repo, source_commit) = carried.unwrap_or_default();
+    let (source_repo, source_commit, source_shards) = carried.unwrap_or_default();
     let now = SystemTime::now();
     let r = Receipt {
         format: "gturbo-receipt".into(),
@@ -1005,6 +1005,7 @@ fn write_receipt(
         verified_at: httpdate::fmt_http_date(now),
         source_repo,
         source_commit,
+        source_shards,
     };
     let name = receipt::FILE_NAME;
     let tmp = dir.join(format!("{name}.tmp-{}", std::process::id()));
