@@ -531,10 +531,12 @@ struct JobContext {
 /// different jobs run on different cores), reporting each completed read.
 ///
 /// The tasks belong to a [`tokio::task::JoinSet`]: on the first error every other task
-/// is aborted and awaited before this returns. No read (its HTTP body, its timers)
-/// outlives the install, so none is still being polled while the runtime shuts down,
-/// where tokio panics on a timer ("A Tokio 1.x context was found, but it is being
-/// shutdown", issue 13, item 1).
+/// is aborted and awaited before this returns. Before, the failed install returned
+/// while other read tasks ran on: a task inside `block_in_place` (a transform, an
+/// fsync) has given its worker back, so the runtime's shutdown did not wait for it,
+/// and when it came back and polled its body's read timer, tokio panicked ("A Tokio
+/// 1.x context was found, but it is being shutdown", issue 13, item 1). Now no read
+/// outlives the install.
 async fn run_jobs(
     ctx: &Arc<JobContext>,
     jobs: Vec<Job>,
