@@ -833,13 +833,13 @@ async fn a_server_that_stalls_every_read_fails_each_attempt_at_the_low_speed_lim
             matches!(e, SourceError::TooSlow { attempts: 3, .. }),
             "{kind:?}: {e:?}"
         );
-        assert_eq!(
-            e.to_string(),
-            format!(
-                "{BIG} (bytes 0-99999): too slow, gave up after 3 attempt(s): fewer than 1000 bytes in 0.3 s (the low-speed limit): 0 bytes in 0.3 s, 0.0 B/s (from {})",
-                fx.resolve_url(BIG)
-            ),
-            "{kind:?}"
+        // The wait shown is the one measured (0.3 s, more on a loaded machine).
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!(
+                "{BIG} (bytes 0-99999): too slow, gave up after 3 attempt(s): fewer than 1000 bytes in 0.3 s (the low-speed limit): 0 bytes in 0."
+            )) && text.ends_with(&format!(" s, 0.0 B/s (from {})", fx.resolve_url(BIG))),
+            "{kind:?}: {text}"
         );
         assert!(
             took >= Duration::from_millis(900) && took < Duration::from_secs(5),
