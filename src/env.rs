@@ -11,6 +11,15 @@ pub const HF_TOKEN_PATH: &str = "HF_TOKEN_PATH";
 pub const HF_HOME: &str = "HF_HOME";
 /// Disable progress bars when set to anything but `0` or empty.
 pub const GTURBO_NO_PROGRESS: &str = "GTURBO_NO_PROGRESS";
+/// `gturbo install --low-speed-limit`: bytes a transfer attempt must receive in every
+/// `--low-speed-time` window (0: no limit).
+pub const GTURBO_LOW_SPEED_LIMIT: &str = "GTURBO_LOW_SPEED_LIMIT";
+/// `gturbo install --low-speed-time`: the low-speed window, in seconds.
+pub const GTURBO_LOW_SPEED_TIME: &str = "GTURBO_LOW_SPEED_TIME";
+/// `gturbo install --range-timeout`: most seconds one attempt at a range may wait.
+pub const GTURBO_RANGE_TIMEOUT: &str = "GTURBO_RANGE_TIMEOUT";
+/// `gturbo install --max-attempts`: attempts per request, the first included.
+pub const GTURBO_MAX_ATTEMPTS: &str = "GTURBO_MAX_ATTEMPTS";
 /// The hub gturbo talks to when neither `--endpoint` nor `HF_ENDPOINT` is given.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// Test hook: the install exits (status 137, as if killed) right after this many reads

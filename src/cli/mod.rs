@@ -23,6 +23,7 @@ use crate::plan::{PlanOptions, QuantMode};
 use crate::source::RangeSource;
 use crate::source::http::{HttpConfig, HttpSource};
 use crate::source::local::LocalSource;
+use crate::source::pace::{self, ProgressLimits};
 use crate::source::token;
 
 mod progress;
@@ -77,8 +78,8 @@ enum Command {
         /// Do not rewrite the receipt (e.g. a read-only install).
         #[arg(long)]
         no_receipt: bool,
-        /// Hashing threads (default: the available cores).
-        #[arg(long, default_value_t = 0)]
+        /// Hashing threads (default, or 0: the available cores; at most 4 per core).
+        #[arg(long, default_value_t = 0, value_parser = parse_threads_or_default)]
         threads: usize,
     },
     /// Generate text from an installed `.gturbo` directory (smoke test).
@@ -157,6 +158,32 @@ struct InstallArgs {
     /// Largest wait accepted from a server's Retry-After, in seconds.
     #[arg(long, default_value_t = 300)]
     max_retry_wait: u64,
+    /// Attempts per request, the first included: the one retry budget that faults,
+    /// resumptions and the progress rules below all draw on.
+    #[arg(long, value_name = "N", default_value_t = crate::source::retry::DEFAULT_MAX_ATTEMPTS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=100), env = crate::env::GTURBO_MAX_ATTEMPTS)]
+    max_attempts: u64,
+    /// Low-speed limit: an attempt that receives fewer than BYTES in --low-speed-time
+    /// seconds of waiting fails and is retried (0: no limit).
+    #[arg(long, value_name = "BYTES", default_value_t = pace::DEFAULT_LOW_SPEED_BYTES,
+          env = crate::env::GTURBO_LOW_SPEED_LIMIT)]
+    low_speed_limit: u64,
+    /// The low-speed window, in seconds (0: no limit).
+    #[arg(long, value_name = "SECS", default_value_t = pace::DEFAULT_LOW_SPEED_TIME.as_secs(),
+          env = crate::env::GTURBO_LOW_SPEED_TIME)]
+    low_speed_time: u64,
+    /// Most seconds one attempt at a range (request and body) may wait; the next
+    /// attempt resumes from the byte reached (0: no limit).
+    #[arg(long, value_name = "SECS", default_value_t = pace::DEFAULT_RANGE_TIMEOUT.as_secs(),
+          env = crate::env::GTURBO_RANGE_TIMEOUT)]
+    range_timeout: u64,
+    /// Refuse a source unless every shard has a published SHA-256 (listing `lfs.oid`,
+    /// `X-Linked-Etag`, or a SHA-256 `ETag`) to verify it against. Default: on for the
+    /// Hugging Face hub (it publishes one for every LFS file, so a missing one means
+    /// something in between dropped it), off for other endpoints and --from.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true")]
+    require_source_hash: Option<bool>,
 }
 
 /// A failure with its exit code.
@@ -260,6 +287,44 @@ fn json_text(doc: &impl serde::Serialize) -> String {
     serde_json::to_string_pretty(doc).expect(REPORT_SERIALIZES)
 }
 
+/// Most threads per available core that `--threads` accepts. Beyond the core count
+/// threads only add scheduling and memory (10,000 threads took over 60 s for two tokens,
+/// issue 13); 4 per core leaves room for hyper-threads and I/O waits.
+pub const THREADS_PER_CORE: usize = 4;
+
+/// The available cores (1 when unknown).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `--threads N`: 1 to [`THREADS_PER_CORE`] × the available cores.
+fn parse_threads(text: &str) -> Result<usize, String> {
+    threads_in(text, cores(), false)
+}
+
+/// `--threads N` where 0 means "the available cores".
+fn parse_threads_or_default(text: &str) -> Result<usize, String> {
+    threads_in(text, cores(), true)
+}
+
+fn threads_in(text: &str, cores: usize, zero_is_default: bool) -> Result<usize, String> {
+    let n: usize = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a whole number of threads"))?;
+    let max = THREADS_PER_CORE * cores;
+    if n == 0 && !zero_is_default {
+        return Err("at least 1 thread".into());
+    }
+    if n > max {
+        return Err(format!(
+            "{n} threads is more than {max} ({THREADS_PER_CORE} per core, {cores} core{} available)",
+            if cores == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(n)
+}
+
 fn warn(quiet: u8, msg: &str) {
     if quiet < 2 {
         eprintln!("warning: {msg}");
@@ -351,11 +416,18 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
             let config = HttpConfig {
                 token: token::discover(),
                 max_retry_after: Duration::from_secs(args.max_retry_wait),
+                max_attempts: args.max_attempts as usize,
+                progress: ProgressLimits {
+                    low_speed_bytes: args.low_speed_limit,
+                    low_speed_time: Duration::from_secs(args.low_speed_time),
+                    range_timeout: Duration::from_secs(args.range_timeout),
+                },
                 ..HttpConfig::new(&endpoint, &repo, &revision)
             };
             Box::new(HttpSource::new(config).map_err(|e| Failure::usage(e.to_string()))?)
         }
     };
+    let require_hash = require_source_hash(&args)?;
     let reporter = progress::for_install(args.json && !args.dry_run, quiet, no_progress);
     let detail = format!("{} from {}", family.id(), source.describe());
     reporter.phase("resolve", &detail);
@@ -398,6 +470,13 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     if args.dry_run {
         return Ok(());
     }
+    let unverified = progress::unverified_shards(&prepared.plan);
+    if require_hash && !unverified.is_empty() {
+        return Err(unpublished_hash_refusal(
+            &unverified,
+            args.require_source_hash,
+        ));
+    }
     let abort_after_reads = std::env::var(crate::env::GTURBO_TEST_ABORT_AFTER_READS)
         .ok()
         .and_then(|v| v.parse().ok());
@@ -412,8 +491,55 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     reporter.set_total(prepared.plan.source_bytes_read());
     let source: Arc<dyn RangeSource> = Arc::from(source);
     let summary = execute::execute(source.clone(), &prepared, &options, reporter.as_ref()).await?;
-    reporter.done(&progress::Done::new(&out, &summary, source.stats().retries));
+    reporter.done(&progress::Done::new(
+        &out,
+        &summary,
+        source.stats().retries,
+        unverified,
+    ));
     Ok(())
+}
+
+/// Whether shards without a published SHA-256 refuse the install: the flag, else on
+/// for the Hugging Face hub itself. The hub publishes `lfs.oid` and `X-Linked-Etag`
+/// for every LFS file and every safetensors shard is one, so a missing hash there
+/// means a proxy or a fault dropped it, and refusing costs an honest install nothing.
+/// A mirror or a local folder may simply not publish hashes: they warn per file.
+fn require_source_hash(args: &InstallArgs) -> Result<bool, Failure> {
+    match (args.require_source_hash, args.no_verify_source) {
+        (Some(true), true) => Err(Failure::usage(
+            "--require-source-hash and --no-verify-source contradict each other",
+        )),
+        (Some(v), _) => Ok(v),
+        (None, true) => Ok(false),
+        (None, false) => Ok(args.from.is_none() && on_the_hub(args.endpoint.as_deref())),
+    }
+}
+
+/// Whether `endpoint` (None: the default) is the Hugging Face hub itself.
+fn on_the_hub(endpoint: Option<&str>) -> bool {
+    endpoint
+        .unwrap_or(crate::env::DEFAULT_ENDPOINT)
+        .trim_end_matches('/')
+        .eq_ignore_ascii_case(crate::env::DEFAULT_ENDPOINT)
+}
+
+fn unpublished_hash_refusal(unverified: &[progress::Unverified], flag: Option<bool>) -> Failure {
+    let names: Vec<&str> = unverified.iter().map(|u| u.path.as_str()).collect();
+    let why = if flag.is_some() {
+        "--require-source-hash"
+    } else {
+        "the Hugging Face hub publishes one for every LFS file, so gturbo requires it there"
+    };
+    Failure {
+        code: 1,
+        message: format!(
+            "{} source shard{} without a published SHA-256 to verify against ({why}): {}\n\nhint: the source gives no `lfs.oid` in its listing and no `X-Linked-Etag` or SHA-256 `ETag` on these files; pass --require-source-hash=false to install them unverified",
+            names.len(),
+            if names.len() == 1 { "" } else { "s" },
+            names.join(", ")
+        ),
+    }
 }
 
 fn verify_cmd(
@@ -472,4 +598,107 @@ fn families_cmd(json: bool) -> Result<(), Failure> {
         print!("{}", report::families_text(&rows));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn install_args(extra: &[&str]) -> InstallArgs {
+        let cli = Cli::try_parse_from(
+            ["gturbo", "install", "qwen38flashnext"]
+                .iter()
+                .chain(extra.iter()),
+        )
+        .unwrap();
+        match cli.command {
+            Command::Install(a) => *a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The defaults' values (the tests that exercise the rules use small ones).
+    #[test]
+    fn network_defaults_are_the_documented_ones() {
+        // The env vars would override the defaults; this test reads the defaults only.
+        for k in [
+            crate::env::GTURBO_LOW_SPEED_LIMIT,
+            crate::env::GTURBO_LOW_SPEED_TIME,
+            crate::env::GTURBO_RANGE_TIMEOUT,
+            crate::env::GTURBO_MAX_ATTEMPTS,
+        ] {
+            if std::env::var_os(k).is_some() {
+                eprintln!("SKIPPED network_defaults_are_the_documented_ones: {k} is set");
+                return;
+            }
+        }
+        let a = install_args(&[]);
+        assert_eq!(a.low_speed_limit, 65_536);
+        assert_eq!(a.low_speed_time, 30);
+        assert_eq!(a.range_timeout, 600);
+        assert_eq!(a.max_attempts, 6);
+        assert_eq!(a.max_retry_wait, 300);
+        assert_eq!(a.require_source_hash, None);
+        let a = install_args(&[
+            "--low-speed-limit",
+            "10",
+            "--low-speed-time",
+            "2",
+            "--range-timeout",
+            "3",
+            "--max-attempts",
+            "1",
+        ]);
+        assert_eq!(
+            (
+                a.low_speed_limit,
+                a.low_speed_time,
+                a.range_timeout,
+                a.max_attempts
+            ),
+            (10, 2, 3, 1)
+        );
+        assert!(
+            Cli::try_parse_from(["gturbo", "install", "x", "--max-attempts", "0"]).is_err(),
+            "at least one attempt"
+        );
+    }
+
+    #[test]
+    fn source_hashes_are_required_on_the_hub_by_default_only() {
+        let req = |extra: &[&str]| require_source_hash(&install_args(extra)).map_err(|f| f.message);
+        assert_eq!(req(&[]), Ok(true), "the hub (default endpoint)");
+        assert_eq!(req(&["--endpoint", "https://huggingface.co/"]), Ok(true));
+        assert_eq!(req(&["--endpoint", "http://127.0.0.1:9"]), Ok(false));
+        assert_eq!(req(&["--from", "/tmp"]), Ok(false));
+        assert_eq!(req(&["--no-verify-source"]), Ok(false));
+        assert_eq!(
+            req(&["--endpoint", "http://127.0.0.1:9", "--require-source-hash"]),
+            Ok(true)
+        );
+        assert_eq!(req(&["--require-source-hash=false"]), Ok(false));
+        assert_eq!(
+            req(&["--require-source-hash", "--no-verify-source"]),
+            Err("--require-source-hash and --no-verify-source contradict each other".into())
+        );
+    }
+
+    #[test]
+    fn threads_are_bounded_by_a_multiple_of_the_cores() {
+        assert_eq!(threads_in("8", 2, false), Ok(8));
+        assert_eq!(
+            threads_in("9", 2, false),
+            Err("9 threads is more than 8 (4 per core, 2 cores available)".into())
+        );
+        assert_eq!(
+            threads_in("10000", 1, true),
+            Err("10000 threads is more than 4 (4 per core, 1 core available)".into())
+        );
+        assert_eq!(threads_in("0", 2, true), Ok(0));
+        assert_eq!(threads_in("0", 2, false), Err("at least 1 thread".into()));
+        assert_eq!(
+            threads_in("-1", 2, false),
+            Err("\"-1\" is not a whole number of threads".into())
+        );
+    }
 }

@@ -194,14 +194,51 @@ pub(super) struct Done {
     pub summary: ExecuteSummary,
     /// HTTP retries the source made (0 for a local source).
     pub retries: u64,
+    /// Source shards not checked against a published SHA-256, and why.
+    pub source_unverified: Vec<Unverified>,
+}
+
+/// A source shard the install could not prove against the source's own hash.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(super) struct Unverified {
+    /// The shard, a path in the repo.
+    pub path: String,
+    /// `no published SHA-256` or `--no-verify-source`.
+    pub reason: &'static str,
+}
+
+/// The shards of `plan` that the install does not verify, in plan order.
+pub(super) fn unverified_shards(plan: &crate::plan::Plan) -> Vec<Unverified> {
+    plan.shards
+        .iter()
+        .filter_map(|s| {
+            let reason = if !plan.options.verify_source {
+                "--no-verify-source"
+            } else if s.sha256.is_none() {
+                "no published SHA-256"
+            } else {
+                return None;
+            };
+            Some(Unverified {
+                path: s.path.clone(),
+                reason,
+            })
+        })
+        .collect()
 }
 
 impl Done {
-    pub(super) fn new(out: &Path, s: &ExecuteSummary, retries: u64) -> Done {
+    pub(super) fn new(
+        out: &Path,
+        s: &ExecuteSummary,
+        retries: u64,
+        source_unverified: Vec<Unverified>,
+    ) -> Done {
         Done {
             out: out.display().to_string(),
             summary: s.clone(),
             retries,
+            source_unverified,
         }
     }
 
@@ -218,7 +255,11 @@ impl Done {
             self.summary.reads_damaged,
             self.summary.shards_verified,
             self.retries
-        )
+        ) + &self
+            .source_unverified
+            .iter()
+            .map(|u| format!("\ngturbo: {}: not verified: {}", u.path, u.reason))
+            .collect::<String>()
     }
 }
 
@@ -473,11 +514,12 @@ impl CliReporter for IndicatifReporter {
 /// (`reads_damaged` of the kept ones failed their check and were fetched again);
 /// `bytes_read` source bytes and `bytes_written` output bytes of this run;
 /// `shards_verified` source shards checked against their published SHA-256; `retries`
-/// HTTP retries. A failed install has no `done`: the error is on stderr and the exit
-/// code is not 0.
+/// HTTP retries; `source_unverified` the shards not checked, each `{"path", "reason"}`
+/// (`no published SHA-256` or `--no-verify-source`). A failed install has no `done`:
+/// the error is on stderr and the exit code is not 0.
 ///
 /// ```json
-/// {"schema_version":1,"event":"done","out":"qwen38flashnext.gturbo","elapsed_s":41.2,"reads_total":12,"reads_kept":0,"reads_fetched":12,"reads_damaged":0,"bytes_read":268435456,"bytes_written":150994944,"shards_verified":6,"retries":0}
+/// {"schema_version":1,"event":"done","out":"qwen38flashnext.gturbo","elapsed_s":41.2,"reads_total":12,"reads_kept":0,"reads_fetched":12,"reads_damaged":0,"bytes_read":268435456,"bytes_written":150994944,"shards_verified":6,"retries":0,"source_unverified":[]}
 /// ```
 pub(super) struct JsonReporter {
     out: Mutex<Box<dyn Write + Send>>,
@@ -602,6 +644,7 @@ mod tests {
                 shards_verified: 1,
             },
             retries: 2,
+            source_unverified: Vec::new(),
         }
     }
 
@@ -680,7 +723,8 @@ mod tests {
             json!({
                 "schema_version": 1, "event": "done", "out": "m.gturbo", "elapsed_s": 2.5,
                 "reads_total": 4, "reads_kept": 1, "reads_fetched": 3, "reads_damaged": 0,
-                "bytes_read": 300, "bytes_written": 200, "shards_verified": 1, "retries": 2
+                "bytes_read": 300, "bytes_written": 200, "shards_verified": 1, "retries": 2,
+                "source_unverified": []
             })
         );
     }
@@ -723,5 +767,42 @@ mod tests {
         r.phase("stream", "x");
         r.done(&done());
         assert_eq!(buf.text(), "", "-qq shows nothing");
+    }
+
+    #[test]
+    fn unverified_shards_get_a_line_each_after_the_summary() {
+        let buf = Buf::default();
+        let r = TextReporter::new(1, Box::new(buf.clone()));
+        let mut d = done();
+        d.source_unverified = vec![
+            Unverified {
+                path: "a.safetensors".into(),
+                reason: "no published SHA-256",
+            },
+            Unverified {
+                path: "b.safetensors".into(),
+                reason: "--no-verify-source",
+            },
+        ];
+        r.done(&d);
+        let text = buf.text();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].starts_with("gturbo: installed m.gturbo"));
+        assert_eq!(
+            lines[1..],
+            [
+                "gturbo: a.safetensors: not verified: no published SHA-256",
+                "gturbo: b.safetensors: not verified: --no-verify-source"
+            ]
+        );
+        let v = serde_json::to_value(&d).unwrap();
+        assert_eq!(
+            v["source_unverified"],
+            json!([
+                {"path": "a.safetensors", "reason": "no published SHA-256"},
+                {"path": "b.safetensors", "reason": "--no-verify-source"}
+            ])
+        );
     }
 }

@@ -12,7 +12,8 @@ use crate::plan::{Census, OutputTotals};
 /// The `--json` document of `gturbo install --dry-run` (`schema_version` 1).
 ///
 /// Fields: `family`, `source` (`describe`, `repo`, `revision`, `commit`,
-/// `index_sha256`, `index_pinned`), `shards` (count and bytes), `requests` (made so
+/// `index_sha256`, `index_pinned`), `shards` (count, bytes, and `published_sha256`:
+/// how many have a published SHA-256 to verify against), `requests` (made so
 /// far: total, for headers, retries), `reads` (planned range requests and source
 /// bytes they fetch), `outputs` (bytes per file kind, total, file count),
 /// `resident_entries`, `expert_pools` (count, experts, stride per group),
@@ -58,6 +59,8 @@ struct SourceReport {
 struct ShardsReport {
     count: usize,
     bytes: u64,
+    /// Shards the source publishes a SHA-256 for (the install verifies those).
+    published_sha256: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -155,6 +158,7 @@ impl DryRunReport {
             shards: ShardsReport {
                 count: plan.shards.len(),
                 bytes: plan.shards.iter().map(|s| s.size).sum(),
+                published_sha256: plan.shards.iter().filter(|s| s.sha256.is_some()).count(),
             },
             requests: RequestsReport {
                 total: p.stats.requests,
@@ -223,9 +227,10 @@ impl DryRunReport {
         );
         let _ = writeln!(
             s,
-            "  shards          {} files, {}",
+            "  shards          {} files, {} ({} with a published SHA-256)",
             self.shards.count,
-            bytes(self.shards.bytes)
+            bytes(self.shards.bytes),
+            self.shards.published_sha256
         );
         let _ = writeln!(
             s,

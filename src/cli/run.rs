@@ -54,8 +54,8 @@ pub struct RunArgs {
     /// Map every expert pool instead of caching blobs.
     #[arg(long, conflicts_with = "expert_cache_slots")]
     pub resident_experts: bool,
-    /// Compute threads (default: all cores).
-    #[arg(long)]
+    /// Compute threads (default: all cores; at most 4 per core).
+    #[arg(long, value_parser = super::parse_threads)]
     pub threads: Option<usize>,
     /// Print one JSON document (token ids, text, figures) instead of streaming text.
     #[arg(long)]
@@ -74,8 +74,7 @@ impl From<RunError> for Failure {
 }
 
 fn threads(t: Option<usize>) -> usize {
-    t.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .max(1)
+    t.unwrap_or_else(super::cores).max(1)
 }
 
 fn open(dir: &Path, experts: ExpertMode) -> Result<Install, Failure> {
@@ -183,8 +182,8 @@ pub struct EvalArgs {
     /// Most tokens of the text used.
     #[arg(long, default_value_t = 512)]
     pub max_tokens: usize,
-    /// Compute threads (default: all cores).
-    #[arg(long)]
+    /// Compute threads (default: all cores; at most 4 per core).
+    #[arg(long, value_parser = super::parse_threads)]
     pub threads: Option<usize>,
     /// One JSON document instead of text.
     #[arg(long)]

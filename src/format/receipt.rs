@@ -37,6 +37,22 @@ pub struct Receipt {
     pub source_repo: String,
     /// Source commit.
     pub source_commit: Option<String>,
+    /// Each source shard, and whether the install proved its bytes against the
+    /// SHA-256 the source published (absent in receipts written before this field).
+    #[serde(default)]
+    pub source_shards: Vec<ReceiptSource>,
+}
+
+/// One source shard of the install.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiptSource {
+    /// Path in the source repo.
+    pub path: String,
+    /// The SHA-256 the source published, if it published one.
+    pub sha256: Option<String>,
+    /// Whether every byte of the shard was hashed and matched `sha256`.
+    pub verified: bool,
 }
 
 /// One verified file.
@@ -88,13 +104,14 @@ impl From<&ManifestFile> for ReceiptFile {
 impl Receipt {
     /// The receipt `by` writes at `now` for the manifest whose SHA-256 is
     /// `manifest_sha256`, with the `files` hashes it computed and the source
-    /// provenance it vouches for (`""` and `None` when it vouches for none).
+    /// provenance it vouches for (`""`, `None` and no shards when it vouches for none).
     pub fn new(
         by: Prover,
         manifest_sha256: String,
         files: Vec<ReceiptFile>,
         source_repo: String,
         source_commit: Option<String>,
+        source_shards: Vec<ReceiptSource>,
         now: SystemTime,
     ) -> Receipt {
         Receipt {
@@ -111,6 +128,7 @@ impl Receipt {
             verified_at: httpdate::fmt_http_date(now),
             source_repo,
             source_commit,
+            source_shards,
         }
     }
 

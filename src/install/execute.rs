@@ -24,7 +24,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
@@ -34,7 +34,7 @@ use crate::format::manifest::{
     self, Manifest, ManifestArch, ManifestFile, ManifestResident, ManifestSource, ManifestTool,
     QuantizedAtInstall,
 };
-use crate::format::receipt::{self, Prover, Receipt, ReceiptFile};
+use crate::format::receipt::{self, Prover, Receipt, ReceiptFile, ReceiptSource};
 use crate::format::resident::MAGIC;
 use crate::plan::placement::{TensorPlacement, output_file_paths};
 use crate::plan::{Dest, Plan, QuantMode, RangeRead};
@@ -47,9 +47,6 @@ use super::{InstallError, Prepared};
 
 /// Largest tokenizer/config file copied.
 const MAX_COPIED_BYTES: u64 = 512 << 20;
-/// Attempts at one read when its stream breaks (each attempt already retries
-/// transient HTTP faults inside the source).
-const READ_ATTEMPTS: u32 = 3;
 
 /// Settings of the executor.
 #[derive(Debug, Clone)]
@@ -530,6 +527,51 @@ struct JobContext {
     abort_after: Option<u64>,
 }
 
+/// Run `jobs`, at most `limit` at once, each on its own task (so transforms of
+/// different jobs run on different cores), reporting each completed read.
+///
+/// The tasks belong to a [`tokio::task::JoinSet`]: on the first error every other task
+/// is aborted and awaited before this returns. Before, the failed install returned
+/// while other read tasks ran on: a task inside `block_in_place` (a transform, an
+/// fsync) has given its worker back, so the runtime's shutdown did not wait for it,
+/// and when it came back and polled its body's read timer, tokio panicked ("A Tokio
+/// 1.x context was found, but it is being shutdown", issue 13, item 1). Now no read
+/// outlives the install.
+async fn run_jobs(
+    ctx: &Arc<JobContext>,
+    jobs: Vec<Job>,
+    limit: usize,
+    reporter: &dyn InstallReporter,
+) -> Result<(), InstallError> {
+    let mut waiting = jobs.into_iter();
+    let mut running = tokio::task::JoinSet::new();
+    let mut outcome = Ok(());
+    loop {
+        while running.len() < limit {
+            let Some(job) = waiting.next() else { break };
+            let ctx = ctx.clone();
+            running.spawn(async move { run_job(&ctx, job).await });
+        }
+        let Some(joined) = running.join_next().await else {
+            break;
+        };
+        match joined {
+            Ok(Ok(sizes)) => sizes.into_iter().for_each(|n| reporter.read_done(n)),
+            Ok(Err(e)) => {
+                outcome = Err(e);
+                break;
+            }
+            Err(e) => {
+                outcome = Err(InstallError::Internal(format!("read task failed: {e}")));
+                break;
+            }
+        }
+    }
+    // Abort what still runs and wait until every task has stopped.
+    running.shutdown().await;
+    outcome
+}
+
 /// Run one job; returns the source bytes of each read it completed.
 async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
     let plan = &*ctx.plan;
@@ -537,25 +579,12 @@ async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
     let mut sizes = Vec::new();
     for (ri, hashed) in job.steps {
         let read = &plan.reads[ri];
-        let mut attempt = 0;
-        let (digest, after) = loop {
-            attempt += 1;
-            let mut h = if hashed { hash.clone() } else { None };
-            match fetch_read(ctx, ri, h.as_mut()).await {
-                Ok(d) => break (d, h),
-                Err(InstallError::Source(e))
-                    if attempt < READ_ATTEMPTS
-                        && !matches!(
-                            e,
-                            SourceError::Unauthorized { .. } | SourceError::NotFound { .. }
-                        ) =>
-                {
-                    tracing::debug!(read = ri, attempt, error = %e, "read failed; retrying it whole");
-                    tokio::time::sleep(Duration::from_millis(200 * attempt as u64)).await;
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        // One attempt: the source's retry budget already covers every request and
+        // resumption of this read (HTTP: backoff, Retry-After, progress deadlines).
+        // Retrying the whole read here would multiply that budget and re-request at
+        // once after a refusal such as a Retry-After over the limit (issue 13, item 7).
+        let mut after = if hashed { hash.clone() } else { None };
+        let digest = fetch_read(ctx, ri, after.as_mut()).await?;
         if hashed {
             hash = after;
         }
@@ -854,22 +883,7 @@ pub async fn execute(
         tile: options.tile_bytes.max(1),
         abort_after: options.abort_after_reads,
     });
-    let mut stream = futures_util::stream::iter(jobs_list.into_iter().map(|job| {
-        let ctx = ctx.clone();
-        // Each job is its own task so transforms of different jobs run on different cores.
-        let task = tokio::spawn(async move { run_job(&ctx, job).await });
-        async move {
-            task.await
-                .map_err(|e| InstallError::Internal(format!("read task failed: {e}")))?
-        }
-    }))
-    .buffer_unordered(options.jobs.max(1));
-    while let Some(r) = stream.next().await {
-        for n in r? {
-            reporter.read_done(n);
-        }
-    }
-    drop(stream);
+    run_jobs(&ctx, jobs_list, options.jobs.max(1), reporter).await?;
     summary.reads_fetched = counters.reads.load(Ordering::Relaxed);
     summary.shards_verified = counters.shards_verified.load(Ordering::Relaxed);
     let bytes_read = &counters.bytes_read;
@@ -956,6 +970,7 @@ pub async fn execute(
         manifest.files.iter().map(ReceiptFile::from).collect(),
         plan.source.repo.clone(),
         plan.source.commit.clone(),
+        source_shards(plan),
         std::time::SystemTime::now(),
     );
     let rpath = staging.join(receipt::FILE_NAME);
@@ -983,6 +998,20 @@ pub async fn execute(
     let _ = std::fs::remove_file(&lock_path);
     summary.elapsed_s = started.elapsed().as_secs_f64();
     Ok(summary)
+}
+
+/// The receipt's record of the source: every shard with a published SHA-256 was hashed
+/// end to end by the jobs (a mismatch stops the install before this point), unless
+/// `--no-verify-source`.
+fn source_shards(plan: &Plan) -> Vec<ReceiptSource> {
+    plan.shards
+        .iter()
+        .map(|s| ReceiptSource {
+            path: s.path.clone(),
+            sha256: s.sha256.clone(),
+            verified: plan.options.verify_source && s.sha256.is_some(),
+        })
+        .collect()
 }
 
 fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFile>) -> Manifest {

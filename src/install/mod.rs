@@ -286,11 +286,6 @@ pub async fn prepare(
         .iter()
         .map(|f| (f.path.clone(), f.size))
         .collect();
-    let sha: BTreeMap<String, String> = repo
-        .files
-        .iter()
-        .filter_map(|f| f.sha256.clone().map(|h| (f.path.clone(), h)))
-        .collect();
 
     let (expected, origin) = match &settings.index_pin {
         IndexPin::None => (None, String::new()),
@@ -373,6 +368,17 @@ pub async fn prepare(
     .try_collect()
     .await?;
     let header_requests = source.stats().requests - before_headers;
+    // Published shard hashes: the listing's, or what the header reads' answers carried
+    // (`X-Linked-Etag`, a SHA-256 `ETag`), so a listing without `lfs.oid` still verifies.
+    let sha: BTreeMap<String, String> = shard_names
+        .iter()
+        .filter_map(|s| {
+            repo.file(s)
+                .and_then(|f| f.sha256.clone())
+                .or_else(|| source.published_sha256(s))
+                .map(|h| (s.clone(), h))
+        })
+        .collect();
 
     if let Some(ix) = &index {
         let mut in_headers = 0usize;

@@ -20,6 +20,38 @@ pub const TOKENIZER_DIR: &str = "tokenizer";
 /// Largest tokenizer file read (the biggest real `tokenizer.json` files are ~35 MB).
 const MAX_FILE_BYTES: u64 = 256 << 20;
 
+/// Most minijinja instructions one chat-template render may run (its "fuel"). A
+/// one-turn prompt takes tens of steps (the test replicas' ChatML and Llama 3 templates:
+/// 25 and 42, measured with `gturbo -v run --chat`); ten million leaves five orders of
+/// magnitude of headroom and stops a hostile loop in about 1.5 s (three nested
+/// `range(100000)` loops, 10^15 steps, measured the same way on a debug build).
+pub const TEMPLATE_FUEL: u64 = 10_000_000;
+/// Largest rendered chat prompt, in bytes: far beyond any context window, so only a
+/// runaway template reaches it (a single `{{ "x" * 50000000 }}` would, at once).
+pub const TEMPLATE_MAX_OUTPUT: usize = 16 << 20;
+
+/// A writer that refuses to grow past `cap` bytes and remembers that it did.
+struct CappedOutput {
+    buf: Vec<u8>,
+    cap: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.cap {
+            self.overflowed = true;
+            return Err(std::io::Error::other("chat template output over its cap"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Why the text side of an install cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TextError {
@@ -382,6 +414,8 @@ impl TextCodec {
             why: format!("{e:#}"),
         };
         let mut env = minijinja::Environment::new();
+        // A template is untrusted code: bound its work and its output.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         // transformers compiles templates with trim_blocks and lstrip_blocks on.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -408,8 +442,37 @@ impl TextCodec {
             ctx.insert((*field).into(), Value::String(s.clone()));
         }
         let tmpl = env.get_template("chat").map_err(terr)?;
-        tmpl.render(minijinja::Value::from_serialize(&ctx))
-            .map_err(terr)
+        let mut out = CappedOutput {
+            buf: Vec::new(),
+            cap: TEMPLATE_MAX_OUTPUT,
+            overflowed: false,
+        };
+        let rendered = tmpl.render_captured_to(minijinja::Value::from_serialize(&ctx), &mut out);
+        match rendered {
+            Ok(captured) => {
+                if let Some((steps, _)) = captured.state().fuel_levels() {
+                    tracing::debug!(steps, "chat template rendered");
+                }
+                drop(captured);
+                String::from_utf8(out.buf).map_err(|_| TextError::Template {
+                    path: path.clone(),
+                    why: "rendered text is not UTF-8".into(),
+                })
+            }
+            Err(_) if out.overflowed => Err(TextError::Template {
+                path: path.clone(),
+                why: format!(
+                    "refused: the template's output passed {TEMPLATE_MAX_OUTPUT} bytes (a chat prompt is far smaller; the template runs away)"
+                ),
+            }),
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(TextError::Template {
+                path: path.clone(),
+                why: format!(
+                    "refused: the template ran {TEMPLATE_FUEL} steps without finishing (a one-turn chat prompt takes far fewer; the template does not terminate in reasonable time)"
+                ),
+            }),
+            Err(e) => Err(terr(e)),
+        }
     }
 
     /// A decoder for a stream of generated ids.

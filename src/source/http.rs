@@ -16,7 +16,11 @@
 //!    own origin, never to a CDN on another host, and so the final location can be cached:
 //!    later ranges of the file go straight there, because the hub's rate limits count
 //!    resolver requests. If a cached location answers 403/404/410 (an expired signed URL),
-//!    the file is resolved again, once.
+//!    the file is resolved again, once. The hops' headers also publish the file's
+//!    SHA-256 where the listing has no `lfs.oid` ([`RangeSource::published_sha256`]):
+//!    `X-Linked-Etag` (the hub's LFS SHA-256, on every LFS answer), else a strong `ETag`
+//!    of 64 hex digits from the endpoint itself (a CDN's ETag is its own business). An
+//!    `X-Linked-Etag` that contradicts the listing refuses the read.
 //! 4. **Check every ranged answer** (RFC 9110 §14): it must be `206 Partial Content` with
 //!    `Content-Range: bytes a-b/total` naming exactly the bytes asked for and the listed
 //!    size, a `Content-Length` (when sent) of exactly that length, and a body of exactly
@@ -27,7 +31,10 @@
 //!    (RFC 9110 §10.2.3, seconds or HTTP-date) replaces the computed delay, and one over
 //!    `max_retry_after` is refused with [`SourceError::RetryAfterTooLong`]. 401/403 is
 //!    [`SourceError::Unauthorized`] and 404 [`SourceError::NotFound`] at once: one request,
-//!    no retries.
+//!    no retries. Every attempt also obeys the progress rules of [`super::pace`] (a
+//!    low-speed limit and a range timeout, measured on the time spent waiting on the
+//!    server): an attempt that breaks one is a transient failure drawing on the same
+//!    budget, and the last one is [`SourceError::TooSlow`], naming the file and the rate.
 //! 6. **Stream big ranges** ([`RangeSource::stream_range`]): the same request and checks,
 //!    then the body is handed on in chunks of at most [`STREAM_CHUNK`] bytes as they
 //!    arrive. A body that breaks or ends short is resumed with a ranged `GET` for only the
@@ -46,7 +53,7 @@ use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use backon::{BackoffBuilder as _, Retryable as _};
@@ -55,6 +62,7 @@ use reqwest::header::{self, HeaderMap};
 use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 
+use super::pace::{Pace, ProgressLimits, Slow};
 use super::retry::{self, RetryPolicy, TransportFault};
 use super::token::HfToken;
 use super::{
@@ -92,15 +100,18 @@ pub struct HttpConfig {
     pub max_delay: Duration,
     /// Limit on establishing a connection.
     pub connect_timeout: Duration,
-    /// Limit on the wait for each read of an answer: a stalled transfer fails and is
-    /// retried instead of hanging an install.
+    /// Limit on the wait for each read of an answer, a backstop under `progress`: a
+    /// stalled transfer fails and is retried instead of hanging an install.
     pub read_timeout: Duration,
+    /// The low-speed limit and range timeout of every attempt ([`super::pace`]).
+    pub progress: ProgressLimits,
     /// `User-Agent` header.
     pub user_agent: String,
 }
 
 impl HttpConfig {
-    /// Defaults: no token, 6 attempts, 250 ms base delay, 30 s cap, 300 s Retry-After limit.
+    /// Defaults: no token, 6 attempts, 250 ms base delay, 30 s cap, 300 s Retry-After
+    /// limit, 64 KiB in 30 s low-speed limit, 600 s range timeout.
     pub fn new(
         endpoint: impl Into<String>,
         repo: impl Into<String>,
@@ -118,6 +129,7 @@ impl HttpConfig {
             max_delay: policy.max_delay,
             connect_timeout: Duration::from_secs(30),
             read_timeout: Duration::from_secs(60),
+            progress: ProgressLimits::default(),
             user_agent: format!("gturbo/{}", env!("CARGO_PKG_VERSION")),
         }
     }
@@ -150,6 +162,8 @@ struct Inner {
     resolved: tokio::sync::OnceCell<ResolvedRepo>,
     /// Per file, the location a redirect led to, reused for later ranges.
     locations: Mutex<HashMap<String, Url>>,
+    /// Per file not hashed in the listing, the SHA-256 its answers published.
+    published: Mutex<HashMap<String, (String, HashOrigin)>>,
     requests: AtomicU64,
     retries: AtomicU64,
     bytes: AtomicU64,
@@ -166,6 +180,15 @@ impl fmt::Debug for HttpSource {
             .field("policy", &s.policy)
             .finish_non_exhaustive()
     }
+}
+
+/// One answer after its redirects.
+struct Sent {
+    resp: reqwest::Response,
+    /// The URL that gave it.
+    url: Url,
+    /// The SHA-256 the hops published for the file, and where.
+    published: Option<(String, HashOrigin)>,
 }
 
 /// Why one attempt failed, as the retry loop sees it.
@@ -209,6 +232,107 @@ fn is_commit(rev: &str) -> bool {
 /// A SHA-256 as a hub may write it (either case; kept lowercased).
 fn is_sha256(s: &str) -> bool {
     digest::is_hex(s, digest::SHA256_HEX_LEN)
+}
+
+/// Where a file's published SHA-256 came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HashOrigin {
+    /// `lfs.oid` in the tree listing.
+    Listing,
+    /// `X-Linked-Etag` on a file answer: the hub's LFS SHA-256 of the content.
+    LinkedEtag,
+    /// A strong `ETag` that is 64 hex digits, on an answer from the endpoint itself.
+    Etag,
+}
+
+impl HashOrigin {
+    /// The listing and `X-Linked-Etag` state the content's SHA-256; a bare `ETag` only
+    /// looks like one, so it never overrides or contradicts them.
+    fn is_strong(self) -> bool {
+        !matches!(self, Self::Etag)
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Self::Listing => "tree listing's lfs.oid",
+            Self::LinkedEtag => "X-Linked-Etag",
+            Self::Etag => "ETag",
+        }
+    }
+}
+
+/// The SHA-256 an answer's headers publish for its file, if any: `X-Linked-Etag`, else
+/// (only from the endpoint's own origin, not a CDN's, whose ETags are its own) a strong
+/// `ETag` of 64 hex digits.
+fn published_in(headers: &HeaderMap, from_endpoint: bool) -> Option<(String, HashOrigin)> {
+    let hex = |name: &str| {
+        let v = headers.get(name)?.to_str().ok()?.trim();
+        // A weak validator (`W/"…"`) does not name the bytes.
+        let v = v.strip_prefix('"')?.strip_suffix('"')?;
+        is_sha256(v).then(|| v.to_ascii_lowercase())
+    };
+    if let Some(h) = hex("x-linked-etag") {
+        return Some((h, HashOrigin::LinkedEtag));
+    }
+    if from_endpoint && let Some(h) = hex(header::ETAG.as_str()) {
+        return Some((h, HashOrigin::Etag));
+    }
+    None
+}
+
+/// The reqwest read timeout: a backstop that should never fire before the low-speed
+/// rule, whose message names the file and the rate.
+fn backstop_read_timeout(config: &HttpConfig) -> Duration {
+    let p = &config.progress;
+    if p.low_speed_bytes > 0 && !p.low_speed_time.is_zero() {
+        config
+            .read_timeout
+            .max(p.low_speed_time + Duration::from_secs(5))
+    } else {
+        config.read_timeout
+    }
+}
+
+/// A transient failure for an attempt that broke a progress rule.
+fn slow_failure(what: &str, url: &Url, range: Option<Range<u64>>, slow: Slow) -> Failure {
+    Failure::Transient {
+        error: SourceError::TooSlow {
+            file: what.to_string(),
+            url: display_url(url),
+            range,
+            attempts: 1,
+            detail: slow.to_string(),
+        },
+        status: None,
+        retry_after: None,
+    }
+}
+
+/// The next chunk of `resp`'s body, waiting no longer than `pace` allows. A chunk that
+/// arrives is always returned; the rules are judged before each wait.
+async fn paced_chunk(
+    resp: &mut reqwest::Response,
+    pace: &mut Pace,
+) -> Result<reqwest::Result<Option<Bytes>>, Slow> {
+    loop {
+        pace.check()?;
+        let started = Instant::now();
+        let Some(budget) = pace.budget() else {
+            return Ok(resp.chunk().await);
+        };
+        // `chunk` is cancel-safe: a timed-out wait loses no bytes.
+        match tokio::time::timeout(budget, resp.chunk()).await {
+            Ok(got) => {
+                let n = match &got {
+                    Ok(Some(c)) => c.len() as u64,
+                    _ => 0,
+                };
+                pace.record(started.elapsed(), n);
+                return Ok(got);
+            }
+            Err(_) => pace.record(started.elapsed().max(budget), 0),
+        }
+    }
 }
 
 /// The `rel="next"` target of a `Link` header (RFC 8288), if any.
@@ -324,7 +448,7 @@ impl Inner {
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(config.user_agent.clone())
             .connect_timeout(config.connect_timeout)
-            .read_timeout(config.read_timeout)
+            .read_timeout(backstop_read_timeout(&config))
             .build()
             .map_err(|e| SourceError::Config(format!("HTTP client: {}", error_text(e))))?;
         Ok(Self {
@@ -335,6 +459,7 @@ impl Inner {
             config,
             resolved: tokio::sync::OnceCell::new(),
             locations: Mutex::new(HashMap::new()),
+            published: Mutex::new(HashMap::new()),
             requests: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
@@ -413,7 +538,8 @@ impl Inner {
             .await;
         result.map_err(|mut f| {
             if let Failure::Transient {
-                error: SourceError::Network { attempts: a, .. },
+                error:
+                    SourceError::Network { attempts: a, .. } | SourceError::TooSlow { attempts: a, .. },
                 ..
             } = &mut f
             {
@@ -423,13 +549,34 @@ impl Inner {
         })
     }
 
-    /// One request, following redirects by hand. Returns the final answer and its URL.
-    async fn send(
+    /// [`Inner::send`] within what `pace` allows for the wait before the answer.
+    async fn send_paced(
         &self,
         start: &Url,
         range: Option<&Range<u64>>,
-    ) -> Result<(reqwest::Response, Url), Failure> {
+        pace: &mut Pace,
+        what: &str,
+    ) -> Result<Sent, Failure> {
+        let slow = |slow| slow_failure(what, start, range.cloned(), slow);
+        pace.check().map_err(slow)?;
+        let started = Instant::now();
+        let Some(budget) = pace.budget() else {
+            return self.send(start, range).await;
+        };
+        let sent = tokio::time::timeout(budget, self.send(start, range)).await;
+        pace.record(started.elapsed(), 0);
+        match sent {
+            Ok(sent) => sent,
+            Err(_) => Err(slow(pace.expired())),
+        }
+    }
+
+    /// One request, following redirects by hand. Returns the final answer, its URL,
+    /// and the SHA-256 the hops published for the file ([`published_in`]; an
+    /// `X-Linked-Etag` on any hop beats an `ETag`).
+    async fn send(&self, start: &Url, range: Option<&Range<u64>>) -> Result<Sent, Failure> {
         let mut url = start.clone();
+        let mut published: Option<(String, HashOrigin)> = None;
         for _ in 0..=MAX_REDIRECTS {
             let mut req = self.client.get(url.clone());
             if let Some(r) = range {
@@ -449,6 +596,14 @@ impl Inner {
                 .send()
                 .await
                 .map_err(|e| self.transport_failure(&url, range.cloned(), e, "request failed"))?;
+            let from_endpoint = url.origin() == self.endpoint.origin();
+            if let Some(found) = published_in(resp.headers(), from_endpoint)
+                && published
+                    .as_ref()
+                    .is_none_or(|(_, o)| !o.is_strong() && found.1.is_strong())
+            {
+                published = Some(found);
+            }
             let location = resp
                 .headers()
                 .get(header::LOCATION)
@@ -472,7 +627,11 @@ impl Inner {
                 url = next;
                 continue;
             }
-            return Ok((resp, url));
+            return Ok(Sent {
+                resp,
+                url,
+                published,
+            });
         }
         Err(Failure::Fatal(SourceError::Status {
             url: display_url(start),
@@ -527,6 +686,8 @@ impl Inner {
                 return Failure::Fatal(SourceError::Unauthorized {
                     url: shown,
                     status: code,
+                    token_sent: self.config.token.is_some()
+                        && url.origin() == self.endpoint.origin(),
                 });
             }
             404 => {
@@ -589,14 +750,22 @@ impl Inner {
         url: &Url,
         what: &str,
     ) -> Result<(T, HeaderMap, Url), Failure> {
-        let (mut resp, final_url) = self.send(url, None).await?;
+        let mut pace = Pace::new(self.config.progress);
+        let Sent {
+            mut resp,
+            url: final_url,
+            ..
+        } = self.send_paced(url, None, &mut pace, what).await?;
         if resp.status() != StatusCode::OK {
             return Err(self.status_failure(&final_url, None, resp.status(), resp.headers(), what));
         }
         let headers = resp.headers().clone();
         let mut body = BytesMut::new();
         loop {
-            match resp.chunk().await {
+            let chunk = paced_chunk(&mut resp, &mut pace)
+                .await
+                .map_err(|slow| slow_failure(what, &final_url, None, slow))?;
+            match chunk {
                 Ok(Some(chunk)) => {
                     self.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                     if body.len() + chunk.len() > MAX_API_BODY {
@@ -733,9 +902,14 @@ impl Inner {
         file: &RepoFile,
         range: &Range<u64>,
         from_cache: bool,
+        pace: &mut Pace,
     ) -> Result<(reqwest::Response, Url), Failure> {
         let path = &file.path;
-        let (resp, final_url) = self.send(url, Some(range)).await?;
+        let Sent {
+            resp,
+            url: final_url,
+            published,
+        } = self.send_paced(url, Some(range), pace, path).await?;
         let status = resp.status();
         let bad = |detail: String| SourceError::BadRange {
             path: path.clone(),
@@ -783,11 +957,56 @@ impl Inner {
                 String::from_utf8_lossy(cl.as_bytes())
             ))));
         }
+        self.learn_sha256(file, published, &final_url)?;
         if final_url != *url {
             self.lock_locations()
                 .insert(path.clone(), final_url.clone());
         }
         Ok((resp, final_url))
+    }
+
+    fn lock_published(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, HashOrigin)>> {
+        self.published
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Remember the SHA-256 an answer for `file` published. The listing's `lfs.oid` and
+    /// an `X-Linked-Etag` both state the content's hash: two that disagree mean the file
+    /// changed under the install or the server contradicts itself, and the read is
+    /// refused. A bare `ETag` is used only where neither says anything.
+    fn learn_sha256(
+        &self,
+        file: &RepoFile,
+        found: Option<(String, HashOrigin)>,
+        url: &Url,
+    ) -> Result<(), Failure> {
+        let Some((hash, origin)) = found else {
+            return Ok(());
+        };
+        let mut learned = self.lock_published();
+        let known = file
+            .sha256
+            .clone()
+            .map(|h| (h, HashOrigin::Listing))
+            .or_else(|| learned.get(&file.path).cloned());
+        match known {
+            Some((k, ko)) if k != hash && ko.is_strong() && origin.is_strong() => {
+                Err(Failure::Fatal(SourceError::Malformed {
+                    url: display_url(url),
+                    field: format!("{}: {}", file.path, origin.describe()),
+                    detail: format!(
+                        "SHA-256 {hash} differs from the {} {k}; the file changed during the install or the server contradicts itself",
+                        ko.describe()
+                    ),
+                }))
+            }
+            Some((_, ko)) if ko.is_strong() || !origin.is_strong() => Ok(()),
+            _ => {
+                learned.insert(file.path.clone(), (hash, origin));
+                Ok(())
+            }
+        }
     }
 
     /// One attempt at `range` of `file` from `url`, the whole body in memory.
@@ -798,7 +1017,10 @@ impl Inner {
         range: &Range<u64>,
         from_cache: bool,
     ) -> Result<Bytes, Failure> {
-        let (mut resp, final_url) = self.open_range(url, file, range, from_cache).await?;
+        let mut pace = Pace::new(self.config.progress);
+        let (mut resp, final_url) = self
+            .open_range(url, file, range, from_cache, &mut pace)
+            .await?;
         let status = resp.status();
         let len = range.end - range.start;
         let bad = |detail: String| SourceError::BadRange {
@@ -810,7 +1032,20 @@ impl Inner {
             .map_err(|_| Failure::Fatal(bad(format!("{len} bytes do not fit in memory"))))?;
         let mut body = BytesMut::with_capacity(cap);
         loop {
-            match resp.chunk().await {
+            let chunk = match paced_chunk(&mut resp, &mut pace).await {
+                Ok(chunk) => chunk,
+                // Every byte is in; only the end of the body was slow to come.
+                Err(_) if body.len() == cap => break,
+                Err(slow) => {
+                    return Err(slow_failure(
+                        &file.path,
+                        &final_url,
+                        Some(range.clone()),
+                        slow,
+                    ));
+                }
+            };
+            match chunk {
                 Ok(Some(chunk)) => {
                     self.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                     if body.len() + chunk.len() > cap {
@@ -976,6 +1211,7 @@ impl Inner {
             pending: Bytes::new(),
             backoff: retry::backoff(&self.policy).build(),
             attempts: 1,
+            pace: Pace::new(self.config.progress),
             done: false,
         };
         state.open().await?;
@@ -1008,6 +1244,8 @@ struct RangeStream {
     backoff: backon::ExponentialBackoff,
     /// Attempts made, the first included.
     attempts: u32,
+    /// The progress rules of the current attempt (a new one per request).
+    pace: Pace,
     /// Finished, by success or by a yielded error.
     done: bool,
 }
@@ -1043,9 +1281,10 @@ impl RangeStream {
             let cached = self.inner.lock_locations().get(&self.file.path).cloned();
             let from_cache = cached.is_some();
             let url = cached.unwrap_or_else(|| self.resolve_url.clone());
+            self.pace = Pace::new(self.inner.config.progress);
             let failure = match self
                 .inner
-                .open_range(&url, &self.file, &rest, from_cache)
+                .open_range(&url, &self.file, &rest, from_cache, &mut self.pace)
                 .await
             {
                 Ok(answer) => {
@@ -1103,6 +1342,9 @@ impl RangeStream {
             SourceError::Status { range, .. } => *range = Some(self.range.clone()),
             SourceError::Network {
                 range, attempts, ..
+            }
+            | SourceError::TooSlow {
+                range, attempts, ..
             } => {
                 *range = Some(self.range.clone());
                 *attempts = self.attempts;
@@ -1132,7 +1374,27 @@ impl RangeStream {
                 }
                 continue;
             };
-            let failure = match resp.chunk().await {
+            let chunk = match paced_chunk(resp, &mut self.pace).await {
+                Ok(chunk) => chunk,
+                Err(_) if self.received == len => {
+                    // Every byte is in; only the end of the body was slow to come.
+                    self.body = None;
+                    self.done = true;
+                    return None;
+                }
+                Err(slow) => {
+                    let url = url.clone();
+                    let failure =
+                        slow_failure(&self.file.path, &url, Some(self.range.clone()), slow);
+                    self.body = None;
+                    if let Err(e) = self.retry_or_fail(failure).await {
+                        self.done = true;
+                        return Some(Err(e));
+                    }
+                    continue;
+                }
+            };
+            let failure = match chunk {
                 Ok(Some(chunk)) => {
                     self.inner
                         .bytes
@@ -1214,6 +1476,21 @@ impl RangeSource for HttpSource {
     fn stats(&self) -> SourceStats {
         self.inner.stats()
     }
+
+    fn published_sha256(&self, path: &str) -> Option<String> {
+        let listed = self
+            .inner
+            .resolved
+            .get()
+            .and_then(|r| r.file(path))
+            .and_then(|f| f.sha256.clone());
+        listed.or_else(|| {
+            self.inner
+                .lock_published()
+                .get(path)
+                .map(|(h, _)| h.clone())
+        })
+    }
 }
 
 #[cfg(test)]
@@ -1288,6 +1565,7 @@ mod tests {
             body: Some((resp, url)),
             pending: Bytes::new(),
             attempts: 1,
+            pace: Pace::new(ProgressLimits::default()),
             done: false,
         }
     }

@@ -3,7 +3,8 @@
 //! Two layouts are understood:
 //! - a plain directory: every regular file below it (skipping `.git`, `.cache` and
 //!   `.gturbo-hub`) is a repo file; a symlink is followed only when it resolves inside
-//!   the directory; the commit is unknown;
+//!   the directory; the commit is unknown; anything that is neither a file nor a
+//!   folder (a FIFO, a socket, a device) refuses the snapshot, naming it;
 //! - a Hugging Face cache snapshot `.../models--ORG--NAME/snapshots/<commit>/`, or the
 //!   `models--ORG--NAME` folder itself (the snapshot then comes from
 //!   `refs/<revision or main>`): files are symlinks into `../../blobs/`, accepted when
@@ -486,13 +487,14 @@ fn walk(
         } else if kind.is_file() {
             (disk, None)
         } else {
-            // Sockets, FIFOs, devices: not repo content.
-            continue;
+            // A FIFO would block a read forever and a device is no repo content:
+            // refuse the snapshot, naming the entry, rather than install without it.
+            return Err(not_regular(&origin, &rel, kind));
         };
         check_repo_path(&origin, &rel)?;
         let meta = fs::metadata(&target).map_err(|e| io_err(&target, e))?;
         if !meta.is_file() {
-            continue;
+            return Err(not_regular(&origin, &rel, meta.file_type()));
         }
         files.push(RepoFile {
             path: rel.clone(),
@@ -502,6 +504,29 @@ fn walk(
         paths.insert(rel, target);
     }
     Ok(())
+}
+
+/// The refusal of a snapshot entry that is not a regular file (nor a folder).
+fn not_regular(origin: &str, rel: &str, kind: fs::FileType) -> SourceError {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_dir() {
+        "a folder"
+    } else {
+        "an unknown kind of file"
+    };
+    SourceError::NotRegularFile {
+        origin: origin.to_string(),
+        name: rel.to_string(),
+        kind: kind.to_string(),
+    }
 }
 
 fn bad_range(path: &str, range: &Range<u64>, detail: String) -> SourceError {
@@ -716,6 +741,56 @@ mod tests {
                 "m.safetensors bytes 0-{}: bad ranged answer: file ended before the range did (reading at byte {STREAM_CHUNK})",
                 n - 1
             )
+        );
+    }
+
+    /// Issue 13, item 16: a FIFO (or socket) in a snapshot is named and refused, not
+    /// silently left out of the install; so is a symlink to one.
+    #[test]
+    fn a_fifo_or_socket_in_the_snapshot_is_named_and_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("snap");
+        write(&root.join("config.json"), b"{}");
+        std::fs::create_dir_all(root.join("weights")).unwrap();
+        let fifo = root.join("weights/pipe.safetensors");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo runs");
+        assert!(made.success(), "mkfifo {}", fifo.display());
+        let err = LocalSource::open(&root, None).unwrap_err();
+        assert!(matches!(err, SourceError::NotRegularFile { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "local directory {}: weights/pipe.safetensors: a FIFO (named pipe), not a regular file; a snapshot may hold only regular files, folders and symlinks to them",
+                fs::canonicalize(&root).unwrap().display()
+            )
+        );
+
+        // A symlink to a FIFO (kept in `.cache`, which is never listed): refused by
+        // the link's name.
+        std::fs::create_dir_all(root.join(".cache")).unwrap();
+        std::fs::rename(&fifo, root.join(".cache/pipe")).unwrap();
+        symlink("../.cache/pipe", root.join("weights/link.safetensors")).unwrap();
+        let err = LocalSource::open(&root, None).unwrap_err();
+        assert!(
+            matches!(err, SourceError::NotRegularFile { ref name, .. } if name == "weights/link.safetensors"),
+            "{err:?}"
+        );
+        std::fs::remove_file(root.join("weights/link.safetensors")).unwrap();
+        let ok = LocalSource::open(&root, None).unwrap();
+        assert_eq!(ok.repo.files.len(), 1, "the FIFO in .cache is not listed");
+
+        // A socket.
+        let sock_dir = tmp.path().join("sock");
+        write(&sock_dir.join("config.json"), b"{}");
+        let _listener = std::os::unix::net::UnixListener::bind(sock_dir.join("s")).unwrap();
+        let err = LocalSource::open(&sock_dir, None).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(": s: a socket, not a regular file"),
+            "{err}"
         );
     }
 

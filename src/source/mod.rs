@@ -16,6 +16,7 @@ use bytes::Bytes;
 
 pub mod http;
 pub mod local;
+pub mod pace;
 pub mod retry;
 pub mod token;
 
@@ -100,6 +101,14 @@ pub trait RangeSource: Send + Sync {
 
     /// Counters so far.
     fn stats(&self) -> SourceStats;
+
+    /// The SHA-256 the source publishes for `path`, as known now: the listing's, or one
+    /// a file answer carried (HTTP: `X-Linked-Etag`, or an `ETag` that is a SHA-256).
+    /// Asked after the shard headers are read, so those answers count.
+    fn published_sha256(&self, path: &str) -> Option<String> {
+        let _ = path;
+        None
+    }
 }
 
 /// Why a source could not deliver. Every variant names what the user needs to act:
@@ -107,14 +116,14 @@ pub trait RangeSource: Send + Sync {
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
     /// 401/403: gated or private repository, or a bad token.
-    #[error(
-        "{url}: HTTP {status}: access denied; the repo may be gated or private (set HF_TOKEN or log in with `hf auth login`, and accept the repo's terms on the hub)"
-    )]
+    #[error("{url}: HTTP {status}: {}", unauthorized_hint(*status, *token_sent))]
     Unauthorized {
         /// The URL (never with credentials).
         url: String,
         /// HTTP status.
         status: u16,
+        /// Whether the request carried a token (the hint differs: set one, or fix it).
+        token_sent: bool,
     },
     /// 404: repo, revision or file not found.
     #[error("{url}: HTTP 404: not found ({what})")]
@@ -173,6 +182,21 @@ pub enum SourceError {
         /// The last error's text.
         detail: String,
     },
+    /// A transfer broke a progress rule ([`pace`]) on every attempt: too few bytes in
+    /// the low-speed window, or an attempt past the range timeout.
+    #[error("{file}{range}: too slow, gave up after {attempts} attempt(s): {detail} (from {url})", range = fmt_range(range))]
+    TooSlow {
+        /// The file (or, for an API call, what was asked for).
+        file: String,
+        /// The URL.
+        url: String,
+        /// Byte range asked for, if any.
+        range: Option<Range<u64>>,
+        /// Attempts made.
+        attempts: u32,
+        /// The rule broken and the observed rate, on the last attempt.
+        detail: String,
+    },
     /// A server answer (revision info, tree listing) that does not parse or is unsafe.
     #[error("{url}: malformed answer: field `{field}`: {detail}")]
     Malformed {
@@ -211,6 +235,19 @@ pub enum SourceError {
         /// Why it is refused.
         why: String,
     },
+    /// A local snapshot holds something that is neither a file nor a folder (a FIFO, a
+    /// socket, a device): reading it could block forever or read a device.
+    #[error(
+        "{origin}: {name}: {kind}, not a regular file; a snapshot may hold only regular files, folders and symlinks to them"
+    )]
+    NotRegularFile {
+        /// The snapshot directory.
+        origin: String,
+        /// The entry, relative to the snapshot.
+        name: String,
+        /// What it is: `a FIFO (named pipe)`, `a socket`, ...
+        kind: String,
+    },
     /// Local I/O.
     #[error("{path}: {source}")]
     Io {
@@ -223,6 +260,22 @@ pub enum SourceError {
     /// Bad configuration (endpoint URL, token file).
     #[error("{0}")]
     Config(String),
+}
+
+/// What to do about a 401/403. A request without a token may just need one; a request
+/// with one was refused with it, so "set HF_TOKEN" would not help.
+fn unauthorized_hint(status: u16, token_sent: bool) -> &'static str {
+    match (token_sent, status) {
+        (false, _) => {
+            "access denied; the repo may be gated or private (set HF_TOKEN or log in with `hf auth login`, and accept the repo's terms on the hub)"
+        }
+        (true, 401) => {
+            "access denied with the token given: it is invalid, expired or revoked (check HF_TOKEN, HF_TOKEN_PATH or the token file from `hf auth login`)"
+        }
+        (true, _) => {
+            "access denied with the token given: it is valid but has no access to this repo (accept the repo's terms on the hub, or use a token with read access to it)"
+        }
+    }
 }
 
 fn fmt_range(range: &Option<Range<u64>>) -> String {

@@ -979,20 +979,22 @@ fn write_receipt(
 ) -> Result<ReceiptOutcome, VerifyFailure> {
     let carried = old
         .filter(|r| r.manifest_sha256 == manifest_sha && r.files == files)
-        .map(|r| (r.source_repo, r.source_commit));
+        .map(|r| (r.source_repo, r.source_commit, r.source_shards));
     let outcome = if carried.is_some() {
         ReceiptOutcome::Rewritten
     } else {
         ReceiptOutcome::RewrittenWithoutProvenance
     };
-    // No matching receipt: no provenance, `""` and `None` (FORMAT.md's rewrite rule).
-    let (source_repo, source_commit) = carried.unwrap_or_default();
+    // No matching receipt: no provenance, `""`, `None` and no shards (FORMAT.md's
+    // rewrite rule).
+    let (source_repo, source_commit, source_shards) = carried.unwrap_or_default();
     let r = Receipt::new(
         Prover::VerifyInstall,
         manifest_sha.to_string(),
         files,
         source_repo,
         source_commit,
+        source_shards,
         SystemTime::now(),
     );
     let name = receipt::FILE_NAME;

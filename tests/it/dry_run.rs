@@ -428,7 +428,10 @@ async fn missing_and_gated_repos_fail_fast_without_leaking_the_token() {
     assert_eq!(gated.status.code(), Some(2));
     let err = stderr(&gated);
     assert!(
-        err.contains("HTTP 401: access denied; the repo may be gated or private"),
+        // A token was sent: the hint says it was refused (issue 13, item 10).
+        err.contains(
+            "HTTP 401: access denied with the token given: it is invalid, expired or revoked"
+        ),
         "{err}"
     );
     assert!(

@@ -424,7 +424,7 @@ async fn a_gated_repo_fails_fast_and_never_shows_the_token() {
     assert_eq!(
         text,
         format!(
-            "{}/api/models/{REPO}/revision/main: HTTP 401: access denied; the repo may be gated or private (set HF_TOKEN or log in with `hf auth login`, and accept the repo's terms on the hub)",
+            "{}/api/models/{REPO}/revision/main: HTTP 401: access denied with the token given: it is invalid, expired or revoked (check HF_TOKEN, HF_TOKEN_PATH or the token file from `hf auth login`)",
             fx.hub.url()
         )
     );
@@ -790,4 +790,297 @@ async fn a_stream_gives_up_when_attempts_run_out_with_the_range_and_count() {
     assert!(resume <= 500_000 && resume <= k as u64, "{asked:?}");
     assert_eq!(asked, [(0, 999_999), (resume, 999_999)]);
     assert_eq!(src.stats().retries, 1);
+}
+
+// ---- issue 13: progress deadlines, published hashes, token hints, Retry-After ----
+
+use gturbo::source::pace::ProgressLimits;
+use gturbo::testkit::hub::PublishedHashes;
+
+/// A source whose progress rules fire in fractions of a second.
+fn paced(fx: &Fixture, limits: ProgressLimits, attempts: usize) -> HttpSource {
+    let mut c = fx.config();
+    c.progress = limits;
+    c.max_attempts = attempts;
+    HttpSource::new(c).unwrap()
+}
+
+fn low_speed(bytes: u64, ms: u64) -> ProgressLimits {
+    ProgressLimits {
+        low_speed_bytes: bytes,
+        low_speed_time: Duration::from_millis(ms),
+        range_timeout: Duration::ZERO,
+    }
+}
+
+#[tokio::test]
+async fn a_server_that_stalls_every_read_fails_each_attempt_at_the_low_speed_limit() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let src = paced(&fx, low_speed(1000, 300), 3);
+    src.resolve().await.unwrap();
+    for kind in [FaultKind::Stall, FaultKind::StallBeforeHeaders] {
+        fx.hub.reset_stats();
+        fx.hub.faults().clear();
+        fx.hub
+            .faults()
+            .push(Fault::new(kind.clone()).path(BIG).always());
+        let before = src.stats().retries;
+        let t = Instant::now();
+        // A whole read and a stream: both give up after 3 attempts of 0.3 s.
+        let e = src.read_range(BIG, 0..100_000).await.unwrap_err();
+        let took = t.elapsed();
+        assert!(
+            matches!(e, SourceError::TooSlow { attempts: 3, .. }),
+            "{kind:?}: {e:?}"
+        );
+        // The wait shown is the one measured (0.3 s, more on a loaded machine).
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!(
+                "{BIG} (bytes 0-99999): too slow, gave up after 3 attempt(s): fewer than 1000 bytes in 0.3 s (the low-speed limit): 0 bytes in 0."
+            )) && text.ends_with(&format!(" s, 0.0 B/s (from {})", fx.resolve_url(BIG))),
+            "{kind:?}: {text}"
+        );
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+            "{kind:?}: {took:?}"
+        );
+        assert_eq!(src.stats().retries - before, 2, "{kind:?}");
+        assert_eq!(fx.hub.stats().file(REPO, BIG).ranges.len(), 3, "{kind:?}");
+
+        let stream = src.stream_range(BIG, 0..100_000).await;
+        let e = match stream {
+            Err(e) => e,
+            Ok(s) => chunks_until_error(s).await.1.expect("an error"),
+        };
+        assert!(
+            matches!(e, SourceError::TooSlow { attempts: 3, .. }),
+            "{kind:?}: {e:?}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with(&format!("{BIG} (bytes 0-99999): too slow")),
+            "{e}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_slow_drip_fails_at_the_low_speed_limit_naming_the_rate() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let src = paced(&fx, low_speed(10_000, 400), 2);
+    src.resolve().await.unwrap();
+    // 10 bytes every 50 ms: 200 B/s, a per-read timeout would never fire.
+    fx.hub.faults().push(
+        Fault::new(FaultKind::SlowDrip {
+            bytes: 10,
+            every_ms: 50,
+        })
+        .path(BIG)
+        .always(),
+    );
+    let stream = src.stream_range(BIG, 0..1_000_000).await.unwrap();
+    let (got, e) = chunks_until_error(stream).await;
+    let e = e.expect("an error");
+    assert!(
+        matches!(e, SourceError::TooSlow { attempts: 2, .. }),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    let head = format!(
+        "{BIG} (bytes 0-999999): too slow, gave up after 2 attempt(s): fewer than 10000 bytes in 0.4 s (the low-speed limit): "
+    );
+    assert!(text.starts_with(&head), "{text}");
+    assert!(text.contains(" B/s (from "), "{text}");
+    // What dripped in was kept, and the second attempt resumed after it.
+    assert!(!got.is_empty() && got == fx.bytes(BIG)[..got.len()]);
+    let asked = asked_ranges(&fx.hub.stats().file(REPO, BIG).ranges);
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    assert!(asked[1].0 > 0, "{asked:?}");
+
+    // A steady server well above the limit is not refused.
+    fx.hub.faults().clear();
+    fx.hub.faults().push(
+        Fault::new(FaultKind::SlowDrip {
+            bytes: 8192,
+            every_ms: 20,
+        })
+        .path(BIG)
+        .always(),
+    );
+    let got = chunks(src.stream_range(BIG, 0..100_000).await)
+        .await
+        .unwrap();
+    assert!(concat(&got) == fx.bytes(BIG)[..100_000]);
+}
+
+#[tokio::test]
+async fn the_range_timeout_ends_an_attempt_and_the_next_resumes_from_the_byte_reached() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let limits = ProgressLimits {
+        low_speed_bytes: 0,
+        low_speed_time: Duration::ZERO,
+        range_timeout: Duration::from_millis(300),
+    };
+    let src = paced(&fx, limits, 3);
+    src.resolve().await.unwrap();
+    // 4 KiB every 20 ms (about 200 KiB/s): passes any low-speed limit, but 1 MB takes
+    // 5 s, far over three attempts of 0.3 s.
+    fx.hub.faults().push(
+        Fault::new(FaultKind::SlowDrip {
+            bytes: 4096,
+            every_ms: 20,
+        })
+        .path(BIG)
+        .always(),
+    );
+    let stream = src.stream_range(BIG, 0..1_000_000).await.unwrap();
+    let (got, e) = chunks_until_error(stream).await;
+    let e = e.expect("an error");
+    assert!(
+        matches!(e, SourceError::TooSlow { attempts: 3, .. }),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.starts_with(&format!(
+            "{BIG} (bytes 0-999999): too slow, gave up after 3 attempt(s): the range timeout of 0.3 s passed: "
+        )) && text.contains("KiB/s"),
+        "{text}"
+    );
+    assert!(got == fx.bytes(BIG)[..got.len()]);
+    let asked = asked_ranges(&fx.hub.stats().file(REPO, BIG).ranges);
+    assert_eq!(asked.len(), 3, "{asked:?}");
+    assert!(
+        asked[0].0 < asked[1].0 && asked[1].0 < asked[2].0,
+        "each attempt resumes where the last stopped: {asked:?}"
+    );
+    assert!(asked[2].0 <= got.len() as u64, "{asked:?} {}", got.len());
+}
+
+#[tokio::test]
+async fn published_sha256_comes_from_the_listing_x_linked_etag_or_a_sha256_etag() {
+    for (mode, cdn, want) in [
+        (PublishedHashes::Everywhere, false, true),
+        (PublishedHashes::LinkedEtag, false, true),
+        (PublishedHashes::LinkedEtag, true, true),
+        (PublishedHashes::Etag, false, true),
+        (PublishedHashes::Etag, true, true),
+        (PublishedHashes::Nowhere, false, false),
+        (PublishedHashes::Nowhere, true, false),
+    ] {
+        let fx = Fixture::new(HubConfig {
+            published_hashes: mode,
+            redirect_to_cdn: cdn,
+            ..HubConfig::default()
+        })
+        .await;
+        let src = fx.source();
+        let listed = src.resolve().await.unwrap();
+        let in_listing = listed.file(BIN).unwrap().sha256.is_some();
+        assert_eq!(in_listing, mode == PublishedHashes::Everywhere, "{mode:?}");
+        let sha = support::sha256_hex(fx.bytes(BIN));
+        src.read_range(BIN, 0..10).await.unwrap();
+        assert_eq!(
+            src.published_sha256(BIN),
+            want.then(|| sha.clone()),
+            "{mode:?} cdn={cdn}"
+        );
+        // Small (non-LFS) files publish a git SHA-1, never taken for a SHA-256.
+        src.read_file("config.json", 4096).await.unwrap();
+        assert_eq!(src.published_sha256("config.json"), None, "{mode:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_x_linked_etag_that_contradicts_the_listing_refuses_the_read() {
+    let fx = Fixture::new(HubConfig::default()).await;
+    let src = fx.source();
+    src.resolve().await.unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::new(FaultKind::ChangedEtag).path(BIN));
+    let e = src.read_range(BIN, 0..10).await.unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with(&format!(
+            "{}: malformed answer: field `{BIN}: X-Linked-Etag`: SHA-256 ",
+            fx.resolve_url(BIN)
+        )) && text.contains(&format!(
+            "differs from the tree listing's lfs.oid {}",
+            support::sha256_hex(fx.bytes(BIN))
+        )),
+        "{text}"
+    );
+    assert_eq!(src.stats().retries, 0);
+}
+
+#[tokio::test]
+async fn a_refused_token_gets_another_hint_than_a_missing_one() {
+    let fx = Fixture::new(HubConfig {
+        gated: vec![REPO.into()],
+        token: Some("hf_the_right_one".into()),
+        ..HubConfig::default()
+    })
+    .await;
+    let revision_url = format!("{}/api/models/{REPO}/revision/main", fx.hub.url());
+    let src = fx.source();
+    assert_eq!(
+        src.resolve().await.unwrap_err().to_string(),
+        format!(
+            "{revision_url}: HTTP 401: access denied; the repo may be gated or private (set HF_TOKEN or log in with `hf auth login`, and accept the repo's terms on the hub)"
+        )
+    );
+    let mut c = fx.config();
+    c.token = HfToken::new("hf_wrong");
+    let src = HttpSource::new(c).unwrap();
+    assert_eq!(
+        src.resolve().await.unwrap_err().to_string(),
+        format!(
+            "{revision_url}: HTTP 401: access denied with the token given: it is invalid, expired or revoked (check HF_TOKEN, HF_TOKEN_PATH or the token file from `hf auth login`)"
+        )
+    );
+    // A valid token without access to the repo (the hub answers 403).
+    let mut c = fx.config();
+    c.token = HfToken::new("hf_the_right_one");
+    let src = HttpSource::new(c).unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::status(403).route(RouteKind::Revision));
+    let e = src.resolve().await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            SourceError::Unauthorized {
+                status: 403,
+                token_sent: true,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().ends_with(
+            "HTTP 403: access denied with the token given: it is valid but has no access to this repo (accept the repo's terms on the hub, or use a token with read access to it)"
+        ),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn a_retry_after_over_the_limit_on_a_stream_is_not_followed_by_another_request() {
+    let fx = big_fixture(HubConfig::default()).await;
+    let mut c = fx.config();
+    c.max_retry_after = Duration::from_secs(10);
+    let src = HttpSource::new(c).unwrap();
+    src.resolve().await.unwrap();
+    fx.hub
+        .faults()
+        .push(Fault::too_many_requests("86400").path(BIG));
+    let e = chunks(src.stream_range(BIG, 0..1_000_000).await)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, SourceError::RetryAfterTooLong { .. }), "{e:?}");
+    assert_eq!(fx.hub.stats().file(REPO, BIG).ranges.len(), 1);
+    assert_eq!(src.stats().retries, 0);
 }

@@ -411,3 +411,70 @@ fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
         );
     }
 }
+
+/// Issue 13, item 6: a chat template's work and output are bounded. Three nested
+/// `range(100000)` loops (10^15 steps) are refused within seconds, with an error that
+/// names the template; so is an output of many megabytes.
+#[test]
+fn issue13_a_runaway_chat_template_is_refused_naming_it() {
+    let base = temp_dir();
+    write_qwen3(&base.path().join("tokenizer"), &Qwen3Spec::tiny()).unwrap();
+    let tok = base.path().join("tokenizer");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tok.join("tokenizer_config.json")).unwrap()).unwrap();
+    let cases = [
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}{% endfor %}{% endfor %}{% endfor %}",
+            "refused: the template ran 10000000 steps without finishing",
+        ),
+        (
+            "{% for a in range(100000) %}{{ 'x' * 50000000 }}{% endfor %}",
+            "refused: the template's output passed 16777216 bytes",
+        ),
+    ];
+    for (template, want) in cases {
+        cfg["chat_template"] = serde_json::json!(template);
+        write_file(
+            base.path(),
+            "tokenizer/tokenizer_config.json",
+            cfg.to_string().as_bytes(),
+        );
+        let codec = TextCodec::load(base.path()).unwrap();
+        let t = std::time::Instant::now();
+        let err = codec.chat_prompt(None, "hi").unwrap_err();
+        let took = t.elapsed();
+        assert!(matches!(err, TextError::Template { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with(&format!(
+                "chat template ({}): {want}",
+                tok.join("tokenizer_config.json").display()
+            )),
+            "{msg}"
+        );
+        assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+    }
+    // A template file (`chat_template.jinja`) is named by its own path.
+    cfg.as_object_mut().unwrap().remove("chat_template");
+    write_file(
+        base.path(),
+        "tokenizer/tokenizer_config.json",
+        cfg.to_string().as_bytes(),
+    );
+    write_file(
+        base.path(),
+        "tokenizer/chat_template.jinja",
+        cases[0].0.as_bytes(),
+    );
+    let err = TextCodec::load(base.path())
+        .unwrap()
+        .chat_prompt(None, "hi")
+        .unwrap_err();
+    assert!(
+        err.to_string().starts_with(&format!(
+            "chat template ({}): refused",
+            tok.join("chat_template.jinja").display()
+        )),
+        "{err}"
+    );
+}

@@ -2,7 +2,9 @@
 //! match it (route kind, optionally one file), then disarms itself.
 //!
 //! Faults are checked in the order they were pushed; the first armed fault that matches a
-//! request is used (and only one per request). Body faults only match answers that would
+//! request is used (and only one per request). A fault with [`Fault::skip`] lets that many
+//! matching requests through first (e.g. a shard's header read); [`Fault::always`] keeps
+//! it armed for good ("a server that stalls every read"). Body faults only match answers that would
 //! carry file bytes (a `GET` of `/resolve` that is not redirected, or of `/cdn`); header
 //! faults only match file answers (`/resolve`, `/cdn`); status faults match any route.
 
@@ -44,6 +46,18 @@ pub enum FaultKind {
     ChangedEtag,
     /// Announce a different `X-Repo-Commit` than the repo's.
     ChangedCommit,
+    /// Send the headers, then `bytes` of the body every `every_ms` milliseconds: a
+    /// trickle that a per-read timeout never catches.
+    SlowDrip {
+        /// Bytes per piece (at least 1).
+        bytes: usize,
+        /// Milliseconds before each piece.
+        every_ms: u64,
+    },
+    /// Send the headers, then no body byte ever (until the client gives up).
+    Stall,
+    /// Accept the request and never answer it.
+    StallBeforeHeaders,
 }
 
 impl FaultKind {
@@ -54,6 +68,9 @@ impl FaultKind {
                 | Self::TruncatedBody
                 | Self::FullBodyFor206
                 | Self::WrongContentRange
+                | Self::SlowDrip { .. }
+                | Self::Stall
+                | Self::StallBeforeHeaders
         )
     }
 
@@ -73,6 +90,9 @@ pub struct Fault {
     pub path: Option<String>,
     /// Only this kind of request (`None`: any).
     pub route: Option<RouteKind>,
+    /// Matching requests let through untouched before the fault applies (e.g. a shard's
+    /// header read, so the fault hits its weight reads).
+    pub skip: u32,
 }
 
 impl Fault {
@@ -83,6 +103,7 @@ impl Fault {
             times: 1,
             path: None,
             route: None,
+            skip: 0,
         }
     }
 
@@ -102,6 +123,11 @@ impl Fault {
         })
     }
 
+    /// Apply to every matching request from now on ("a server that stalls every read").
+    pub fn always(self) -> Self {
+        self.times(u32::MAX)
+    }
+
     /// Apply to the next `n` matching requests.
     pub fn times(mut self, n: u32) -> Self {
         self.times = n;
@@ -111,6 +137,12 @@ impl Fault {
     /// Only requests for this repo-relative file path.
     pub fn path(mut self, path: impl Into<String>) -> Self {
         self.path = Some(path.into());
+        self
+    }
+
+    /// Let the first `n` matching requests through before applying.
+    pub fn skip(mut self, n: u32) -> Self {
+        self.skip = n;
         self
     }
 
@@ -148,7 +180,9 @@ impl Faults {
 
     /// How many request-applications are still armed, over all faults.
     pub fn pending(&self) -> u32 {
-        self.lock().iter().map(|f| f.times).sum()
+        self.lock()
+            .iter()
+            .fold(0u32, |n, f| n.saturating_add(f.times))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Fault>> {
@@ -159,14 +193,28 @@ impl Faults {
     /// Take one application of the first armed fault that matches `req`.
     pub(crate) fn take(&self, req: &RequestShape<'_>) -> Option<FaultKind> {
         let mut armed = self.lock();
-        let idx = armed.iter().position(|f| {
+        let matches = |f: &Fault| {
             f.times > 0
                 && f.route.is_none_or(|r| r == req.route)
                 && f.path.as_deref().is_none_or(|p| req.path == Some(p))
                 && (!f.kind.is_body_fault() || req.file_body)
                 && (!f.kind.is_file_fault()
                     || matches!(req.route, RouteKind::Resolve | RouteKind::Cdn))
-        })?;
+        };
+        // A fault still skipping counts this request and lets later faults have it.
+        let mut idx = None;
+        for (i, f) in armed.iter_mut().enumerate() {
+            if !matches(f) {
+                continue;
+            }
+            if f.skip > 0 {
+                f.skip -= 1;
+                continue;
+            }
+            idx = Some(i);
+            break;
+        }
+        let idx = idx?;
         let fault = &mut armed[idx];
         fault.times -= 1;
         let kind = fault.kind.clone();
@@ -217,5 +265,22 @@ mod tests {
             Some(FaultKind::Status { code: 503, .. })
         ));
         assert_eq!(faults.pending(), 0);
+    }
+
+    #[test]
+    fn a_skipping_fault_lets_the_first_requests_through() {
+        let faults = Faults::default();
+        faults.push(Fault::new(FaultKind::Stall).path("a.bin").skip(2).always());
+        let get_a = RequestShape {
+            route: RouteKind::Resolve,
+            path: Some("a.bin"),
+            file_body: true,
+        };
+        assert_eq!(faults.take(&get_a), None);
+        assert_eq!(faults.take(&get_a), None);
+        for _ in 0..3 {
+            assert_eq!(faults.take(&get_a), Some(FaultKind::Stall));
+        }
+        assert!(faults.pending() > 1_000_000, "always stays armed");
     }
 }

@@ -30,6 +30,12 @@
 //! `<dir>/.gturbo-hub/oids.json` (`{"path": "sha256 hex"}`) so that nothing is hashed.
 //! The directory is scanned once at start; symlinks are followed (a Hugging Face cache
 //! snapshot folder works); `.git`, `.cache` and `.gturbo-hub` are skipped.
+//!
+//! [`HubConfig::published_hashes`] makes the hub publish less than the hub does, as a
+//! mirror may: only `X-Linked-Etag` (no `lfs` in the listing), only a SHA-256 `ETag`, or
+//! nothing at all ([`PublishedHashes`]). Scripted [`Fault`]s cover statuses with
+//! `Retry-After`, resets, truncations, wrong ranges and hashes, and slow servers: a drip
+//! of a few bytes at a time, a stall after the headers, a stall before them.
 
 mod faults;
 
@@ -106,6 +112,24 @@ pub struct HubConfig {
     /// `lfs` only for files whose hash `oids.json` gives, like a server that has not
     /// indexed them yet; gturbo treats such files as having no published hash.
     pub hash_on_listing: bool,
+    /// Where LFS files' SHA-256 is published (fault modes for mirrors that publish less).
+    pub published_hashes: PublishedHashes,
+}
+
+/// Where the hub publishes an LFS file's SHA-256. The hub itself does all three; a
+/// mirror or proxy may publish less, and a client must verify from whatever is there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum PublishedHashes {
+    /// The listing's `lfs.oid`, `X-Linked-Etag` and `ETag`, as the hub does.
+    #[default]
+    Everywhere,
+    /// Only `X-Linked-Etag` on file answers: the listing has no `lfs` block and the
+    /// `ETag` is the git blob SHA-1 of the LFS pointer.
+    LinkedEtag,
+    /// Only a SHA-256 `ETag` on file answers (no `lfs` block, no `X-Linked-Etag`).
+    Etag,
+    /// Nowhere: no `lfs` block, no `X-Linked-Etag`, and an `ETag` that is no SHA-256.
+    Nowhere,
 }
 
 impl Default for HubConfig {
@@ -119,6 +143,7 @@ impl Default for HubConfig {
             tree_page_size: DEFAULT_TREE_PAGE_SIZE,
             port: 0,
             hash_on_listing: true,
+            published_hashes: PublishedHashes::Everywhere,
         }
     }
 }
@@ -255,6 +280,7 @@ struct Shared {
     token: Option<String>,
     page_size: usize,
     hash_on_listing: bool,
+    published_hashes: PublishedHashes,
     stats: Mutex<HubStats>,
     faults: Faults,
 }
@@ -316,6 +342,7 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
         token: config.token.clone(),
         page_size: config.tree_page_size.max(1),
         hash_on_listing: config.hash_on_listing,
+        published_hashes: config.published_hashes,
         stats: Mutex::new(HubStats::default()),
         faults: Faults::default(),
     });
@@ -819,7 +846,10 @@ async fn tree(
                     "size": f.size,
                     "path": f.path,
                 });
-                if f.lfs && (hub.hash_on_listing || f.sha256.get().is_some()) {
+                if f.lfs
+                    && hub.published_hashes == PublishedHashes::Everywhere
+                    && (hub.hash_on_listing || f.sha256.get().is_some())
+                {
                     let (sha, pointer) = match (f.sha256().await, f.lfs_pointer().await) {
                         (Ok(s), Ok(p)) => (s, p),
                         (Err(e), _) | (_, Err(e)) => return internal(&f.path, e),
@@ -897,13 +927,27 @@ async fn resolve(
         if let Ok(v) = HeaderValue::from_str(&location) {
             h.insert(header::LOCATION, v);
         }
-        if let Err(e) = file_headers(h, &file, Some(&repo.commit), fault.as_ref(), compute).await {
+        let answer = FileAnswer {
+            commit: Some(&repo.commit),
+            fault: fault.as_ref(),
+            compute,
+            hashes: hub.published_hashes,
+        };
+        if let Err(e) = file_headers(h, &file, &answer).await {
             return internal(&path, e);
         }
         h.insert(header::CONTENT_LENGTH, HeaderValue::from(0u64));
         return resp;
     }
-    serve_file(&file, Some(&repo.commit), &method, &headers, fault).await
+    serve_file(
+        &file,
+        Some(&repo.commit),
+        hub.published_hashes,
+        &method,
+        &headers,
+        fault,
+    )
+    .await
 }
 
 async fn cdn(
@@ -931,7 +975,7 @@ async fn cdn(
     if let Some(FaultKind::Status { code, retry_after }) = &fault {
         return fault_status(*code, retry_after.as_deref());
     }
-    serve_file(&file, None, &method, &headers, fault).await
+    serve_file(&file, None, hub.published_hashes, &method, &headers, fault).await
 }
 
 fn count_file(
@@ -972,24 +1016,30 @@ fn is_probe(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes() == b"bytes=0-0")
 }
 
+/// What shapes the headers of one file answer.
+struct FileAnswer<'a> {
+    /// `X-Repo-Commit` (none from the CDN).
+    commit: Option<&'a str>,
+    fault: Option<&'a FaultKind>,
+    /// Hash the file now if its SHA-256 is not known yet.
+    compute: bool,
+    hashes: PublishedHashes,
+}
+
 async fn file_headers(
     h: &mut HeaderMap,
     file: &FileEntry,
-    commit: Option<&str>,
-    fault: Option<&FaultKind>,
-    compute: bool,
+    answer: &FileAnswer<'_>,
 ) -> std::io::Result<()> {
-    if let Some(commit) = commit {
-        let commit = if fault == Some(&FaultKind::ChangedCommit) {
-            hex::encode(sha1::Sha1::digest(format!("changed:{commit}")))
-        } else {
-            commit.to_string()
-        };
-        if let Ok(v) = HeaderValue::from_str(&commit) {
-            h.insert("x-repo-commit", v);
-        }
-    }
-    if let Some(mut etag) = file.etag(compute).await? {
+    let FileAnswer {
+        commit,
+        fault,
+        compute,
+        hashes,
+    } = *answer;
+    if file.lfs && hashes != PublishedHashes::Everywhere {
+        lfs_headers_publishing_less(h, file, answer).await?;
+    } else if let Some(mut etag) = file.etag(compute).await? {
         if fault == Some(&FaultKind::ChangedEtag) {
             etag = if file.lfs {
                 hex::encode(sha2::Sha256::digest(format!("changed:{etag}")))
@@ -1004,10 +1054,63 @@ async fn file_headers(
             h.insert(header::ETAG, v);
         }
     }
+    if let Some(commit) = commit {
+        let commit = if fault == Some(&FaultKind::ChangedCommit) {
+            hex::encode(sha1::Sha1::digest(format!("changed:{commit}")))
+        } else {
+            commit.to_string()
+        };
+        if let Ok(v) = HeaderValue::from_str(&commit) {
+            h.insert("x-repo-commit", v);
+        }
+    }
     if file.lfs {
         h.insert("x-linked-size", HeaderValue::from(file.size));
     }
     h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+    Ok(())
+}
+
+/// The hash headers of an LFS file in the modes that publish less than the hub
+/// ([`PublishedHashes`]). Without a listing to have hashed the file, the hash is
+/// computed for every answer that carries it.
+async fn lfs_headers_publishing_less(
+    h: &mut HeaderMap,
+    file: &FileEntry,
+    answer: &FileAnswer<'_>,
+) -> std::io::Result<()> {
+    let changed = answer.fault == Some(&FaultKind::ChangedEtag);
+    let sha256 = || async {
+        let sha = file.sha256().await?;
+        Ok::<_, std::io::Error>(if changed {
+            hex::encode(sha2::Sha256::digest(format!("changed:{sha}")))
+        } else {
+            sha
+        })
+    };
+    let quoted = |v: &str| HeaderValue::from_str(&format!("\"{v}\"")).ok();
+    let (linked, etag) = match answer.hashes {
+        PublishedHashes::LinkedEtag => {
+            let pointer = file.lfs_pointer().await?;
+            (Some(sha256().await?), git_blob_sha1(pointer.as_bytes()))
+        }
+        PublishedHashes::Etag => (None, sha256().await?),
+        PublishedHashes::Everywhere | PublishedHashes::Nowhere => {
+            // The blob SHA-1 of a pointer that names only the size: says nothing of
+            // the content.
+            let pointer = format!(
+                "version https://git-lfs.github.com/spec/v1\nsize {}\n",
+                file.size
+            );
+            (None, git_blob_sha1(pointer.as_bytes()))
+        }
+    };
+    if let Some(v) = linked.as_deref().and_then(quoted) {
+        h.insert("x-linked-etag", v);
+    }
+    if let Some(v) = quoted(&etag) {
+        h.insert(header::ETAG, v);
+    }
     Ok(())
 }
 
@@ -1065,10 +1168,15 @@ fn parse_range(value: Option<&HeaderValue>, size: u64) -> RangeAnswer {
 async fn serve_file(
     file: &FileEntry,
     commit: Option<&str>,
+    hashes: PublishedHashes,
     method: &Method,
     headers: &HeaderMap,
     fault: Option<FaultKind>,
 ) -> Response {
+    if fault == Some(FaultKind::StallBeforeHeaders) {
+        // Accept the request and never answer (until the client gives up).
+        return std::future::pending().await;
+    }
     let compute = *method == Method::HEAD || is_probe(headers);
     let mut range = match parse_range(headers.get(header::RANGE), file.size) {
         Ok(r) => r,
@@ -1090,7 +1198,13 @@ async fn serve_file(
     };
     let mut resp = Response::new(Body::empty());
     let h = resp.headers_mut();
-    if let Err(e) = file_headers(h, file, commit, fault.as_ref(), compute).await {
+    let answer = FileAnswer {
+        commit,
+        fault: fault.as_ref(),
+        compute,
+        hashes,
+    };
+    if let Err(e) = file_headers(h, file, &answer).await {
         return internal(&file.path, e);
     }
     h.insert(
@@ -1125,8 +1239,40 @@ async fn serve_file(
         Some(FaultKind::TruncatedBody) => Some((len / 2, false)),
         _ => None,
     };
-    *resp.body_mut() = Body::from_stream(body_stream(f, len, cut));
+    *resp.body_mut() = match fault {
+        Some(FaultKind::Stall) => {
+            Body::from_stream(futures_util::stream::pending::<std::io::Result<Bytes>>())
+        }
+        Some(FaultKind::SlowDrip { bytes, every_ms }) => Body::from_stream(drip_stream(
+            f,
+            len,
+            bytes.max(1),
+            std::time::Duration::from_millis(every_ms),
+        )),
+        _ => Body::from_stream(body_stream(f, len, cut)),
+    };
     resp
+}
+
+/// The body in pieces of `bytes`, one every `every` (the first after one `every`).
+fn drip_stream(
+    file: tokio::fs::File,
+    len: u64,
+    bytes: usize,
+    every: std::time::Duration,
+) -> impl futures_util::Stream<Item = std::io::Result<Bytes>> + Send {
+    futures_util::stream::unfold((file, len), move |(mut file, left)| async move {
+        if left == 0 {
+            return None;
+        }
+        tokio::time::sleep(every).await;
+        let want = left.min(bytes as u64) as usize;
+        let mut buf = BytesMut::zeroed(want);
+        match file.read_exact(&mut buf).await {
+            Ok(_) => Some((Ok(buf.freeze()), (file, left - want as u64))),
+            Err(e) => Some((Err(e), (file, 0))),
+        }
+    })
 }
 
 struct BodyState {
@@ -1246,6 +1392,9 @@ struct HubArgs {
     /// listings then give `lfs` only where `.gturbo-hub/oids.json` has the hash.
     #[arg(long)]
     no_hash: bool,
+    /// Where LFS files' SHA-256 is published (a mirror may publish less than the hub).
+    #[arg(long, value_enum, default_value_t = PublishedHashes::Everywhere)]
+    published_hashes: PublishedHashes,
 }
 
 /// `gturbo-dev hub` entry point.
@@ -1299,6 +1448,7 @@ fn run_cli(args: HubArgs) -> Result<(), HubError> {
         tree_page_size: args.page_size,
         port: args.port,
         hash_on_listing: !args.no_hash,
+        published_hashes: args.published_hashes,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -1,0 +1,353 @@
+//! Progress deadlines for one attempt at a transfer, as pure bookkeeping tested from
+//! tables; [`super::http`] measures the waits and turns a [`Slow`] into a retry.
+//!
+//! Two rules, each failing the attempt (which then counts against the one retry budget
+//! of the request, like a reset would):
+//! - **low-speed limit**: fewer than `low_speed_bytes` arrive in `low_speed_time` of
+//!   waiting (curl's `--speed-limit`/`--speed-time`). A server that stalls, or sends one
+//!   byte every few seconds, fails here: a per-read timeout alone never fires on a
+//!   trickle.
+//! - **range timeout**: one attempt at a range (its request and its whole body) may wait
+//!   `range_timeout` in all. It bounds a drip just fast enough to pass the low-speed limit.
+//!
+//! Only time spent waiting on the server counts: a consumer that is slow to ask for the
+//! next chunk (a busy disk, a slow transform) is never blamed on the server.
+//!
+//! Worst case with the defaults, for a server that stalls every read: each attempt fails
+//! after [`DEFAULT_LOW_SPEED_TIME`] (30 s); [`super::retry::DEFAULT_MAX_ATTEMPTS`] (6)
+//! attempts with the backoff between them (at most 0.5 + 1 + 2 + 4 + 8 = 15.5 s with
+//! jitter) end the install within 6 × 30 + 15.5 ≈ 196 s, under 3.5 minutes
+//! ([`stall_bound`]). The README states the same figure.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Low-speed limit: an attempt must receive at least this many bytes…
+pub const DEFAULT_LOW_SPEED_BYTES: u64 = 64 * 1024;
+/// …in every this long of waiting (64 KiB in 30 s is about 2 KiB/s).
+pub const DEFAULT_LOW_SPEED_TIME: Duration = Duration::from_secs(30);
+/// Longest wait for one attempt at a range, its body included. A 64 MiB range (the
+/// default `--range-mib`) needs about 110 KiB/s to arrive in one attempt; a slower link
+/// still progresses, since the next attempt resumes from the byte reached.
+pub const DEFAULT_RANGE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The limits of every attempt. A zero disables a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgressLimits {
+    /// Fewer bytes than this in `low_speed_time` fails the attempt (0: no limit).
+    pub low_speed_bytes: u64,
+    /// The low-speed window (zero: no limit).
+    pub low_speed_time: Duration,
+    /// Most waiting for one attempt in all (zero: no limit).
+    pub range_timeout: Duration,
+}
+
+impl Default for ProgressLimits {
+    fn default() -> Self {
+        Self {
+            low_speed_bytes: DEFAULT_LOW_SPEED_BYTES,
+            low_speed_time: DEFAULT_LOW_SPEED_TIME,
+            range_timeout: DEFAULT_RANGE_TIMEOUT,
+        }
+    }
+}
+
+impl ProgressLimits {
+    fn low_speed_on(&self) -> bool {
+        self.low_speed_bytes > 0 && !self.low_speed_time.is_zero()
+    }
+}
+
+/// The longest a server that stalls every read can hold an install with these
+/// `limits`, `attempts` per request and a backoff capped at `max_delay` (jitter
+/// included, which may double a delay), when the first request already stalls.
+/// `None` when no rule bounds a stall.
+pub fn stall_bound(
+    limits: &ProgressLimits,
+    attempts: usize,
+    base_delay: Duration,
+    max_delay: Duration,
+) -> Option<Duration> {
+    let per_attempt = match (limits.low_speed_on(), limits.range_timeout.is_zero()) {
+        (true, true) => limits.low_speed_time,
+        (true, false) => limits.low_speed_time.min(limits.range_timeout),
+        (false, false) => limits.range_timeout,
+        (false, true) => return None,
+    };
+    let attempts = attempts.max(1);
+    let mut total = per_attempt * attempts as u32;
+    let mut delay = base_delay;
+    for _ in 1..attempts {
+        total += delay.min(max_delay) * 2;
+        delay *= 2;
+    }
+    Some(total)
+}
+
+/// Why an attempt was given up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Slow {
+    /// The low-speed window passed with too few bytes.
+    LowSpeed {
+        /// The limit in force.
+        limits: ProgressLimits,
+        /// Bytes received in the window.
+        bytes: u64,
+        /// The window's waiting time.
+        waited: Duration,
+    },
+    /// The attempt waited longer than the range timeout.
+    Deadline {
+        /// The limit in force.
+        limits: ProgressLimits,
+        /// Bytes received by the attempt.
+        bytes: u64,
+        /// Its waiting time.
+        waited: Duration,
+    },
+}
+
+/// A byte rate for messages: `0.5 B/s`, `12.3 KiB/s`, `4.0 MiB/s`.
+pub fn fmt_rate(bytes: u64, waited: Duration) -> String {
+    let rate = bytes as f64 / waited.as_secs_f64().max(1e-3);
+    if rate < 1024.0 {
+        format!("{rate:.1} B/s")
+    } else if rate < 1024.0 * 1024.0 {
+        format!("{:.1} KiB/s", rate / 1024.0)
+    } else {
+        format!("{:.1} MiB/s", rate / (1024.0 * 1024.0))
+    }
+}
+
+impl fmt::Display for Slow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::LowSpeed {
+                limits,
+                bytes,
+                waited,
+            } => write!(
+                f,
+                "fewer than {} bytes in {} s (the low-speed limit): {bytes} bytes in {:.1} s, {}",
+                limits.low_speed_bytes,
+                limits.low_speed_time.as_secs_f64(),
+                waited.as_secs_f64(),
+                fmt_rate(*bytes, *waited)
+            ),
+            Self::Deadline {
+                limits,
+                bytes,
+                waited,
+            } => write!(
+                f,
+                "the range timeout of {} s passed: {bytes} bytes in {:.1} s, {}",
+                limits.range_timeout.as_secs_f64(),
+                waited.as_secs_f64(),
+                fmt_rate(*bytes, *waited)
+            ),
+        }
+    }
+}
+
+/// The progress of one attempt: record each wait with [`Pace::record`], and ask
+/// [`Pace::check`] before the next one. A chunk that arrived is always kept; the rules
+/// are judged before waiting again, so bytes already on hand are never thrown away.
+#[derive(Debug, Clone)]
+pub struct Pace {
+    limits: ProgressLimits,
+    /// Waiting so far, and bytes so far, in all.
+    waited: Duration,
+    bytes: u64,
+    /// The same within the current low-speed window.
+    window_waited: Duration,
+    window_bytes: u64,
+}
+
+impl Pace {
+    /// A fresh attempt.
+    pub fn new(limits: ProgressLimits) -> Self {
+        Self {
+            limits,
+            waited: Duration::ZERO,
+            bytes: 0,
+            window_waited: Duration::ZERO,
+            window_bytes: 0,
+        }
+    }
+
+    /// How long the next wait may last before [`Pace::check`] must judge it: what is
+    /// left of the window or of the range timeout, whichever ends first. `None` when no
+    /// rule is on.
+    pub fn budget(&self) -> Option<Duration> {
+        let window = self.limits.low_speed_on().then(|| {
+            self.limits
+                .low_speed_time
+                .saturating_sub(self.window_waited)
+        });
+        let deadline = (!self.limits.range_timeout.is_zero())
+            .then(|| self.limits.range_timeout.saturating_sub(self.waited));
+        match (window, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// A wait of `waited` that brought `bytes` (0 when it ran out of budget).
+    pub fn record(&mut self, waited: Duration, bytes: u64) {
+        self.waited += waited;
+        self.bytes += bytes;
+        self.window_waited += waited;
+        self.window_bytes += bytes;
+    }
+
+    /// Whether the attempt may wait again: `Err` once the range timeout is used up, or
+    /// when a low-speed window closed with too few bytes (a window with enough bytes
+    /// closes and the next one starts).
+    pub fn check(&mut self) -> Result<(), Slow> {
+        if !self.limits.range_timeout.is_zero() && self.waited >= self.limits.range_timeout {
+            return Err(Slow::Deadline {
+                limits: self.limits,
+                bytes: self.bytes,
+                waited: self.waited,
+            });
+        }
+        if self.limits.low_speed_on() && self.window_waited >= self.limits.low_speed_time {
+            if self.window_bytes < self.limits.low_speed_bytes {
+                return Err(Slow::LowSpeed {
+                    limits: self.limits,
+                    bytes: self.window_bytes,
+                    waited: self.window_waited,
+                });
+            }
+            self.window_waited = Duration::ZERO;
+            self.window_bytes = 0;
+        }
+        Ok(())
+    }
+
+    /// The verdict after a wait that ran its whole budget: what [`Pace::check`] says,
+    /// which is always an `Err` then.
+    pub fn expired(&mut self) -> Slow {
+        match self.check() {
+            Err(slow) => slow,
+            // Unreachable when the wait lasted its budget; say the deadline passed.
+            Ok(()) => Slow::Deadline {
+                limits: self.limits,
+                bytes: self.bytes,
+                waited: self.waited,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn the_defaults_are_64_kib_in_30_s_and_600_s_per_range() {
+        let d = ProgressLimits::default();
+        assert_eq!(d.low_speed_bytes, 65_536);
+        assert_eq!(d.low_speed_time, S(30));
+        assert_eq!(d.range_timeout, S(600));
+        // A server that stalls every read: 6 attempts × 30 s plus at most 15.5 s of
+        // backoff (0.25, 0.5, 1, 2, 4 s, each up to doubled by jitter).
+        let bound = stall_bound(
+            &d,
+            crate::source::retry::DEFAULT_MAX_ATTEMPTS,
+            crate::source::retry::DEFAULT_BASE_DELAY,
+            crate::source::retry::DEFAULT_MAX_DELAY,
+        );
+        assert_eq!(bound, Some(MS(195_500)));
+        assert!(bound.unwrap() < S(210), "under 3.5 minutes");
+    }
+
+    #[test]
+    fn stall_bounds_follow_the_rules_in_force() {
+        let l = |b, t, r| ProgressLimits {
+            low_speed_bytes: b,
+            low_speed_time: S(t),
+            range_timeout: S(r),
+        };
+        let cases = [
+            (l(1, 10, 0), 1, Some(S(10))),
+            (l(1, 10, 5), 1, Some(S(5))),
+            (l(0, 10, 7), 2, Some(S(14) + MS(500))),
+            (l(0, 0, 0), 3, None),
+            (l(1, 0, 0), 3, None),
+        ];
+        for (limits, attempts, want) in cases {
+            let got = stall_bound(&limits, attempts, MS(250), S(30));
+            assert_eq!(got, want, "{limits:?} × {attempts}");
+        }
+    }
+
+    #[test]
+    fn budgets_and_verdicts() {
+        let limits = ProgressLimits {
+            low_speed_bytes: 100,
+            low_speed_time: S(10),
+            range_timeout: S(25),
+        };
+        let mut p = Pace::new(limits);
+        assert_eq!(p.budget(), Some(S(10)));
+        p.record(S(4), 60);
+        p.check().unwrap();
+        assert_eq!(p.budget(), Some(S(6)));
+        // The window closes with 110 bytes: enough, a new window starts.
+        p.record(S(6), 50);
+        p.check().unwrap();
+        assert_eq!(p.budget(), Some(S(10)));
+        p.record(S(9), 100);
+        p.check().unwrap();
+        // 19 s waited: 1 s left of the window, 6 s of the range timeout.
+        assert_eq!(p.budget(), Some(S(1)));
+        p.record(S(1), 0);
+        p.check().unwrap();
+        assert_eq!(p.budget(), Some(S(5)));
+        p.record(S(5), 1000);
+        let e = p.check().unwrap_err();
+        assert_eq!(
+            e,
+            Slow::Deadline {
+                limits,
+                bytes: 1210,
+                waited: S(25)
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "the range timeout of 25 s passed: 1210 bytes in 25.0 s, 48.4 B/s"
+        );
+
+        let mut p = Pace::new(limits);
+        p.record(S(10), 99);
+        let e = p.expired();
+        assert_eq!(
+            e.to_string(),
+            "fewer than 100 bytes in 10 s (the low-speed limit): 99 bytes in 10.0 s, 9.9 B/s"
+        );
+
+        let off = ProgressLimits {
+            low_speed_bytes: 0,
+            low_speed_time: S(10),
+            range_timeout: Duration::ZERO,
+        };
+        let mut p = Pace::new(off);
+        assert_eq!(p.budget(), None);
+        p.record(S(1000), 0);
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn rates_read_in_human_units() {
+        assert_eq!(fmt_rate(1, S(2)), "0.5 B/s");
+        assert_eq!(fmt_rate(10 * 1024 * 1024, S(2)), "5.0 MiB/s");
+        assert_eq!(fmt_rate(3 * 1024, S(1)), "3.0 KiB/s");
+        // A zero wait counts as 1 ms, never a division by zero.
+        assert_eq!(fmt_rate(5, Duration::ZERO), "4.9 KiB/s");
+    }
+}

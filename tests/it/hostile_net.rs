@@ -1,0 +1,536 @@
+//! Issue 13 ("hostile world, round two"), the network side, through the real binary
+//! against the project's hub: no panic on a fatal install error, a bounded end to a
+//! stalling or dripping server, source hashes from every place the hub publishes them,
+//! a `Retry-After` over the limit, and the CLI bounds (`--threads`, FIFOs in `--from`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use gturbo::testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, PublishedHashes};
+use gturbo::testkit::replica::{self, FlashNextSpec};
+use serde_json::Value;
+
+use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
+
+const REPO: &str = "Qwen/Qwen3.8-Flash-Next";
+/// A shard that holds one INT4-bound matrix, `layers.1.ple.key_proj.weight` [1024, 2560].
+const SHARD: &str = "model-00003-of-00006.safetensors";
+
+struct Replica {
+    tmp: tempfile::TempDir,
+    dir: PathBuf,
+    index_sha: String,
+}
+
+impl Replica {
+    fn new() -> Replica {
+        let tmp = temp_dir();
+        let dir = tmp.path().join("snapshot");
+        replica::write_flash_next(&dir, &FlashNextSpec::scaled()).unwrap();
+        let index_sha =
+            sha256_hex(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap());
+        Replica {
+            tmp,
+            dir,
+            index_sha,
+        }
+    }
+
+    fn out(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+
+    fn shards(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Publish these SHA-256s (the hub then never hashes the files itself), so the
+    /// bytes served can differ from what is published.
+    fn publish(&self, oids: &[(String, String)]) {
+        let map: serde_json::Map<String, Value> = oids
+            .iter()
+            .map(|(p, h)| (p.clone(), Value::String(h.clone())))
+            .collect();
+        let dir = self.dir.join(".gturbo-hub");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("oids.json"), Value::Object(map).to_string()).unwrap();
+    }
+
+    fn true_oids(&self) -> Vec<(String, String)> {
+        self.shards()
+            .into_iter()
+            .map(|s| {
+                let h = sha256_hex(&std::fs::read(self.dir.join(&s)).unwrap());
+                (s, h)
+            })
+            .collect()
+    }
+
+    /// Byte offset (in the file) and length of a tensor's data in `shard`.
+    fn tensor_span(&self, shard: &str, tensor: &str) -> (usize, usize) {
+        let bytes = std::fs::read(self.dir.join(shard)).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let off = &header[tensor]["data_offsets"];
+        let (a, b) = (off[0].as_u64().unwrap(), off[1].as_u64().unwrap());
+        (8 + n + a as usize, (b - a) as usize)
+    }
+}
+
+/// `gturbo install` of the replica from `hub`, with `extra` flags and `env`.
+fn install(hub: &Hub, repo: &HubRepo, r: &Replica, out: &Path, extra: &[&str]) -> Output {
+    install_env(hub, repo, r, out, extra, &[])
+}
+
+fn install_env(
+    hub: &Hub,
+    repo: &HubRepo,
+    r: &Replica,
+    out: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Output {
+    let mut c = Command::new(gturbo_bin());
+    c.args(["install", "qwen38flashnext", "--endpoint", hub.url()])
+        .args(["--revision", &repo.commit, "--index-sha256", &r.index_sha])
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .envs(env.iter().copied())
+        .env_remove("HF_TOKEN")
+        .stdout(Stdio::null());
+    for k in [
+        "GTURBO_LOW_SPEED_LIMIT",
+        "GTURBO_LOW_SPEED_TIME",
+        "GTURBO_RANGE_TIMEOUT",
+        "GTURBO_MAX_ATTEMPTS",
+    ] {
+        if !env.iter().any(|(e, _)| *e == k) {
+            c.env_remove(k);
+        }
+    }
+    c.output().unwrap()
+}
+
+/// The `gturbo: error:` line of a failed run.
+fn error_line(stderr: &str) -> &str {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("gturbo: error: "))
+        .unwrap_or_else(|| panic!("no error line in: {stderr}"))
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Nothing of a refused install is left but what a rerun resumes from: no published
+/// directory.
+fn assert_not_published(out: &Path) {
+    assert!(!out.exists(), "{} was published", out.display());
+}
+
+/// Item 1: a fatal error while other reads are in flight (a shard that does not hash to
+/// its published SHA-256; a NaN in a matrix) used to panic in 10 of 30 runs, inside
+/// tokio, as the runtime shut down under still-running reads. The install owns its read
+/// tasks now and stops them before it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_a_fatal_install_error_never_panics_in_20_runs_each() {
+    let r = Replica::new();
+    // The hub publishes a hash for SHARD that is not its content (as a server whose
+    // ETag/lfs.oid lies would).
+    let mut oids = r.true_oids();
+    for (p, h) in &mut oids {
+        if p == SHARD {
+            *h = "0".repeat(64);
+        }
+    }
+    r.publish(&oids);
+    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    let flags = ["-q", "--jobs", "4", "--range-mib", "1"];
+    for run in 0..20 {
+        let out = r.out(&format!("mismatch-{run}.gturbo"));
+        let o = install(&hub, &repo, &r, &out, &flags);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "run {run}: {err}");
+        assert!(!err.contains("panicked"), "run {run}: {err}");
+        assert!(
+            err.contains(&format!("{SHARD}: source SHA-256 mismatch")),
+            "run {run}: {err}"
+        );
+        assert_not_published(&out);
+    }
+
+    // A NaN in the last element of an INT4-bound matrix: found at the end of a read
+    // while the other jobs stream.
+    let tensor = "model.language_model.layers.1.ple.key_proj.weight";
+    let (at, len) = r.tensor_span(SHARD, tensor);
+    let path = r.dir.join(SHARD);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at + len - 2..at + len].copy_from_slice(&0x7fc0u16.to_le_bytes()); // BF16 NaN
+    std::fs::write(&path, &bytes).unwrap();
+    r.publish(&r.true_oids());
+    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    for run in 0..20 {
+        let out = r.out(&format!("nan-{run}.gturbo"));
+        let o = install(&hub, &repo, &r, &out, &flags);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "run {run}: {err}");
+        assert!(!err.contains("panicked"), "run {run}: {err}");
+        assert!(
+            err.contains(&format!(
+                "tensor `{tensor}`: non-finite weight (inf or NaN) at element {}",
+                len / 2 - 1
+            )),
+            "run {run}: {err}"
+        );
+        assert_not_published(&out);
+    }
+}
+
+/// Item 3: a server that stalls every read of a shard ends the install with a clear
+/// error naming the shard and the rate, within attempts × the low-speed window (plus
+/// backoff); the limits come from flags or environment variables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_a_stalling_or_dripping_server_ends_the_install_within_the_bound() {
+    let r = Replica::new();
+    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+
+    // Stall on every read of SHARD after its header read.
+    hub.faults()
+        .push(Fault::new(FaultKind::Stall).path(SHARD).skip(1).always());
+    let out = r.out("stall.gturbo");
+    let t = Instant::now();
+    let o = install(
+        &hub,
+        &repo,
+        &r,
+        &out,
+        &["--low-speed-time", "1", "--max-attempts", "2"],
+    );
+    let took = t.elapsed();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    // 2 attempts × 1 s, 0.5 s of backoff at most, and the rest of the install.
+    assert!(took < Duration::from_secs(20), "{took:?}: {err}");
+    let line = error_line(&err);
+    assert!(
+        line.starts_with(&format!("gturbo: error: {SHARD} (bytes 0-"))
+            && line.contains(
+                "): too slow, gave up after 2 attempt(s): fewer than 65536 bytes in 1 s (the low-speed limit): 0 bytes in 1."
+            )
+            && line.contains(" s, 0.0 B/s (from "),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert_not_published(&out);
+
+    // A drip of 100 bytes every 100 ms (1 KB/s), limits from the environment.
+    hub.faults().clear();
+    hub.faults().push(
+        Fault::new(FaultKind::SlowDrip {
+            bytes: 100,
+            every_ms: 100,
+        })
+        .path(SHARD)
+        .skip(1)
+        .always(),
+    );
+    let out = r.out("drip.gturbo");
+    let t = Instant::now();
+    let o = install_env(
+        &hub,
+        &repo,
+        &r,
+        &out,
+        &[],
+        &[
+            ("GTURBO_LOW_SPEED_LIMIT", "4096"),
+            ("GTURBO_LOW_SPEED_TIME", "1"),
+            ("GTURBO_MAX_ATTEMPTS", "2"),
+        ],
+    );
+    let took = t.elapsed();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(took < Duration::from_secs(20), "{took:?}: {err}");
+    let line = error_line(&err);
+    assert!(
+        line.starts_with(&format!("gturbo: error: {SHARD} (bytes 0-")) && line.contains(
+            "too slow, gave up after 2 attempt(s): fewer than 4096 bytes in 1 s (the low-speed limit): "
+        ) && line.contains(" B/s (from "),
+        "{err}"
+    );
+    assert_not_published(&out);
+
+    // The range timeout: a drip fast enough for the low-speed limit, too slow for a
+    // range of 1 MiB in 1 s.
+    hub.faults().clear();
+    hub.faults().push(
+        Fault::new(FaultKind::SlowDrip {
+            bytes: 16 * 1024,
+            every_ms: 50,
+        })
+        .path(SHARD)
+        .skip(1)
+        .always(),
+    );
+    let out = r.out("deadline.gturbo");
+    let o = install(
+        &hub,
+        &repo,
+        &r,
+        &out,
+        &["--range-timeout", "1", "--max-attempts", "2"],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("too slow, gave up after 2 attempt(s): the range timeout of 1 s passed: ")
+            && err.contains("KiB/s"),
+        "{err}"
+    );
+    assert_not_published(&out);
+
+    // Nothing scripted: the same hub installs.
+    hub.faults().clear();
+    let out = r.out("ok.gturbo");
+    let o = install(&hub, &repo, &r, &out, &["--low-speed-time", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Item 4: a mirror whose listing has no `lfs.oid` still publishes the hash in
+/// `X-Linked-Etag`; a corrupted body (64 KiB swapped inside a matrix) is caught, where it
+/// used to be installed with "0 source shards verified".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_a_corrupted_body_is_caught_through_x_linked_etag() {
+    let r = Replica::new();
+    let published = r.true_oids();
+    r.publish(&published);
+    // Swap two 64 KiB blocks inside the matrix: same header, same plan, other bytes.
+    let (at, len) = r.tensor_span(SHARD, "model.language_model.layers.1.ple.key_proj.weight");
+    assert!(len >= 4 * 65536);
+    let path = r.dir.join(SHARD);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let (a, b) = (at + 65536, at + 3 * 65536);
+    let block: Vec<u8> = bytes[a..a + 65536].to_vec();
+    bytes.copy_within(b..b + 65536, a);
+    bytes[b..b + 65536].copy_from_slice(&block);
+    std::fs::write(&path, &bytes).unwrap();
+    let config = HubConfig {
+        published_hashes: PublishedHashes::LinkedEtag,
+        redirect_to_cdn: true,
+        ..HubConfig::default()
+    };
+    let (hub, repo) = start_hub(REPO, &r.dir, config).await;
+    let out = r.out("corrupt.gturbo");
+    let o = install(&hub, &repo, &r, &out, &[]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let expected = &published.iter().find(|(p, _)| p == SHARD).unwrap().1;
+    assert!(
+        err.contains(&format!("{SHARD}: source SHA-256 mismatch"))
+            && err.contains(&format!("Expected: {expected}"))
+            && err.contains(&format!("Computed: {}", sha256_hex(&bytes))),
+        "{err}"
+    );
+    assert_not_published(&out);
+}
+
+/// Item 4: where no hash is published at all, the install says so per shard, the
+/// receipt records which shards were verified, and `--require-source-hash` refuses
+/// before any weight is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_unpublished_hashes_are_reported_per_shard_recorded_and_can_be_required() {
+    let r = Replica::new();
+    let shards = r.shards();
+    let config = HubConfig {
+        published_hashes: PublishedHashes::Nowhere,
+        ..HubConfig::default()
+    };
+    let (hub, repo) = start_hub(REPO, &r.dir, config).await;
+
+    let out = r.out("required.gturbo");
+    hub.reset_stats();
+    let o = install(&hub, &repo, &r, &out, &["--require-source-hash"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "gturbo: error: 6 source shards without a published SHA-256 to verify against (--require-source-hash): {}",
+            shards.join(", ")
+        )),
+        "{err}"
+    );
+    assert_not_published(&out);
+    assert!(!r.out("required.gturbo.partial").exists(), "nothing staged");
+    // Only header reads (one or two per shard) reached the shards.
+    let stats = hub.stats();
+    for s in &shards {
+        let n = stats.file(REPO, s).ranges.len();
+        assert!((1..=2).contains(&n), "{s}: {n} requests");
+    }
+
+    let out = r.out("unverified.gturbo");
+    let o = install(&hub, &repo, &r, &out, &[]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains(" 0 source shards verified"), "{err}");
+    for s in &shards {
+        assert!(
+            err.contains(&format!("gturbo: {s}: not verified: no published SHA-256")),
+            "{s}: {err}"
+        );
+    }
+    let receipt: Value =
+        serde_json::from_slice(&std::fs::read(out.join("verified-install.json")).unwrap()).unwrap();
+    let recorded: Vec<(String, Value, bool)> = receipt["source_shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["path"].as_str().unwrap().to_string(),
+                s["sha256"].clone(),
+                s["verified"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, Value, bool)> = shards
+        .iter()
+        .map(|s| (s.clone(), Value::Null, false))
+        .collect();
+    assert_eq!(recorded, want);
+
+    // verify-install rewrites the receipt and carries the record forward.
+    let v = Command::new(gturbo_bin())
+        .arg("verify-install")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(v.status.success(), "{}", stderr(&v));
+    let again: Value =
+        serde_json::from_slice(&std::fs::read(out.join("verified-install.json")).unwrap()).unwrap();
+    assert_eq!(again["verified_by"], "verify-install");
+    assert_eq!(again["source_shards"], receipt["source_shards"]);
+
+    // The same replica where the hub publishes hashes: every shard verified, recorded.
+    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    let out = r.out("verified.gturbo");
+    let o = install(&hub, &repo, &r, &out, &["--require-source-hash"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains(" 6 source shards verified"), "{err}");
+    assert!(!err.contains("not verified"), "{err}");
+    let receipt: Value =
+        serde_json::from_slice(&std::fs::read(out.join("verified-install.json")).unwrap()).unwrap();
+    let oids = r.true_oids();
+    for (s, (path, sha)) in receipt["source_shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&oids)
+    {
+        assert_eq!(s["path"], path.as_str());
+        assert_eq!(s["sha256"], sha.as_str());
+        assert_eq!(s["verified"], true);
+    }
+}
+
+/// Item 7: a `Retry-After` over `--max-retry-wait` on a weight read ends the install
+/// after that one request; retries that do happen are all counted in the summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_retry_after_over_the_limit_is_not_re_requested_and_retries_are_counted() {
+    let r = Replica::new();
+    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    hub.faults()
+        .push(Fault::too_many_requests("86400").path(SHARD).skip(1));
+    let out = r.out("wait.gturbo");
+    let o = install(
+        &hub,
+        &repo,
+        &r,
+        &out,
+        &["--max-retry-wait", "10", "--jobs", "1"],
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("server asked to wait 86400 s (Retry-After: 86400), over the 10 s limit"),
+        "{err}"
+    );
+    // The header read, the refused weight read, and nothing after it.
+    assert_eq!(hub.stats().file(REPO, SHARD).ranges.len(), 2, "{err}");
+    assert_not_published(&out);
+
+    // Two 503s on weight reads of SHARD: retried, and counted.
+    hub.faults().clear();
+    hub.faults()
+        .push(Fault::status(503).path(SHARD).skip(1).times(2));
+    let out = r.out("retried.gturbo");
+    let o = install(&hub, &repo, &r, &out, &[]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains(", 2 retries"), "{err}");
+}
+
+/// Item 15: `--threads` is refused clearly beyond 4 per core (10,000 threads took over
+/// a minute for two tokens).
+#[test]
+fn issue13_threads_beyond_the_bound_are_refused() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let over = (4 * cores + 1).to_string();
+    for args in [
+        vec!["run", "x.gturbo", "--prompt", "hi", "--threads", &over],
+        vec!["eval", "a", "b", "--text", "t", "--threads", &over],
+        vec!["verify-install", "x.gturbo", "--threads", &over],
+    ] {
+        let o = Command::new(gturbo_bin()).args(&args).output().unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(&format!(
+                "{over} threads is more than {} (4 per core, {cores} core",
+                4 * cores
+            )),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// Item 16: a FIFO inside a `--from` snapshot is named and refused (it used to be
+/// skipped, and the install went on without it).
+#[test]
+fn issue13_a_fifo_in_a_from_snapshot_is_named_and_refused() {
+    let r = Replica::new();
+    let fifo = r.dir.join("extra.bin");
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = r.out("fifo.gturbo");
+    let o = Command::new(gturbo_bin())
+        .args(["-q", "install", "qwen38flashnext", "--from"])
+        .arg(&r.dir)
+        .args(["--index-sha256", &r.index_sha, "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(": extra.bin: a FIFO (named pipe), not a regular file"),
+        "{err}"
+    );
+    assert_not_published(&out);
+}
