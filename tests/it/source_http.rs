@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use gturbo::source::http::{HttpConfig, HttpSource, STREAM_CHUNK};
 use gturbo::source::token::HfToken;
 use gturbo::source::{RangeSource, SourceError};
-use gturbo::testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, RouteKind};
+use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, RouteKind};
 
 use crate::support;
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use gturbo::testkit::replica::{self, FlashNextSpec};
+use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
 use crate::support::{gturbo_bin, sha256_hex};
