@@ -14,7 +14,7 @@ THREADS="${THREADS:-$(nproc)}"
 B=target/bench-moe
 rm -rf "$B" && mkdir -p "$B"
 
-cargo build -q --release --bins
+cargo build -q --release -p gturbo -p gturbo-testkit --bins
 G=target/release/gturbo
 target/release/gturbo-dev replica qwen3-moe "$B/snap" --seed 3 > /dev/null
 "$G" -q install --family qwen3_moe test/qwen3-moe-tiny --from "$B/snap" --out "$B/moe.gturbo" > /dev/null 2>&1

@@ -2,7 +2,7 @@
 # End-to-end generation benchmark on SmolLM2-135M-Instruct, INT4, on this machine:
 #   gturbo run   on a gturbo INT4 g64 install of the BF16 snapshot
 #   mlx-lm       on a 4-bit g64 MLX conversion of the same snapshot (same weights)
-#   llama.cpp    (llama-cpp-python, built from source into a venv under target/bench/)
+#   llama.cpp    (llama-cpp-python, built from source into target/venv/llama by venv.sh)
 #                on the original Q4_1 GGUF: the peer a CPU user actually picks
 # Same prompt, same number of generated tokens (greedy, end-of-sequence not a stop),
 # RUNS runs each; prints medians of prefill tok/s, decode tok/s and peak RSS side by side
@@ -92,6 +92,8 @@ for peer in $PEERS; do
     fi
     ;;
   mlx)
+    # shellcheck source=venv.sh
+    source scripts/venv.sh test
     MLX4="$B/smollm2-mlx-4bit-g64"
     if [ ! -f "$MLX4/config.json" ]; then
       echo "mlx-lm: converting the snapshot to 4-bit g64" >&2
@@ -101,12 +103,9 @@ for peer in $PEERS; do
     bench_json mlx python3 scripts/bench_peers.py mlx "$MLX4" "$PROMPT_FILE" "$TOKENS"
     ;;
   llama)
-    VENV="$B/llama-venv"
-    if ! "$VENV/bin/python" -c "import llama_cpp" 2> /dev/null; then
-      echo "llama.cpp: building llama-cpp-python into $VENV (minutes)" >&2
-      python3 -m venv "$VENV"
-      CMAKE_BUILD_PARALLEL_LEVEL="$THREADS" "$VENV/bin/pip" install -q --disable-pip-version-check llama-cpp-python >&2
-    fi
+    # llama-cpp-python builds llama.cpp from source on first use (minutes).
+    VENV="${GTURBO_VENV_ROOT:-$PWD/target/venv}/llama"
+    (export CMAKE_BUILD_PARALLEL_LEVEL="$THREADS"; source scripts/venv.sh llama >&2)
     echo "llama.cpp: $RUNS runs" >&2
     bench_json llama "$VENV/bin/python" scripts/bench_peers.py llama "$GGUF" "$PROMPT_FILE" "$TOKENS" "$THREADS"
     ;;

@@ -18,7 +18,7 @@ experts="${EXPERTS:-9216}"
 cd "$(dirname "$0")/.."
 
 echo "== build (release)" >&2
-nice cargo build --release --bins >&2
+nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2
 gturbo="$PWD/target/release/gturbo"
 dev="$PWD/target/release/gturbo-dev"
 

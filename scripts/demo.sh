@@ -5,12 +5,18 @@
 #    installed at INT4, verified, and run: it must answer " Paris";
 # 2. a full-size Qwen3.8-Flash-Next replica (131 shards, ~360 GB apparent, real
 #    headers, sparse data) planned from shard headers alone, and a scaled one installed.
+#
+# Needs the Rust toolchain and a bare `python3` (with its standard venv module): the
+# conversion's Python packages go into target/venv/demo (scripts/venv.sh), never into
+# the system interpreter. Every model is pinned by its index SHA-256, so nothing warns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${1:-target/demo}"
-cargo build -q --bins
+# gturbo, and gturbo-dev (the local hub and the replica generator) from the test kit.
+cargo build -q -p gturbo -p gturbo-testkit --bins
 BIN=target/debug
 rm -rf "$WORK" && mkdir -p "$WORK"
+index_sha() { sha256sum "$1/model.safetensors.index.json" | cut -d' ' -f1; }
 
 scripts/fetch_smollm2.sh target/smollm2/snapshot
 "$BIN/gturbo-dev" hub --repo "HuggingFaceTB/SmolLM2-135M-Instruct=target/smollm2/snapshot" \
@@ -19,31 +25,32 @@ SMOL_HUB=$!
 trap 'kill $SMOL_HUB 2>/dev/null || true' EXIT
 for _ in $(seq 50); do [ -s "$WORK/smol-hub.url" ] && break; sleep 0.1; done
 "$BIN/gturbo" install --family llama HuggingFaceTB/SmolLM2-135M-Instruct \
-  --endpoint "$(head -1 "$WORK/smol-hub.url")" --out "$WORK/smollm2.gturbo"
+  --endpoint "$(head -1 "$WORK/smol-hub.url")" --index-sha256 "$(index_sha target/smollm2/snapshot)" \
+  --out "$WORK/smollm2.gturbo"
 kill $SMOL_HUB 2>/dev/null || true
 "$BIN/gturbo" verify-install "$WORK/smollm2.gturbo"
 "$BIN/gturbo" run "$WORK/smollm2.gturbo" --prompt "The capital of France is" --max-tokens 12
 "$BIN/gturbo" run "$WORK/smollm2.gturbo" --chat "What is the capital of France?" --system "" --max-tokens 32
 
 "$BIN/gturbo-dev" replica flash-next --full "$WORK/flash-next-full"
-INDEX_SHA=$(sha256sum "$WORK/flash-next-full/model.safetensors.index.json" | cut -d' ' -f1)
 
-# The local hub (resolve → CDN redirect → 206, as the real hub answers).
-"$BIN/gturbo-dev" hub --repo "Qwen/Qwen3.8-Flash-Next=$WORK/flash-next-full" \
+# The local hub (resolve → CDN redirect → 206, as the real hub answers). The replica is
+# served under a name of its own: its index is not the real repo's, whose pin the
+# qwen38flashnext family carries, so it is pinned by its own hash instead.
+REPLICA=gturbo-replica/Qwen3.8-Flash-Next
+"$BIN/gturbo-dev" hub --repo "$REPLICA=$WORK/flash-next-full" \
   --commit de4b8e4d43b917e7706784d8bb445c9af86a3540 --cdn --no-hash > "$WORK/hub.url" &
 HUB=$!
 trap 'kill $HUB $SMOL_HUB 2>/dev/null || true' EXIT
 for _ in $(seq 50); do [ -s "$WORK/hub.url" ] && break; sleep 0.1; done
 URL=$(head -1 "$WORK/hub.url")
 
-# The replica's index differs from the real repo's pin, so pin the replica's own.
-"$BIN/gturbo" install qwen38flashnext --dry-run --endpoint "$URL" --index-sha256 "$INDEX_SHA" \
-  --out "$WORK/qwen38flashnext.gturbo"
+"$BIN/gturbo" install --family qwen38flashnext "$REPLICA" --dry-run --endpoint "$URL" \
+  --index-sha256 "$(index_sha "$WORK/flash-next-full")" --out "$WORK/qwen38flashnext.gturbo"
 
 # A scaled replica (same tensor names and structure, real random BF16 weights) installed
 # end to end from a local folder: quantized, repacked, verified, published.
 "$BIN/gturbo-dev" replica flash-next --scaled "$WORK/flash-next-scaled"
-SCALED_SHA=$(sha256sum "$WORK/flash-next-scaled/model.safetensors.index.json" | cut -d' ' -f1)
-"$BIN/gturbo" -q install qwen38flashnext --from "$WORK/flash-next-scaled" --index-sha256 "$SCALED_SHA" \
-  --out "$WORK/qwen38flashnext-scaled.gturbo"
+"$BIN/gturbo" -q install --family qwen38flashnext "$REPLICA" --from "$WORK/flash-next-scaled" \
+  --index-sha256 "$(index_sha "$WORK/flash-next-scaled")" --out "$WORK/qwen38flashnext-scaled.gturbo"
 ls -l "$WORK/qwen38flashnext-scaled.gturbo" "$WORK/qwen38flashnext-scaled.gturbo/packed_experts"

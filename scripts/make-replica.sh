@@ -5,4 +5,4 @@
 #   scripts/make-replica.sh qwen3-moe|qwen3|llama OUT [--shards N] [--seed N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec cargo run --quiet --release --bin gturbo-dev -- replica "$@"
+exec cargo run --quiet --release -p gturbo-testkit --bin gturbo-dev -- replica "$@"

@@ -13,11 +13,16 @@
 //!   sizes, the census and the plan fingerprint.
 //! - [`transform`]: what happens to bytes (INT4/INT8 affine quantization).
 //! - [`format`]: the `.gturbo` on-disk types shared by install, verify and run.
-//! - [`runtime`]: what runs an install: compute kernels and the model runners.
+//! - [`install`]: resolve, gate and plan (everything `--dry-run` does), then the
+//!   streaming, resumable executor that writes and publishes an install.
 //! - [`verify`]: `verify-install`'s checks (cheap layout checks shared with the runtime,
 //!   full hashing, the receipt).
+//! - [`runtime`]: what runs an install: compute kernels and the model runners.
 //! - [`cli`]: argument parsing, output and exit codes.
-//! - [`testkit`]: a local HF-compatible hub and the replica generator, for tests and demos.
+//! - [`env`]: every environment variable gturbo reads, with its meaning.
+//!
+//! The local test hub and the replica generators are not here: they live in the
+//! workspace's `crates/gturbo-testkit`, which only tests, benchmarks and the demo use.
 
 pub mod cli;
 pub mod env;
@@ -28,6 +33,5 @@ pub mod install;
 pub mod plan;
 pub mod runtime;
 pub mod source;
-pub mod testkit;
 pub mod transform;
 pub mod verify;

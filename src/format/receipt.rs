@@ -159,6 +159,7 @@ mod tests {
             vec![ReceiptFile::from(&file)],
             "org/m".into(),
             None,
+            Vec::new(),
             at,
         );
         let text = String::from_utf8(r.to_canonical_bytes()).unwrap();

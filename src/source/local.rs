@@ -1,10 +1,10 @@
 //! A snapshot directory on disk (`--from DIR`) as a [`RangeSource`].
 //!
 //! Two layouts are understood:
-//! - a plain directory: every regular file below it (skipping `.git`, `.cache` and
-//!   `.gturbo-hub`) is a repo file; a symlink is followed only when it resolves inside
-//!   the directory; the commit is unknown; anything that is neither a file nor a
-//!   folder (a FIFO, a socket, a device) refuses the snapshot, naming it;
+//! - a plain directory: every regular file below it (skipping `.git` and `.cache`) is
+//!   a repo file; a symlink is followed only when it resolves inside the directory; the
+//!   commit is unknown; anything that is neither a file nor a folder (a FIFO, a socket,
+//!   a device) refuses the snapshot, naming it;
 //! - a Hugging Face cache snapshot `.../models--ORG--NAME/snapshots/<commit>/`, or the
 //!   `models--ORG--NAME` folder itself (the snapshot then comes from
 //!   `refs/<revision or main>`): files are symlinks into `../../blobs/`, accepted when
@@ -35,8 +35,9 @@ use crate::format::digest::is_hex;
 /// Largest chunk [`LocalSource::stream_range`] yields: what one read holds in flight.
 pub const STREAM_CHUNK: usize = 1024 * 1024;
 
-/// Folders never listed: VCS data, caches, the test hub's own state.
-const SKIPPED_DIRS: [&str; 3] = [".git", ".cache", ".gturbo-hub"];
+/// Folders never listed: VCS data and caches (`hf download --local-dir` keeps its
+/// metadata in `.cache`).
+const SKIPPED_DIRS: [&str; 2] = [".git", ".cache"];
 
 /// A local snapshot directory.
 #[derive(Debug)]
@@ -564,7 +565,6 @@ mod tests {
         write(&root.join("sub/b.txt"), b"bb");
         write(&root.join(".git/HEAD"), b"ref");
         write(&root.join(".cache/huggingface/x"), b"x");
-        write(&root.join("sub/.gturbo-hub/state"), b"s");
         symlink("model.safetensors", root.join("alias.safetensors")).unwrap();
 
         let src = LocalSource::open(&root, None).unwrap();

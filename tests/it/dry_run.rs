@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use gturbo::testkit::hub::HubConfig;
-use gturbo::testkit::replica::{self, FlashNextSpec, Qwen3MoeSpec, Qwen3Spec};
+use gturbo_testkit::hub::HubConfig;
+use gturbo_testkit::replica::{self, FlashNextSpec, Qwen3MoeSpec, Qwen3Spec};
 use serde_json::Value;
 
 use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};

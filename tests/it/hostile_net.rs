@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use gturbo::testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, PublishedHashes};
-use gturbo::testkit::replica::{self, FlashNextSpec};
+use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, PublishedHashes};
+use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
+use crate::support::{gturbo_bin, sha256_hex, temp_dir};
 
 const REPO: &str = "Qwen/Qwen3.8-Flash-Next";
 /// A shard that holds one INT4-bound matrix, `layers.1.ple.key_proj.weight` [1024, 2560].
@@ -58,9 +58,26 @@ impl Replica {
             .iter()
             .map(|(p, h)| (p.clone(), Value::String(h.clone())))
             .collect();
-        let dir = self.dir.join(".gturbo-hub");
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("oids.json"), Value::Object(map).to_string()).unwrap();
+        std::fs::write(self.oids_file(), Value::Object(map).to_string()).unwrap();
+    }
+
+    /// Where [`Replica::publish`] keeps the published hashes: outside the served folder.
+    fn oids_file(&self) -> PathBuf {
+        self.tmp.path().join("oids.json")
+    }
+
+    /// The hub serving this replica, with the published hashes if any.
+    async fn start(&self, config: HubConfig) -> (Hub, HubRepo) {
+        let mut repo = HubRepo::new(REPO, &self.dir);
+        let oids = self.oids_file();
+        repo.oids = oids.exists().then_some(oids);
+        let hub = gturbo_testkit::hub::start(HubConfig {
+            repos: vec![repo.clone()],
+            ..config
+        })
+        .await
+        .expect("start the test hub");
+        (hub, repo)
     }
 
     fn true_oids(&self) -> Vec<(String, String)> {
@@ -153,7 +170,7 @@ async fn issue13_a_fatal_install_error_never_panics_in_20_runs_each() {
         }
     }
     r.publish(&oids);
-    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    let (hub, repo) = r.start(HubConfig::default()).await;
     let flags = ["-q", "--jobs", "4", "--range-mib", "1"];
     for run in 0..20 {
         let out = r.out(&format!("mismatch-{run}.gturbo"));
@@ -177,7 +194,7 @@ async fn issue13_a_fatal_install_error_never_panics_in_20_runs_each() {
     bytes[at + len - 2..at + len].copy_from_slice(&0x7fc0u16.to_le_bytes()); // BF16 NaN
     std::fs::write(&path, &bytes).unwrap();
     r.publish(&r.true_oids());
-    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    let (hub, repo) = r.start(HubConfig::default()).await;
     for run in 0..20 {
         let out = r.out(&format!("nan-{run}.gturbo"));
         let o = install(&hub, &repo, &r, &out, &flags);
@@ -201,7 +218,7 @@ async fn issue13_a_fatal_install_error_never_panics_in_20_runs_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_a_stalling_or_dripping_server_ends_the_install_within_the_bound() {
     let r = Replica::new();
-    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    let (hub, repo) = r.start(HubConfig::default()).await;
 
     // Stall on every read of SHARD after its header read.
     hub.faults()
@@ -329,7 +346,7 @@ async fn issue13_a_corrupted_body_is_caught_through_x_linked_etag() {
         redirect_to_cdn: true,
         ..HubConfig::default()
     };
-    let (hub, repo) = start_hub(REPO, &r.dir, config).await;
+    let (hub, repo) = r.start(config).await;
     let out = r.out("corrupt.gturbo");
     let o = install(&hub, &repo, &r, &out, &[]);
     let err = stderr(&o);
@@ -355,7 +372,7 @@ async fn issue13_unpublished_hashes_are_reported_per_shard_recorded_and_can_be_r
         published_hashes: PublishedHashes::Nowhere,
         ..HubConfig::default()
     };
-    let (hub, repo) = start_hub(REPO, &r.dir, config).await;
+    let (hub, repo) = r.start(config).await;
 
     let out = r.out("required.gturbo");
     hub.reset_stats();
@@ -422,7 +439,7 @@ async fn issue13_unpublished_hashes_are_reported_per_shard_recorded_and_can_be_r
     assert_eq!(again["source_shards"], receipt["source_shards"]);
 
     // The same replica where the hub publishes hashes: every shard verified, recorded.
-    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    let (hub, repo) = r.start(HubConfig::default()).await;
     let out = r.out("verified.gturbo");
     let o = install(&hub, &repo, &r, &out, &["--require-source-hash"]);
     let err = stderr(&o);
@@ -449,7 +466,7 @@ async fn issue13_unpublished_hashes_are_reported_per_shard_recorded_and_can_be_r
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue13_retry_after_over_the_limit_is_not_re_requested_and_retries_are_counted() {
     let r = Replica::new();
-    let (hub, repo) = start_hub(REPO, &r.dir, HubConfig::default()).await;
+    let (hub, repo) = r.start(HubConfig::default()).await;
     hub.faults()
         .push(Fault::too_many_requests("86400").path(SHARD).skip(1));
     let out = r.out("wait.gturbo");

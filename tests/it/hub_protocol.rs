@@ -1,12 +1,13 @@
 //! The test hub speaks the protocol the official Python client expects: `hf download`
 //! against it yields byte-identical files, with and without the CDN redirect, with tree
-//! pagination on. Skipped (with the reason printed) when the client is not installed,
-//! unless `GTURBO_REQUIRE_PY=1`, where a missing client fails the test.
+//! pagination on. Skipped (reported by `gturbo_testkit::skip`) when the client is not
+//! installed, unless the run is strict (CI, `GTURBO_REQUIRE_PY=1`): then it fails.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gturbo::testkit::hub::HubConfig;
+use gturbo_testkit::hub::HubConfig;
+use gturbo_testkit::skip::require_or_skip;
 
 use crate::support;
 
@@ -26,18 +27,9 @@ fn find_hf_client() -> Result<PathBuf, String> {
     ))
 }
 
-/// The client, or `None` after printing why the test is skipped.
+/// The client, or `None` after recording why the test is skipped.
 fn client_or_skip(test: &str) -> Option<PathBuf> {
-    match find_hf_client() {
-        Ok(c) => Some(c),
-        Err(why) => {
-            if std::env::var("GTURBO_REQUIRE_PY").is_ok_and(|v| v == "1") {
-                panic!("{test}: GTURBO_REQUIRE_PY=1 but {why}");
-            }
-            eprintln!("SKIPPED {test}: {why}");
-            None
-        }
-    }
+    require_or_skip(test, find_hf_client())
 }
 
 fn run_hf_download(client: &Path, endpoint: &str, repo: &str, out: &Path, hf_home: &Path) {

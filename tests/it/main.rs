@@ -7,7 +7,6 @@ mod install_e2e;
 mod mlx_lm_parity;
 mod progress;
 mod quant_parity;
-mod replica;
 mod runtime;
 mod source_http;
 mod support;

@@ -1,13 +1,14 @@
 //! gturbo's INT4 g64 install of a Qwen3-MoE checkpoint against `mlx_lm.convert -q
 //! --q-group-size 64 --q-bits 4` of the same snapshot: `scripts/mlx_lm_parity.py`
 //! compares every resident tensor and every expert (vs mlx-lm's stacked
-//! `switch_mlp.*[e]`) byte for byte. Skipped when mlx-lm is not importable, unless
-//! `GTURBO_REQUIRE_PY=1`, where a missing peer fails the test.
+//! `switch_mlp.*[e]`) byte for byte. Skipped when mlx-lm is not importable, unless the
+//! run is strict (CI, `GTURBO_REQUIRE_PY=1`): then a missing peer fails the test.
 
 use std::path::Path;
 use std::process::{Command, Output};
 
-use gturbo::testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
+use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
+use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
 use crate::support::{gturbo_bin, temp_dir};
@@ -18,11 +19,16 @@ fn script() -> std::path::PathBuf {
 
 /// Whether `python3` can import mlx-lm; panics instead when the peer is required.
 fn mlx_lm_available(test: &str) -> bool {
+    require_or_skip(test, mlx_lm_probe()).is_some()
+}
+
+/// `Err(why)` when `python3` cannot import mlx-lm.
+fn mlx_lm_probe() -> Result<(), String> {
     let probe = Command::new("python3")
         .args(["-c", "import numpy, mlx.core, mlx_lm"])
         .output();
     let why = match probe {
-        Ok(o) if o.status.success() => return true,
+        Ok(o) if o.status.success() => return Ok(()),
         Ok(o) => format!(
             "`python3 -c \"import numpy, mlx.core, mlx_lm\"` failed: {}",
             // The traceback's last line names the missing module.
@@ -35,11 +41,9 @@ fn mlx_lm_available(test: &str) -> bool {
         ),
         Err(e) => format!("cannot run python3: {e}"),
     };
-    if std::env::var("GTURBO_REQUIRE_PY").as_deref() == Ok("1") {
-        panic!("{test}: GTURBO_REQUIRE_PY=1 but {why}");
-    }
-    eprintln!("SKIPPED {test}: {why} (install with `pip install -r scripts/requirements-mlx.txt`)");
-    false
+    Err(format!(
+        "{why} (scripts/venv.sh test installs scripts/requirements-mlx.txt)"
+    ))
 }
 
 fn run_script(snapshot: &Path, install: &Path, mlx_dir: &Path) -> Output {

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use gturbo::testkit::replica::{self, FlashNextSpec};
+use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
 use crate::support::{gturbo_bin, sha256_hex, temp_dir};

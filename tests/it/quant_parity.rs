@@ -6,6 +6,7 @@ use gturbo::transform::quant::{
     Bits, GROUP, QuantError, bf16_to_f32, dequantize_rows, dequantize_rows_bf16, f32_to_bf16,
     quantize_rows, quantize_rows_le_bytes,
 };
+use gturbo_testkit::skip::require_or_skip;
 use serde::Deserialize;
 
 /// One matrix of the golden file or the cross-check file (the shared fields).
@@ -279,17 +280,12 @@ fn non_finite_groups_are_refused_with_the_element_index() {
 
 #[test]
 fn mlx_live_crosscheck() {
-    let Ok(path) = std::env::var("GTURBO_MLX_CROSSCHECK") else {
-        if std::env::var("GTURBO_REQUIRE_PY").as_deref() == Ok("1") {
-            panic!(
-                "GTURBO_REQUIRE_PY=1 but GTURBO_MLX_CROSSCHECK is unset: run \
-                 `python scripts/mlx_crosscheck.py OUT.json` and set GTURBO_MLX_CROSSCHECK=OUT.json"
-            );
-        }
-        eprintln!(
-            "skipping mlx_live_crosscheck: GTURBO_MLX_CROSSCHECK is unset (generate a file with \
-             `pip install -r scripts/requirements-mlx.txt && python scripts/mlx_crosscheck.py OUT.json`)"
-        );
+    let path = std::env::var("GTURBO_MLX_CROSSCHECK").map_err(|_| {
+        "GTURBO_MLX_CROSSCHECK is unset (scripts/test.sh writes the file with \
+         `python3 scripts/mlx_crosscheck.py OUT.json` and sets GTURBO_MLX_CROSSCHECK=OUT.json)"
+            .to_string()
+    });
+    let Some(path) = require_or_skip("mlx_live_crosscheck", path) else {
         return;
     };
     let file = load(&path);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use gturbo::source::http::{HttpConfig, HttpSource, STREAM_CHUNK};
 use gturbo::source::token::HfToken;
 use gturbo::source::{RangeSource, SourceError};
-use gturbo::testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, RouteKind};
+use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, RouteKind};
 
 use crate::support;
 
@@ -795,7 +795,7 @@ async fn a_stream_gives_up_when_attempts_run_out_with_the_range_and_count() {
 // ---- issue 13: progress deadlines, published hashes, token hints, Retry-After ----
 
 use gturbo::source::pace::ProgressLimits;
-use gturbo::testkit::hub::PublishedHashes;
+use gturbo_testkit::hub::PublishedHashes;
 
 /// A source whose progress rules fire in fractions of a second.
 fn paced(fx: &Fixture, limits: ProgressLimits, attempts: usize) -> HttpSource {

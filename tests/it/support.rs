@@ -1,19 +1,14 @@
 //! Shared test helpers: temp dirs, small snapshot fixtures, the in-process hub, and the
-//! paths of the built binaries. Generic on purpose; each test module uses a subset.
+//! path of the built `gturbo` binary. Generic on purpose; each test module uses a subset.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
-use gturbo::testkit::hub::{self, Hub, HubConfig, HubRepo};
+use gturbo_testkit::hub::{self, Hub, HubConfig, HubRepo};
 
 /// The `gturbo` binary built for this test run.
 pub fn gturbo_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gturbo"))
-}
-
-/// The `gturbo-dev` binary built for this test run.
-pub fn gturbo_dev_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_gturbo-dev"))
 }
 
 /// A fresh temporary directory, removed on drop.

@@ -6,16 +6,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gturbo::runtime::text::{TextCodec, TextError};
-use gturbo::testkit::replica::{LlamaSpec, Qwen3Spec, write_llama, write_qwen3};
+use gturbo_testkit::replica::{LlamaSpec, Qwen3Spec, write_llama, write_qwen3};
+use gturbo_testkit::skip::require_or_skip;
 
 use crate::support::{temp_dir, write_file};
 
-fn require_py() -> bool {
-    std::env::var("GTURBO_REQUIRE_PY").as_deref() == Ok("1")
-}
-
 /// The SmolLM2 snapshot written by `scripts/fetch_smollm2.sh` (GTURBO_SMOLLM2_SNAPSHOT
-/// overrides the default `target/smollm2/snapshot`), or `None` after saying why.
+/// overrides the default `target/smollm2/snapshot`), or `None` after recording the skip.
 fn smollm2_snapshot(test: &str) -> Option<PathBuf> {
     let dir = std::env::var_os("GTURBO_SMOLLM2_SNAPSHOT")
         .map(PathBuf::from)
@@ -27,9 +24,7 @@ fn smollm2_snapshot(test: &str) -> Option<PathBuf> {
         "no SmolLM2 snapshot at {} (run scripts/fetch_smollm2.sh)",
         dir.display()
     );
-    assert!(!require_py(), "{test}: GTURBO_REQUIRE_PY=1 but {why}");
-    eprintln!("SKIPPED {test}: {why}");
-    None
+    require_or_skip(test, Err(why))
 }
 
 /// An install-shaped folder (`tokenizer/` holding the snapshot's text files), as
@@ -76,21 +71,16 @@ sys.stdout.write(json.dumps(out))
         .arg(snapshot)
         .arg(serde_json::to_string(&all).unwrap())
         .output();
-    match out {
-        Ok(o) if o.status.success() => Some(serde_json::from_slice(&o.stdout).unwrap()),
-        other => {
-            let why = match other {
-                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
-                Err(e) => e.to_string(),
-            };
-            assert!(
-                !require_py(),
-                "GTURBO_REQUIRE_PY=1 but transformers' apply_chat_template failed: {why}"
-            );
-            eprintln!("SKIPPED transformers comparison: {why}");
-            None
-        }
-    }
+    let out = match out {
+        Ok(o) if o.status.success() => Ok(o),
+        Ok(o) => Err(format!(
+            "transformers comparison: apply_chat_template failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        )),
+        Err(e) => Err(format!("transformers comparison: cannot run python3: {e}")),
+    };
+    require_or_skip("transformers comparison", out)
+        .map(|o| serde_json::from_slice(&o.stdout).unwrap())
 }
 
 #[test]
@@ -361,11 +351,11 @@ fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
     let probe = Command::new("python3")
         .args(["-c", "import numpy, mlx.core"])
         .status();
-    let can_check = matches!(probe, Ok(s) if s.success());
-    assert!(
-        can_check || !require_py(),
-        "GTURBO_REQUIRE_PY=1 but numpy/mlx are missing for scripts/check_install.py"
-    );
+    let can_check = match probe {
+        Ok(s) if s.success() => Ok(()),
+        _ => Err("check_install.py: numpy/mlx are missing for scripts/check_install.py".into()),
+    };
+    let can_check = require_or_skip("check_install.py", can_check).is_some();
     let work = temp_dir();
     for quant in ["int4", "bf16"] {
         let out = work.path().join(format!("smollm2-{quant}.gturbo"));
@@ -394,7 +384,6 @@ fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
         let codec = TextCodec::load(&out).unwrap();
         assert_eq!(codec.stop_ids(), [2]);
         if !can_check {
-            eprintln!("SKIPPED check_install.py for {quant}: numpy/mlx missing");
             continue;
         }
         let c = Command::new("python3")

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use gturbo::testkit::replica::{self, FlashNextSpec};
+use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
 use crate::support::{gturbo_bin, rewrite_as_manifest_1_0, sha256_hex};

@@ -7,7 +7,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::Command;
 
-use gturbo::testkit::replica::{
+use gturbo_testkit::replica::{
     FlashNextSpec, LlamaSpec, Qwen3MoeSpec, Qwen3Spec, write_flash_next, write_llama, write_qwen3,
     write_qwen3_moe,
 };

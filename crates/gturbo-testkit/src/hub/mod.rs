@@ -26,10 +26,11 @@
 //! of its LFS pointer file, as on the hub. Bodies are streamed from disk in 256 KiB
 //! chunks, so sparse files of tens of GB cost no memory. SHA-256 is computed lazily, once
 //! per file, only when a tree listing, a `HEAD`, or a `Range: bytes=0-0` metadata probe
-//! needs it (other `GET`s send the ETag when it is already known). A replica may ship
-//! `<dir>/.gturbo-hub/oids.json` (`{"path": "sha256 hex"}`) so that nothing is hashed.
-//! The directory is scanned once at start; symlinks are followed (a Hugging Face cache
-//! snapshot folder works); `.git`, `.cache` and `.gturbo-hub` are skipped.
+//! needs it (other `GET`s send the ETag when it is already known). [`HubRepo::oids`] may
+//! name a JSON file (`{"path": "sha256 hex"}`), kept outside the served directory, whose
+//! hashes are served without hashing anything. The directory is scanned once at start;
+//! symlinks are followed (a Hugging Face cache snapshot folder works); `.git` and
+//! `.cache` are skipped, as gturbo's local source skips them.
 //!
 //! [`HubConfig::published_hashes`] makes the hub publish less than the hub does, as a
 //! mirror may: only `X-Linked-Etag` (no `lfs` in the listing), only a SHA-256 `ETag`, or
@@ -75,6 +76,9 @@ pub struct HubRepo {
     pub dir: PathBuf,
     /// The commit `main` resolves to: 40 lowercase hex.
     pub commit: String,
+    /// Known SHA-256s, `{"path": "sha256 hex"}`, served without hashing the files (for
+    /// header-only replicas). Outside `dir`, so that the served repo is exactly `dir`.
+    pub oids: Option<PathBuf>,
 }
 
 impl HubRepo {
@@ -86,6 +90,7 @@ impl HubRepo {
             repo,
             dir: dir.into(),
             commit,
+            oids: None,
         }
     }
 }
@@ -160,7 +165,7 @@ pub enum HubError {
         #[source]
         source: std::io::Error,
     },
-    /// A bad repo name, commit, or `oids.json`.
+    /// A bad repo name, commit, or oids file.
     #[error("{0}")]
     Config(String),
 }
@@ -307,11 +312,12 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
                 r.repo, r.commit
             )));
         }
-        let dir = r.dir.clone();
+        let (dir, oids) = (r.dir.clone(), r.oids.clone());
         let threshold = config.lfs_threshold;
-        let files = tokio::task::spawn_blocking(move || scan_snapshot(&dir, threshold))
-            .await
-            .map_err(|e| HubError::Config(format!("snapshot scan task failed: {e}")))??;
+        let files =
+            tokio::task::spawn_blocking(move || scan_snapshot(&dir, oids.as_deref(), threshold))
+                .await
+                .map_err(|e| HubError::Config(format!("snapshot scan task failed: {e}")))??;
         let by_path = files
             .iter()
             .enumerate()
@@ -414,21 +420,23 @@ fn check_repo_name(repo: &str) -> Result<(), HubError> {
     }
 }
 
-fn scan_snapshot(dir: &Path, lfs_threshold: u64) -> Result<Vec<Arc<FileEntry>>, HubError> {
+fn scan_snapshot(
+    dir: &Path,
+    oids_path: Option<&Path>,
+    lfs_threshold: u64,
+) -> Result<Vec<Arc<FileEntry>>, HubError> {
     let io = |path: &Path| {
         let path = path.display().to_string();
         move |source| HubError::Io { path, source }
     };
-    let oids_path = dir.join(".gturbo-hub").join("oids.json");
-    let oids: HashMap<String, String> = match std::fs::read(&oids_path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
-            HubError::Config(format!(
-                "{}: not a {{path: sha256}} map: {e}",
-                oids_path.display()
-            ))
-        })?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashMap::new(),
-        Err(e) => return Err(io(&oids_path)(e)),
+    let oids: HashMap<String, String> = match oids_path {
+        Some(p) => {
+            let bytes = std::fs::read(p).map_err(io(p))?;
+            serde_json::from_slice(&bytes).map_err(|e| {
+                HubError::Config(format!("{}: not a {{path: sha256}} map: {e}", p.display()))
+            })?
+        }
+        None => HashMap::new(),
     };
     let mut files = Vec::new();
     let mut stack = vec![(dir.to_path_buf(), String::new())];
@@ -442,7 +450,7 @@ fn scan_snapshot(dir: &Path, lfs_threshold: u64) -> Result<Vec<Arc<FileEntry>>, 
                     abs.display()
                 )));
             };
-            if matches!(name.as_str(), ".git" | ".cache" | ".gturbo-hub") {
+            if matches!(name.as_str(), ".git" | ".cache") {
                 continue;
             }
             let rel = if rel_dir.is_empty() {
@@ -461,7 +469,7 @@ fn scan_snapshot(dir: &Path, lfs_threshold: u64) -> Result<Vec<Arc<FileEntry>>, 
                     if oid.len() != 64 || !oid.bytes().all(|b| b.is_ascii_hexdigit()) {
                         return Err(HubError::Config(format!(
                             "{}: {rel}: {oid:?} is not a SHA-256 hex digest",
-                            oids_path.display()
+                            oids_path.unwrap_or(dir).display()
                         )));
                     }
                     let _ = sha256.set(oid.to_ascii_lowercase());
@@ -1360,9 +1368,8 @@ fn encode_path(path: &str) -> String {
 
 /// Serve snapshot directories as a local Hugging Face-compatible hub. Prints the base
 /// URL on the first line of stdout, then serves until killed.
-#[derive(Debug, clap::Parser)]
-#[command(name = "gturbo-dev hub")]
-struct HubArgs {
+#[derive(Debug, clap::Args)]
+pub struct HubArgs {
     /// A repo to serve: `ORG/NAME=DIR` (repeatable).
     #[arg(long = "repo", required = true, value_name = "ORG/NAME=DIR")]
     repos: Vec<String>,
@@ -1389,26 +1396,20 @@ struct HubArgs {
     #[arg(long, default_value_t = DEFAULT_TREE_PAGE_SIZE)]
     page_size: usize,
     /// Do not hash files for tree listings (header-only replicas of hundreds of GB):
-    /// listings then give `lfs` only where `.gturbo-hub/oids.json` has the hash.
+    /// listings then give `lfs` only where an `--oids` file has the hash.
     #[arg(long)]
     no_hash: bool,
     /// Where LFS files' SHA-256 is published (a mirror may publish less than the hub).
     #[arg(long, value_enum, default_value_t = PublishedHashes::Everywhere)]
     published_hashes: PublishedHashes,
+    /// Known SHA-256s of a repo's files, `ORG/NAME=FILE` with FILE a JSON
+    /// `{"path": "sha256 hex"}` map outside the served directory (repeatable).
+    #[arg(long = "oids", value_name = "ORG/NAME=FILE")]
+    oids: Vec<String>,
 }
 
-/// `gturbo-dev hub` entry point.
-pub fn cli_main(args: &[String]) -> std::process::ExitCode {
-    use clap::Parser as _;
-    let args = match HubArgs::try_parse_from(
-        std::iter::once("gturbo-dev hub".to_string()).chain(args.iter().cloned()),
-    ) {
-        Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return std::process::ExitCode::from(if e.use_stderr() { 2 } else { 0 });
-        }
-    };
+/// `gturbo-dev hub …`: serves until killed.
+pub fn cli_main(args: HubArgs) -> std::process::ExitCode {
     match run_cli(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -1438,6 +1439,19 @@ fn run_cli(args: HubArgs) -> Result<(), HubError> {
             r.commit = c.to_ascii_lowercase();
         }
         repos.push(r);
+    }
+    for spec in &args.oids {
+        let Some((repo, file)) = spec.split_once('=') else {
+            return Err(HubError::Config(format!(
+                "--oids {spec:?}: expected ORG/NAME=FILE"
+            )));
+        };
+        let Some(r) = repos.iter_mut().find(|r| r.repo == repo) else {
+            return Err(HubError::Config(format!(
+                "--oids {spec:?}: {repo} is not one of the --repo values"
+            )));
+        };
+        r.oids = Some(PathBuf::from(file));
     }
     let config = HubConfig {
         repos,

@@ -6,8 +6,8 @@
 //!   Qwen3.8-Flash-Next, 131 shards whose data regions are holes (a few MB on disk,
 //!   ~360 GB apparent), for dry runs and plan tests. With [`FlashNextSpec::scaled`]:
 //!   the same names and structure at ~28 MB of seeded random BF16, for real installs.
-//!   The reference's open points (vision tower, MTP, mixers, order) are settled in
-//!   the `flash_next` module's doc.
+//!   The points the published facts leave open (vision tower, MTP, mixers, order)
+//!   are settled in the `flash_next` module's doc.
 //! - [`write_qwen3_moe`], [`write_qwen3`], [`write_llama`]: small random checkpoints
 //!   of the plain families.
 //!
@@ -90,61 +90,66 @@ fn finish_summary(
     })
 }
 
-const USAGE: &str = "\
-usage: gturbo-dev replica flash-next (--full | --scaled) OUT [--seed N]
-       gturbo-dev replica (qwen3-moe | qwen3 | llama) OUT [--shards N] [--seed N]
-
-Writes a Hugging Face snapshot directory and prints one summary line.
-  flash-next --full    Qwen3.8-Flash-Next, 131 header-only shards (data regions are holes)
-  flash-next --scaled  the same names and structure, small, seeded random BF16 data
+/// Write a Hugging Face snapshot directory and print one summary line.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "\
+Kinds:
+  flash-next --full      Qwen3.8-Flash-Next, 131 header-only shards (data regions are holes)
+  flash-next --scaled    the same names and structure, small, seeded random BF16 data
   qwen3-moe|qwen3|llama  tiny random checkpoints; --shards 1 writes model.safetensors, no index
-Exit codes: 0 written, 2 bad arguments or I/O error.";
-
-#[derive(Debug, Default)]
-struct Args {
-    kind: String,
-    out: Option<PathBuf>,
+Exit codes: 0 written, 2 bad arguments or I/O error.")]
+pub struct ReplicaArgs {
+    /// What to write.
+    kind: ReplicaKind,
+    /// The snapshot directory to write.
+    out: PathBuf,
+    /// flash-next only: the full-size header-only replica.
+    #[arg(long)]
     full: bool,
+    /// flash-next only: the small replica with real random data.
+    #[arg(long)]
     scaled: bool,
+    /// Number of weight shards (the tiny families only).
+    #[arg(long, value_name = "N")]
     shards: Option<usize>,
+    /// Seed of the random data (the tiny families and `flash-next --scaled`).
+    #[arg(long, value_name = "N")]
     seed: Option<u64>,
 }
 
-fn parse(args: &[String]) -> Result<Args, String> {
-    let mut it = args.iter();
-    let mut parsed = Args {
-        kind: it.next().ok_or("missing replica kind")?.clone(),
-        ..Args::default()
-    };
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--full" => parsed.full = true,
-            "--scaled" => parsed.scaled = true,
-            "--shards" | "--seed" => {
-                let value = it.next().ok_or(format!("{arg} needs a value"))?;
-                let n: u64 = value
-                    .parse()
-                    .map_err(|_| format!("{arg}: not a number: {value}"))?;
-                if arg == "--shards" {
-                    parsed.shards = Some(usize::try_from(n).map_err(|e| e.to_string())?);
-                } else {
-                    parsed.seed = Some(n);
-                }
-            }
-            s if s.starts_with('-') => return Err(format!("unknown option {s}")),
-            s if parsed.out.is_none() => parsed.out = Some(PathBuf::from(s)),
-            s => return Err(format!("unexpected argument {s}")),
-        }
-    }
-    Ok(parsed)
+/// The snapshot kinds `gturbo-dev replica` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ReplicaKind {
+    /// Qwen3.8-Flash-Next (`--full` or `--scaled`).
+    #[value(name = "flash-next")]
+    FlashNext,
+    /// A tiny random Qwen3-MoE checkpoint.
+    #[value(name = "qwen3-moe")]
+    Qwen3Moe,
+    /// A tiny random Qwen3 checkpoint.
+    #[value(name = "qwen3")]
+    Qwen3,
+    /// A tiny random Llama checkpoint.
+    #[value(name = "llama")]
+    Llama,
 }
 
-fn run(args: &[String]) -> Result<ReplicaSummary, String> {
-    let a = parse(args)?;
-    let out = a.out.clone().ok_or("missing OUT directory")?;
+impl ReplicaKind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::FlashNext => "flash-next",
+            Self::Qwen3Moe => "qwen3-moe",
+            Self::Qwen3 => "qwen3",
+            Self::Llama => "llama",
+        }
+    }
+}
+
+fn run(a: &ReplicaArgs) -> Result<ReplicaSummary, String> {
+    let out = &a.out;
     let io_err = |e: io::Error| format!("{}: {e}", out.display());
-    match a.kind.as_str() {
-        "flash-next" => {
+    match a.kind {
+        ReplicaKind::FlashNext => {
             let spec = match (a.full, a.scaled) {
                 (true, false) => FlashNextSpec::full(),
                 (false, true) => FlashNextSpec::scaled(),
@@ -160,51 +165,42 @@ fn run(args: &[String]) -> Result<ReplicaSummary, String> {
                 }
                 None => spec,
             };
-            write_flash_next(&out, &spec).map_err(io_err)
+            write_flash_next(out, &spec).map_err(io_err)
         }
-        "qwen3-moe" | "qwen3" | "llama" if a.full || a.scaled => Err(format!(
+        kind if a.full || a.scaled => Err(format!(
             "{}: --full/--scaled apply to flash-next only",
-            a.kind
+            kind.name()
         )),
-        "qwen3-moe" => {
+        ReplicaKind::Qwen3Moe => {
             let mut spec = Qwen3MoeSpec::tiny();
             spec.shards = a.shards.unwrap_or(spec.shards);
             spec.seed = a.seed.unwrap_or(spec.seed);
-            write_qwen3_moe(&out, &spec).map_err(io_err)
+            write_qwen3_moe(out, &spec).map_err(io_err)
         }
-        "qwen3" => {
+        ReplicaKind::Qwen3 => {
             let mut spec = Qwen3Spec::tiny();
             spec.shards = a.shards.unwrap_or(spec.shards);
             spec.seed = a.seed.unwrap_or(spec.seed);
-            write_qwen3(&out, &spec).map_err(io_err)
+            write_qwen3(out, &spec).map_err(io_err)
         }
-        "llama" => {
+        ReplicaKind::Llama => {
             let mut spec = LlamaSpec::tiny();
             spec.shards = a.shards.unwrap_or(spec.shards);
             spec.seed = a.seed.unwrap_or(spec.seed);
-            write_llama(&out, &spec).map_err(io_err)
+            write_llama(out, &spec).map_err(io_err)
         }
-        other => Err(format!("unknown replica kind {other}")),
     }
 }
 
-/// `gturbo-dev replica …` entry point: writes one snapshot and prints its summary.
-pub fn cli_main(args: &[String]) -> ExitCode {
-    if args.is_empty() || args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{USAGE}");
-        return if args.is_empty() {
-            ExitCode::from(2)
-        } else {
-            ExitCode::SUCCESS
-        };
-    }
+/// `gturbo-dev replica …`: writes one snapshot and prints its summary.
+pub fn cli_main(args: &ReplicaArgs) -> ExitCode {
     match run(args) {
         Ok(summary) => {
             println!("{summary}");
             ExitCode::SUCCESS
         }
         Err(msg) => {
-            eprintln!("gturbo-dev replica: {msg}\n\n{USAGE}");
+            eprintln!("gturbo-dev replica: {msg} (see `gturbo-dev replica --help`)");
             ExitCode::from(2)
         }
     }

@@ -1,7 +1,8 @@
 //! The Qwen3.8-Flash-Next (`qwen4_exp`) replica: tensor list, config.json and spec.
 //!
-//! Text tensors follow `/work/shared/reference/qwen38flashnext.md` name for name. The
-//! parts the reference leaves open are invented here, plausibly and consistently:
+//! Text tensors follow the published Qwen3.8-Flash-Next text config and tensor list name
+//! for name (the real repo's pin is in `families/qwen38flashnext.json`). The parts the
+//! published facts leave open are invented here, plausibly and consistently:
 //!
 //! - **State-dict order** (which decides shard contents): `model.visual.*`, then
 //!   `model.language_model.embed_tokens`, the layers in numeric order (attention or
