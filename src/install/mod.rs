@@ -5,6 +5,7 @@
 //! from the same [`Prepared`] value, so a dry run and a real install plan identically.
 
 pub mod execute;
+pub mod pin;
 pub mod source_hash;
 
 use std::collections::{BTreeMap, BTreeSet};
