@@ -5,8 +5,13 @@
 //! from the same [`Prepared`] value, so a dry run and a real install plan identically.
 
 pub mod execute;
+mod journal;
 pub mod pin;
+mod publish;
+mod resume;
 pub mod source_hash;
+mod stage;
+mod stream;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -189,6 +194,16 @@ pub enum InstallError {
         /// Lock path.
         path: String,
     },
+    /// The partial install's journal is in a format this build does not read.
+    #[error(
+        "{journal}: written in journal format {found}, this gturbo reads \"gturbo-install\" version 1; refusing to guess at it\n\nhint: pass --discard-partial to start over"
+    )]
+    JournalFormat {
+        /// Journal path.
+        journal: String,
+        /// The head's `journal` and `version`.
+        found: String,
+    },
     /// A bug.
     #[error("internal error: {0}")]
     Internal(String),
@@ -215,6 +230,19 @@ impl InstallError {
                 | InstallError::NonFinite { .. }
                 | InstallError::SourceHashMismatch { .. }
         )
+    }
+}
+
+/// An I/O error on `path`; a full disk becomes [`InstallError::NoSpace`].
+fn io_err(path: &std::path::Path, e: std::io::Error) -> InstallError {
+    if e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(28) {
+        return InstallError::NoSpace {
+            path: path.display().to_string(),
+        };
+    }
+    InstallError::Io {
+        path: path.display().to_string(),
+        source: e,
     }
 }
 
