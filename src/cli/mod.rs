@@ -152,7 +152,8 @@ struct InstallArgs {
     /// Throw away a partial install of another plan instead of refusing.
     #[arg(long)]
     discard_partial: bool,
-    /// Replace an existing output directory (swapped in atomically at the end).
+    /// Replace an existing output directory (swapped in atomically at the end); refused
+    /// while a `gturbo run`, `eval` or `verify-install` has it open.
     #[arg(long)]
     overwrite: bool,
     /// Largest wait accepted from a server's Retry-After, in seconds.
@@ -392,6 +393,10 @@ fn verify_cmd(
             dir.display()
         )));
     }
+    // Held while verifying, so an overwrite cannot swap the directory under the
+    // hashing or the receipt rewrite (see `crate::install::lock`).
+    let _lock = crate::install::lock::InstallLock::shared(dir)
+        .map_err(|e| Failure::usage(format!("{}: {e}", dir.display())))?;
     let progress = progress::for_verify(json, quiet, no_progress);
     let options = crate::verify::VerifyOptions {
         threads,

@@ -45,7 +45,8 @@ pub struct ExecuteOptions {
     pub tile_bytes: usize,
     /// Throw away a partial install instead of resuming it.
     pub discard_partial: bool,
-    /// Replace an existing output directory.
+    /// Replace an existing output directory (its exclusive lock is taken first: see
+    /// [`super::lock`]).
     pub overwrite: bool,
     /// Test hook: stop (as if killed) after this many reads complete in this run.
     pub abort_after_reads: Option<u64>,

@@ -6,6 +6,7 @@
 
 pub mod execute;
 mod journal;
+pub mod lock;
 pub mod pin;
 mod publish;
 mod resume;
@@ -192,6 +193,15 @@ pub enum InstallError {
     #[error("{path} is locked by another gturbo install into the same output")]
     Locked {
         /// Lock path.
+        path: String,
+    },
+    /// `--overwrite` of an install that a running model (or a verify) has open.
+    #[error(
+        "{path}: {}; --overwrite never replaces an install that is in use\n\nhint: let it finish (or stop it), then rerun this command",
+        lock::IN_USE
+    )]
+    InUse {
+        /// The published output directory.
         path: String,
     },
     /// The partial install's journal is in a format this build does not read.

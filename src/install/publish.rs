@@ -3,8 +3,8 @@
 //! receipt, fsync everything) and *publish* (rename the staging directory into place).
 //!
 //! Publication never writes into a published directory: an existing `<out>` (with
-//! `--overwrite`) is renamed aside, the staging directory renamed onto `<out>`, and the
-//! old one removed.
+//! `--overwrite`, whose exclusive lock [`super::stage::Staging::claim`] took) is renamed
+//! aside, the staging directory renamed onto `<out>`, and the old one removed.
 
 use std::fs::File;
 use std::io::Write;
@@ -201,10 +201,14 @@ pub(super) fn publish(
     }
     let _ = std::fs::remove_file(&staging.journal);
     let Staging {
-        lock, lock_path, ..
+        lock,
+        lock_path,
+        replacing,
+        ..
     } = staging;
     drop(lock);
     let _ = std::fs::remove_file(&lock_path);
+    drop(replacing);
     Ok(())
 }
 

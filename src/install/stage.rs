@@ -1,8 +1,9 @@
 //! The executor's *stage* step: claim the output and lay out the staging directory.
 //!
-//! [`Staging::claim`] refuses an existing output without `--overwrite` and takes the
-//! install lock `<out>.partial.lock` (one install per output), before anything on disk
-//! changes. [`Staging::create_outputs`] then creates every output file
+//! [`Staging::claim`] refuses an existing output without `--overwrite`, takes the
+//! install lock `<out>.partial.lock` (one install per output) and, when replacing a
+//! published directory, that directory's exclusive lock ([`super::lock`]), all before
+//! anything on disk changes. [`Staging::create_outputs`] then creates every output file
 //! at its planned size under `<out>.partial/`, checks free space for what remains and
 //! writes the resident file's head.
 
@@ -15,6 +16,7 @@ use crate::plan::Plan;
 use crate::plan::placement::output_file_paths;
 
 use super::execute::ExecuteOptions;
+use super::lock::InstallLock;
 use super::{InstallError, io_err};
 
 /// The claimed output: paths and the locks held until publication.
@@ -29,6 +31,8 @@ pub(super) struct Staging {
     pub lock_path: PathBuf,
     /// The exclusive lock on `lock_path`, held for the whole install.
     pub lock: File,
+    /// The exclusive lock on the published `<out>` being replaced (`--overwrite`).
+    pub replacing: Option<InstallLock>,
 }
 
 /// The data output files under the staging directory, in file-id order (see
@@ -72,6 +76,19 @@ impl Staging {
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&lock_path, e)),
         }
+        let replacing = if out.exists() {
+            Some(InstallLock::exclusive(out).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::WouldBlock {
+                    InstallError::InUse {
+                        path: out.display().to_string(),
+                    }
+                } else {
+                    io_err(out, e)
+                }
+            })?)
+        } else {
+            None
+        };
         if options.discard_partial && dir.exists() {
             std::fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
         }
@@ -81,6 +98,7 @@ impl Staging {
             journal,
             lock_path,
             lock,
+            replacing,
         })
     }
 
