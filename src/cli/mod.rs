@@ -18,7 +18,8 @@ use crate::family::{self, Family};
 use std::sync::Arc;
 
 use crate::install::execute::{self, ExecuteOptions};
-use crate::install::{self, IndexPin, PrepareSettings};
+use crate::install::pin::{PinError, PinFlags, SourceChoice};
+use crate::install::{self, PrepareSettings};
 use crate::plan::{PlanOptions, QuantMode};
 use crate::source::RangeSource;
 use crate::source::http::{HttpConfig, HttpSource};
@@ -152,7 +153,8 @@ struct InstallArgs {
     /// Throw away a partial install of another plan instead of refusing.
     #[arg(long)]
     discard_partial: bool,
-    /// Replace an existing output directory (swapped in atomically at the end).
+    /// Replace an existing output directory (swapped in atomically at the end); refused
+    /// while a `gturbo run`, `eval` or `verify-install` has it open.
     #[arg(long)]
     overwrite: bool,
     /// Largest wait accepted from a server's Retry-After, in seconds.
@@ -207,6 +209,12 @@ impl From<install::InstallError> for Failure {
             code: if e.is_refusal() { 1 } else { 2 },
             message: e.to_string(),
         }
+    }
+}
+
+impl From<PinError> for Failure {
+    fn from(e: PinError) -> Failure {
+        Failure::usage(e.to_string())
     }
 }
 
@@ -332,61 +340,23 @@ fn warn(quiet: u8, msg: &str) {
 }
 
 async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<(), Failure> {
-    let target_is_repo = args.target.contains('/');
-    let family = match (&args.family_file, &args.family) {
-        (Some(p), _) => Family::from_path(p)?,
-        (None, Some(id)) => Family::builtin(id)?,
-        (None, None) if !target_is_repo => Family::builtin(&args.target)?,
-        (None, None) => {
-            return Err(Failure::usage(format!(
-                "`{}` is a repo; say which family reads it with --family (known: {})",
-                args.target,
-                family::builtin_ids().join(", ")
-            )));
-        }
+    let flags = PinFlags {
+        target: &args.target,
+        family: args.family.as_deref(),
+        family_file: args.family_file.as_deref(),
+        revision: args.revision.as_deref(),
+        index_sha256: args.index_sha256.as_deref(),
     };
-    let pin = &family.file.source;
-    let repo = if target_is_repo {
-        args.target.clone()
-    } else {
-        if args.target != family.id() {
-            return Err(Failure::usage(format!(
-                "target `{}` is not a repo (ORG/NAME) and not the family `{}`",
-                args.target,
-                family.id()
-            )));
-        }
-        pin.repo.clone()
-    };
-    let on_pinned_repo = repo == pin.repo;
-    let revision = args
-        .revision
-        .clone()
-        .or_else(|| pin.revision.clone().filter(|_| on_pinned_repo))
-        .unwrap_or_else(|| "main".to_string());
-    let index_pin = match (&args.index_sha256, &pin.index_sha256) {
-        (Some(h), family_pin) => {
-            if !family::is_sha256(h) {
-                return Err(Failure::usage(format!(
-                    "--index-sha256: {h:?} is not 64 lowercase hex digits"
-                )));
-            }
-            if let Some(fp) = family_pin.as_ref().filter(|fp| *fp != h && on_pinned_repo) {
-                warn(
-                    quiet,
-                    &format!(
-                        "--index-sha256 overrides the pin of {} ({fp})",
-                        family.origin
-                    ),
-                );
-            }
-            IndexPin::Flag(h.clone())
-        }
-        (None, Some(fp)) if on_pinned_repo && Some(&revision) == pin.revision.as_ref() => {
-            IndexPin::Family(fp.clone())
-        }
-        _ => IndexPin::None,
-    };
+    let family = flags.family()?;
+    let SourceChoice {
+        repo,
+        revision,
+        index_pin,
+        warnings,
+    } = flags.source(&family)?;
+    for w in &warnings {
+        warn(quiet, w);
+    }
     let mut options = PlanOptions {
         quant: args.quant,
         coalesce_max: args.range_mib << 20,
@@ -556,6 +526,10 @@ fn verify_cmd(
             dir.display()
         )));
     }
+    // Held while verifying, so an overwrite cannot swap the directory under the
+    // hashing or the receipt rewrite (see `crate::install::lock`).
+    let _lock = crate::install::lock::InstallLock::shared(dir)
+        .map_err(|e| Failure::usage(format!("{}: {e}", dir.display())))?;
     let progress = progress::for_verify(json, quiet, no_progress);
     let options = crate::verify::VerifyOptions {
         threads,

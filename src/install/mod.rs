@@ -5,7 +5,14 @@
 //! from the same [`Prepared`] value, so a dry run and a real install plan identically.
 
 pub mod execute;
+mod journal;
+pub mod lock;
+pub mod pin;
+mod publish;
+mod resume;
 pub mod source_hash;
+mod stage;
+mod stream;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -188,6 +195,25 @@ pub enum InstallError {
         /// Lock path.
         path: String,
     },
+    /// `--overwrite` of an install that a running model (or a verify) has open.
+    #[error(
+        "{path}: {}; --overwrite never replaces an install that is in use\n\nhint: let it finish (or stop it), then rerun this command",
+        lock::IN_USE
+    )]
+    InUse {
+        /// The published output directory.
+        path: String,
+    },
+    /// The partial install's journal is in a format this build does not read.
+    #[error(
+        "{journal}: written in journal format {found}, this gturbo reads \"gturbo-install\" version 1; refusing to guess at it\n\nhint: pass --discard-partial to start over"
+    )]
+    JournalFormat {
+        /// Journal path.
+        journal: String,
+        /// The head's `journal` and `version`.
+        found: String,
+    },
     /// A bug.
     #[error("internal error: {0}")]
     Internal(String),
@@ -214,6 +240,19 @@ impl InstallError {
                 | InstallError::NonFinite { .. }
                 | InstallError::SourceHashMismatch { .. }
         )
+    }
+}
+
+/// An I/O error on `path`; a full disk becomes [`InstallError::NoSpace`].
+fn io_err(path: &std::path::Path, e: std::io::Error) -> InstallError {
+    if e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(28) {
+        return InstallError::NoSpace {
+            path: path.display().to_string(),
+        };
+    }
+    InstallError::Io {
+        path: path.display().to_string(),
+        source: e,
     }
 }
 

@@ -6,7 +6,7 @@
 //! lost when a read fails and keeps many reads in flight. A tensor larger than the cap
 //! is split at whole rows, so each read carries complete rows.
 
-use super::{Dest, PlannedTensor, RangeRead};
+use super::{Dest, PlanOptions, PlannedShard, PlannedTensor, RangeRead};
 
 /// Largest coalesced read: 64 MiB (the seed installer's range size, which streamed
 /// Flash-Next at ≈ 39 MB/s with one range in flight; smaller ranges cost more
@@ -15,6 +15,26 @@ pub const COALESCE_MAX: u64 = 64 << 20;
 
 /// Largest gap read through: 1 MiB.
 pub const COALESCE_GAP: u64 = 1 << 20;
+
+/// The plan's last stage, *reads*: its reads, in (shard, offset) order. A shard whose
+/// published SHA-256 is checked is read whole ([`cover_shard`]); any other shard's
+/// included tensors are coalesced ([`coalesce`]). `tensors` are in (shard, offset) order.
+pub fn plan_reads(
+    shards: &[PlannedShard],
+    tensors: &[PlannedTensor],
+    options: &PlanOptions,
+) -> Vec<RangeRead> {
+    let mut reads = Vec::new();
+    for (si, shard) in shards.iter().enumerate() {
+        let mine: Vec<&PlannedTensor> = tensors.iter().filter(|t| t.shard == si).collect();
+        if options.verify_source && shard.sha256.is_some() {
+            reads.extend(cover_shard(si, shard.size, &mine, options.coalesce_max));
+        } else {
+            reads.extend(coalesce(mine, options.coalesce_max, options.coalesce_gap));
+        }
+    }
+    reads
+}
 
 /// Reads covering every included tensor's bytes, in (shard, offset) order.
 /// `tensors` must be in (shard, offset) order.

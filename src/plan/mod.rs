@@ -6,18 +6,29 @@
 //! with the [`crate::format`] types (so a dry run and a real install cannot disagree),
 //! coalesces source byte ranges into large reads ([`coalesce`]), and has a fingerprint:
 //! the SHA-256 of its canonical JSON.
+//!
+//! [`build`] runs in named stages, each a function that returns what it placed:
+//! *arch* (the config's axes), *classify* (every tensor's role, as a typed draft),
+//! *resident* (the resident file, entries in name order), *expert pools*, *row pools*,
+//! then the *copied files*, the *census* and the *reads*. A tensor's destination is
+//! set once, by the stage that places it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::family::{Family, Role};
+use crate::family::Family;
+use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
-use crate::format::{PAGE, RowBlocks, Scheme, align_up, row_bytes};
 use crate::header::{Dtype, ShardHeader};
 
+mod classify;
 pub mod coalesce;
+mod experts;
 pub mod placement;
+mod rows;
+
+use classify::{Draft, DraftRole};
 
 pub use crate::format::pools::{BlobPart, ExpertPart, ExpertPool, RowPool, RowShard};
 
@@ -415,29 +426,6 @@ fn elems(shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
 }
 
-/// Scheme for a resident tensor under the family policy.
-fn resident_scheme(
-    family: &Family,
-    options: &PlanOptions,
-    name: &str,
-    dtype: Dtype,
-    shape: &[u64],
-) -> Scheme {
-    if options.quant == QuantMode::Bf16 || dtype != Dtype::BF16 {
-        return Scheme::Passthrough;
-    }
-    let last = shape.last().copied().unwrap_or(0);
-    let fits = shape.len() >= 2 && last > 0 && last % 64 == 0;
-    if let Some(s) = family.quant_override(name) {
-        return if fits { s } else { Scheme::Passthrough };
-    }
-    if shape.len() == 2 && fits && name.ends_with(".weight") && !family.never_quantize(name) {
-        family.file.quant.default
-    } else {
-        Scheme::Passthrough
-    }
-}
-
 /// Scheme for matrices that are always eligible (experts, row tables).
 fn pool_scheme(family: &Family, options: &PlanOptions, dtype: Dtype, cols: &[u64]) -> Scheme {
     if options.quant == QuantMode::Bf16
@@ -450,493 +438,28 @@ fn pool_scheme(family: &Family, options: &PlanOptions, dtype: Dtype, cols: &[u64
     }
 }
 
-#[derive(Default)]
-struct PoolDraft {
-    /// (tensor index, part, expert) for every member.
-    members: Vec<(usize, ExpertPart, Option<u64>)>,
-}
+/// Tensor placements made by one stage: tensor index, scheme of its output bytes,
+/// destination.
+type Placed = Vec<(usize, Scheme, Dest)>;
 
-/// Build the plan.
+/// Build the plan, stage by stage.
 pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
-    let family = input.family;
-    let options = input.options;
+    let (family, options) = (input.family, input.options);
     let arch = read_arch(family, input.config)?;
-
-    let shards: Vec<PlannedShard> = input
-        .headers
-        .iter()
-        .map(|h| PlannedShard {
-            path: h.shard.clone(),
-            size: h.file_size,
-            header_len: h.header_len,
-            sha256: input.shard_sha256.get(&h.shard).cloned(),
-        })
-        .collect();
-
-    // Pass 1: classify every tensor.
-    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut tensors: Vec<PlannedTensor> = Vec::new();
-    let mut resident_inputs: Vec<(usize, ResidentInput)> = Vec::new();
-    let mut pools: BTreeMap<(Option<String>, u64), PoolDraft> = BTreeMap::new();
-    let mut rows: BTreeMap<(u64, String), Vec<(u64, usize)>> = BTreeMap::new();
-    for (si, h) in input.headers.iter().enumerate() {
-        for t in &h.tensors {
-            if let Some(&prev) = seen.get(t.name.as_str()) {
-                return Err(PlanError::Duplicate {
-                    tensor: t.name.clone(),
-                    first: input.headers[prev].shard.clone(),
-                    second: h.shard.clone(),
-                });
-            }
-            seen.insert(&t.name, si);
-            let tensor_err = |field: &str, detail: String| PlanError::Tensor {
-                shard: h.shard.clone(),
-                tensor: t.name.clone(),
-                field: field.to_string(),
-                detail,
-            };
-            let m = family
-                .classify(&t.name)
-                .ok_or_else(|| PlanError::Unmatched {
-                    shard: h.shard.clone(),
-                    tensor: t.name.clone(),
-                    family_file: family.origin.clone(),
-                })?;
-            let src = [h.data_start() + t.data.start, h.data_start() + t.data.end];
-            let idx = tensors.len();
-            let skipped = m
-                .rule
-                .sidecar
-                .as_ref()
-                .filter(|s| options.skip_sidecars.contains(*s));
-            let (scheme, dest) = if let Some(s) = skipped {
-                (
-                    Scheme::Passthrough,
-                    Dest::Excluded {
-                        why: format!("sidecar `{s}` skipped"),
-                    },
-                )
-            } else {
-                match m.rule.role {
-                    Role::Excluded => (
-                        Scheme::Passthrough,
-                        Dest::Excluded {
-                            why: m
-                                .rule
-                                .why
-                                .clone()
-                                .unwrap_or_else(|| "excluded by the family".into()),
-                        },
-                    ),
-                    Role::Resident => {
-                        let scheme = resident_scheme(family, options, &t.name, t.dtype, &t.shape);
-                        resident_inputs.push((
-                            idx,
-                            ResidentInput {
-                                name: t.name.clone(),
-                                dtype: t.dtype,
-                                shape: t.shape.clone(),
-                                scheme,
-                            },
-                        ));
-                        (scheme, Dest::Resident { entry: 0 })
-                    }
-                    Role::ExpertsFused | Role::Expert => {
-                        let layer = m.captures.layer.unwrap_or(0);
-                        let part = match (m.rule.role, m.captures.part.as_deref()) {
-                            (Role::ExpertsFused, Some("gate_up_proj")) => ExpertPart::GateUp,
-                            (Role::ExpertsFused, Some("down_proj")) => ExpertPart::Down,
-                            (Role::Expert, Some("gate_proj")) => ExpertPart::Gate,
-                            (Role::Expert, Some("up_proj")) => ExpertPart::Up,
-                            (Role::Expert, Some("down_proj")) => ExpertPart::Down,
-                            (_, p) => {
-                                return Err(tensor_err(
-                                    "name",
-                                    format!(
-                                        "expert part {p:?} is not one of gate_up_proj/down_proj (fused) or gate_proj/up_proj/down_proj"
-                                    ),
-                                ));
-                            }
-                        };
-                        let want_dims = if m.rule.role == Role::ExpertsFused {
-                            3
-                        } else {
-                            2
-                        };
-                        if t.shape.len() != want_dims || t.shape.contains(&0) {
-                            return Err(tensor_err(
-                                "shape",
-                                format!(
-                                    "{:?}: expected {want_dims} non-zero dimensions for {:?} experts",
-                                    t.shape, m.rule.role
-                                ),
-                            ));
-                        }
-                        pools
-                            .entry((m.rule.sidecar.clone(), layer))
-                            .or_default()
-                            .members
-                            .push((idx, part, m.captures.expert));
-                        (Scheme::Passthrough, Dest::Excluded { why: String::new() })
-                    }
-                    Role::Rows => {
-                        if t.shape.len() != 2 || t.shape[1] == 0 {
-                            return Err(tensor_err(
-                                "shape",
-                                format!("{:?}: a row table must be 2-D [rows, width]", t.shape),
-                            ));
-                        }
-                        if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
-                            return Err(tensor_err(
-                                "dtype",
-                                format!("{}: a row table must be floating point", t.dtype.name()),
-                            ));
-                        }
-                        let layer = m.captures.layer.unwrap_or(0);
-                        let name = m.rule.pool.clone().unwrap_or_else(|| "rows".into());
-                        rows.entry((layer, name))
-                            .or_default()
-                            .push((m.captures.shard.unwrap_or(0), idx));
-                        (Scheme::Passthrough, Dest::Excluded { why: String::new() })
-                    }
-                }
-            };
-            tensors.push(PlannedTensor {
-                name: t.name.clone(),
-                shard: si,
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                src,
-                scheme,
-                dest,
-            });
-        }
-    }
-
-    // Resident file: entries in name order, so the layout does not depend on sharding.
-    resident_inputs.sort_by(|a, b| a.1.name.cmp(&b.1.name));
-    for (entry, (ti, _)) in resident_inputs.iter().enumerate() {
-        tensors[*ti].dest = Dest::Resident { entry };
-    }
-    let resident_list: Vec<ResidentInput> = resident_inputs.into_iter().map(|(_, r)| r).collect();
-    let resident = ResidentLayout::place(&resident_list).ok_or_else(|| PlanError::Overflow {
-        what: "resident.bin".into(),
-    })?;
-
-    // Expert pools: main model first, then sidecars; layer order inside each.
-    let mut pool_keys: Vec<(Option<String>, u64)> = pools.keys().cloned().collect();
-    pool_keys.sort_by(|a, b| (a.0.is_some(), &a.0, a.1).cmp(&(b.0.is_some(), &b.0, b.1)));
-    let mut expert_pools = Vec::new();
-    for key in pool_keys {
-        let draft = &pools[&key];
-        let (sidecar, layer) = key;
-        let file = match &sidecar {
-            None => format!("packed_experts/layer_{layer:02}.bin"),
-            Some(s) => format!("packed_experts/{s}_layer_{layer:02}.bin"),
-        };
-        let pool_err = |detail: String| PlanError::Pool {
-            pool: file.clone(),
-            detail,
-        };
-        let pi = expert_pools.len();
-        let first = &tensors[draft.members[0].0];
-        let dtype = first.dtype;
-        if let Some(&(ti, _, _)) = draft.members.iter().find(|m| tensors[m.0].dtype != dtype) {
-            return Err(pool_err(format!(
-                "`{}` is {} but `{}` is {}",
-                tensors[ti].name,
-                tensors[ti].dtype.name(),
-                first.name,
-                dtype.name()
-            )));
-        }
-        let fused = draft.members.iter().any(|m| m.2.is_none());
-        // (experts, intermediate I, hidden H)
-        let (experts, inter, hidden);
-        if fused {
-            let find = |p: ExpertPart| {
-                draft
-                    .members
-                    .iter()
-                    .filter(|m| m.1 == p)
-                    .map(|m| m.0)
-                    .collect::<Vec<_>>()
-            };
-            let (gu, dn) = (find(ExpertPart::GateUp), find(ExpertPart::Down));
-            if gu.len() != 1 || dn.len() != 1 || draft.members.len() != 2 {
-                return Err(pool_err(format!(
-                    "needs exactly one fused gate_up_proj and one down_proj tensor, found {} and {}",
-                    gu.len(),
-                    dn.len()
-                )));
-            }
-            let (g, d) = (&tensors[gu[0]].shape, &tensors[dn[0]].shape);
-            if g[1] % 2 != 0 {
-                return Err(pool_err(format!(
-                    "`{}` shape {:?}: gate_up rows {} are not even",
-                    tensors[gu[0]].name, g, g[1]
-                )));
-            }
-            experts = g[0];
-            inter = g[1] / 2;
-            hidden = g[2];
-            if d[..] != [experts, hidden, inter] {
-                return Err(pool_err(format!(
-                    "`{}` shape {:?} does not match gate_up_proj {:?} (expected [{experts}, {hidden}, {inter}])",
-                    tensors[dn[0]].name, d, g
-                )));
-            }
-            tensors[gu[0]].dest = Dest::ExpertsFused {
-                pool: pi,
-                part: ExpertPart::GateUp,
-            };
-            tensors[dn[0]].dest = Dest::ExpertsFused {
-                pool: pi,
-                part: ExpertPart::Down,
-            };
-        } else {
-            let mut by_expert: BTreeMap<u64, BTreeMap<ExpertPart, usize>> = BTreeMap::new();
-            for &(ti, part, e) in &draft.members {
-                let e = e.unwrap_or(0);
-                if by_expert.entry(e).or_default().insert(part, ti).is_some() {
-                    return Err(pool_err(format!("expert {e} has two `{part:?}` tensors")));
-                }
-            }
-            experts = by_expert.len() as u64;
-            if by_expert.keys().next_back() != Some(&(experts - 1)) {
-                let missing = (0..experts + 1)
-                    .find(|e| !by_expert.contains_key(e))
-                    .unwrap_or(0);
-                return Err(pool_err(format!(
-                    "experts are not numbered 0..{experts}: expert {missing} is missing"
-                )));
-            }
-            let g0 = &tensors[*by_expert[&0]
-                .get(&ExpertPart::Gate)
-                .ok_or_else(|| pool_err("expert 0 has no gate_proj".into()))?]
-            .shape;
-            inter = g0[0];
-            hidden = g0[1];
-            for (e, parts) in &by_expert {
-                for (part, want) in [
-                    (ExpertPart::Gate, [inter, hidden]),
-                    (ExpertPart::Up, [inter, hidden]),
-                    (ExpertPart::Down, [hidden, inter]),
-                ] {
-                    let ti = *parts.get(&part).ok_or_else(|| {
-                        pool_err(format!(
-                            "expert {e} has no `{}` tensor",
-                            match part {
-                                ExpertPart::Gate => "gate_proj",
-                                ExpertPart::Up => "up_proj",
-                                _ => "down_proj",
-                            }
-                        ))
-                    })?;
-                    if tensors[ti].shape[..] != want {
-                        return Err(pool_err(format!(
-                            "`{}` shape {:?}, expected {:?} like expert 0",
-                            tensors[ti].name, tensors[ti].shape, want
-                        )));
-                    }
-                    tensors[ti].dest = Dest::Expert {
-                        pool: pi,
-                        expert: *e,
-                        part,
-                    };
-                }
-            }
-        }
-        let scheme = pool_scheme(family, options, dtype, &[hidden, inter]);
-        let mut parts = Vec::new();
-        let mut offset = 0u64;
-        for (part, r, c) in [
-            (ExpertPart::Gate, inter, hidden),
-            (ExpertPart::Up, inter, hidden),
-            (ExpertPart::Down, hidden, inter),
-        ] {
-            let (w, s, b) = scheme
-                .sizes(r, c, dtype.size())
-                .map(|q| (q.weights, q.scales, q.biases))
-                .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
-            parts.push(BlobPart {
-                part,
-                rows: r,
-                cols: c,
-                offset,
-                weights: w,
-                scales: s,
-                biases: b,
-            });
-            offset += w + s + b;
-        }
-        let blob_bytes = offset;
-        let stride =
-            align_up(blob_bytes, PAGE).ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
-        let file_bytes = experts
-            .checked_mul(stride)
-            .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
-        for &(ti, _, _) in &draft.members {
-            tensors[ti].scheme = scheme;
-        }
-        expert_pools.push(ExpertPool {
-            file,
-            layer,
-            sidecar,
-            experts,
-            scheme,
-            dtype,
-            blob_bytes,
-            stride,
-            parts,
-            file_bytes,
-        });
-    }
-
-    // Row pools.
-    let mut row_pools = Vec::new();
-    for ((layer, name), mut members) in rows {
-        members.sort();
-        let file = format!("ple/layer_{layer:02}_{name}.bin");
-        let pool_err = |detail: String| PlanError::Pool {
-            pool: file.clone(),
-            detail,
-        };
-        for (i, (s, ti)) in members.iter().enumerate() {
-            if *s != i as u64 {
-                return Err(pool_err(format!(
-                    "row shards are not numbered 0..{}: `{}` is shard {s} at position {i}",
-                    members.len(),
-                    tensors[*ti].name
-                )));
-            }
-        }
-        let first = &tensors[members[0].1];
-        let (width, dtype) = (first.shape[1], first.dtype);
-        if let Some((_, ti)) = members
-            .iter()
-            .find(|(_, ti)| tensors[*ti].shape[1] != width || tensors[*ti].dtype != dtype)
-        {
-            return Err(pool_err(format!(
-                "`{}` is {} {:?}, but `{}` is {} {:?}",
-                tensors[*ti].name,
-                tensors[*ti].dtype.name(),
-                tensors[*ti].shape,
-                first.name,
-                dtype.name(),
-                first.shape
-            )));
-        }
-        let scheme = pool_scheme(family, options, dtype, &[width]);
-        let rb = row_bytes(width, dtype.size(), scheme)
-            .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
-        let pi = row_pools.len();
-        let mut offset = 0u64;
-        let mut shards_out = Vec::new();
-        let mut rows_per_block = 0;
-        for (si, (_, ti)) in members.iter().enumerate() {
-            let t = &mut tensors[*ti];
-            let g = RowBlocks::new(t.shape[0], rb).ok_or_else(|| {
-                pool_err(format!("a {rb}-byte row does not fit a {PAGE}-byte block"))
-            })?;
-            rows_per_block = g.rows_per_block;
-            shards_out.push(RowShard {
-                tensor: t.name.clone(),
-                rows: t.shape[0],
-                offset,
-                blocks: g.blocks,
-                region_bytes: g.region_bytes,
-            });
-            offset = offset
-                .checked_add(g.region_bytes)
-                .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
-            t.scheme = scheme;
-            t.dest = Dest::Rows {
-                pool: pi,
-                shard: si,
-            };
-        }
-        row_pools.push(RowPool {
-            file,
-            layer,
-            name,
-            width,
-            dtype,
-            scheme,
-            row_bytes: rb,
-            rows_per_block,
-            shards: shards_out,
-            file_bytes: offset,
-        });
-    }
-
-    let copied = COPIED_FILES
-        .iter()
-        .filter_map(|f| {
-            input.repo_files.get(*f).map(|&bytes| CopiedFile {
-                source: f.to_string(),
-                file: format!("tokenizer/{f}"),
-                bytes,
-            })
-        })
-        .collect();
-
-    // Census over source tensors.
-    let mut census = Census::default();
-    for t in &tensors {
-        let n = elems(&t.shape).unwrap_or(0);
-        let out = match &t.dest {
-            Dest::Excluded { .. } => t.src[1] - t.src[0],
-            Dest::Resident { entry } => resident.index.tensors[*entry].stored_bytes(),
-            Dest::ExpertsFused { pool, part } => {
-                let p = &expert_pools[*pool];
-                let per: u64 = p
-                    .parts
-                    .iter()
-                    .filter(|bp| match part {
-                        ExpertPart::GateUp => bp.part != ExpertPart::Down,
-                        _ => bp.part == ExpertPart::Down,
-                    })
-                    .map(|bp| bp.weights + bp.scales + bp.biases)
-                    .sum();
-                per * p.experts
-            }
-            Dest::Expert { pool, part, .. } => {
-                let bp = expert_pools[*pool].parts.iter().find(|bp| bp.part == *part);
-                bp.map(|bp| bp.weights + bp.scales + bp.biases).unwrap_or(0)
-            }
-            Dest::Rows { pool, .. } => row_pools[*pool].row_bytes * t.shape[0],
-        };
-        let row = match (&t.dest, t.scheme) {
-            (Dest::Excluded { .. }, _) => &mut census.excluded,
-            (_, Scheme::Int4G64) => &mut census.int4,
-            (_, Scheme::Int8G64) => &mut census.int8,
-            (_, Scheme::Passthrough) => &mut census.passthrough,
-        };
-        row.tensors += 1;
-        row.params += n;
-        row.bytes += out;
-    }
-
-    let mut reads = Vec::new();
-    for (si, shard) in shards.iter().enumerate() {
-        let mine: Vec<&PlannedTensor> = tensors.iter().filter(|t| t.shard == si).collect();
-        if options.verify_source && shard.sha256.is_some() {
-            reads.extend(coalesce::cover_shard(
-                si,
-                shard.size,
-                &mine,
-                options.coalesce_max,
-            ));
-        } else {
-            reads.extend(coalesce::coalesce(
-                mine,
-                options.coalesce_max,
-                options.coalesce_gap,
-            ));
-        }
-    }
-
+    let shards = planned_shards(input);
+    let drafts = classify::classify(family, options, input.headers)?;
+    let (resident, resident_placed) = place_resident(&drafts)?;
+    let (expert_pools, experts_placed) = experts::place(family, options, &drafts)?;
+    let (row_pools, rows_placed) = rows::place(family, options, &drafts)?;
+    let tensors = assemble(drafts, [resident_placed, experts_placed, rows_placed]);
+    let outputs = Outputs {
+        resident,
+        expert_pools,
+        row_pools,
+        copied: copied_files(input.repo_files),
+    };
+    let census = Census::count(&tensors, &outputs);
+    let reads = coalesce::plan_reads(&shards, &tensors, options);
     Ok(Plan {
         schema: PLAN_SCHEMA,
         family: family.id().to_string(),
@@ -946,14 +469,153 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         shards,
         tensors,
         reads,
-        outputs: Outputs {
-            resident,
-            expert_pools,
-            row_pools,
-            copied,
-        },
+        outputs,
         census,
     })
+}
+
+/// The source shards in index order, with their published hashes.
+fn planned_shards(input: &PlanInput<'_>) -> Vec<PlannedShard> {
+    input
+        .headers
+        .iter()
+        .map(|h| PlannedShard {
+            path: h.shard.clone(),
+            size: h.file_size,
+            header_len: h.header_len,
+            sha256: input.shard_sha256.get(&h.shard).cloned(),
+        })
+        .collect()
+}
+
+/// The *resident* stage: the resident file, entries in name order (so the layout does not depend
+/// on sharding), and each resident tensor's entry.
+fn place_resident(drafts: &[Draft]) -> Result<(ResidentLayout, Placed), PlanError> {
+    let mut members: Vec<(usize, Scheme)> = drafts
+        .iter()
+        .enumerate()
+        .filter_map(|(ti, d)| match d.role {
+            DraftRole::Resident { scheme } => Some((ti, scheme)),
+            _ => None,
+        })
+        .collect();
+    members.sort_by(|a, b| drafts[a.0].name.cmp(&drafts[b.0].name));
+    let inputs: Vec<ResidentInput> = members
+        .iter()
+        .map(|&(ti, scheme)| {
+            let t = &drafts[ti];
+            ResidentInput {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                scheme,
+            }
+        })
+        .collect();
+    let layout = ResidentLayout::place(&inputs).ok_or_else(|| PlanError::Overflow {
+        what: "resident.bin".into(),
+    })?;
+    let placed = members
+        .into_iter()
+        .enumerate()
+        .map(|(entry, (ti, scheme))| (ti, scheme, Dest::Resident { entry }))
+        .collect();
+    Ok((layout, placed))
+}
+
+/// Every draft as a planned tensor, with the scheme and destination its stage gave
+/// it; excluded tensors keep their reason.
+fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
+    let mut placed: Vec<Option<(Scheme, Dest)>> = drafts
+        .iter()
+        .map(|d| match &d.role {
+            DraftRole::Excluded { why } => {
+                Some((Scheme::Passthrough, Dest::Excluded { why: why.clone() }))
+            }
+            _ => None,
+        })
+        .collect();
+    for (ti, scheme, dest) in stages.into_iter().flatten() {
+        placed[ti] = Some((scheme, dest));
+    }
+    drafts
+        .into_iter()
+        .zip(placed)
+        .map(|(d, p)| {
+            let (scheme, dest) = p.expect(
+                "each stage places every draft of its role or fails: the resident stage takes \
+                 all, a pool stage refuses a pool with a member it has no slot for",
+            );
+            PlannedTensor {
+                name: d.name,
+                shard: d.shard,
+                dtype: d.dtype,
+                shape: d.shape,
+                src: d.src,
+                scheme,
+                dest,
+            }
+        })
+        .collect()
+}
+
+/// The *copied files* stage: the tokenizer and config files the repo has.
+fn copied_files(repo_files: &BTreeMap<String, u64>) -> Vec<CopiedFile> {
+    COPIED_FILES
+        .iter()
+        .filter_map(|f| {
+            repo_files.get(*f).map(|&bytes| CopiedFile {
+                source: f.to_string(),
+                file: format!("tokenizer/{f}"),
+                bytes,
+            })
+        })
+        .collect()
+}
+
+impl Census {
+    /// The *census* stage: count every source tensor by the scheme of its output.
+    fn count(tensors: &[PlannedTensor], outputs: &Outputs) -> Census {
+        let mut census = Census::default();
+        for t in tensors {
+            let n = elems(&t.shape).unwrap_or(0);
+            let out = match &t.dest {
+                Dest::Excluded { .. } => t.src[1] - t.src[0],
+                Dest::Resident { entry } => outputs.resident.index.tensors[*entry].stored_bytes(),
+                Dest::ExpertsFused { pool, part } => {
+                    let p = &outputs.expert_pools[*pool];
+                    let per: u64 = p
+                        .parts
+                        .iter()
+                        .filter(|bp| match part {
+                            ExpertPart::GateUp => bp.part != ExpertPart::Down,
+                            _ => bp.part == ExpertPart::Down,
+                        })
+                        .map(|bp| bp.weights + bp.scales + bp.biases)
+                        .sum();
+                    per * p.experts
+                }
+                Dest::Expert { pool, part, .. } => {
+                    let bp = outputs.expert_pools[*pool]
+                        .parts
+                        .iter()
+                        .find(|bp| bp.part == *part);
+                    bp.map(|bp| bp.weights + bp.scales + bp.biases).unwrap_or(0)
+                }
+                Dest::Rows { pool, .. } => outputs.row_pools[*pool].row_bytes * t.shape[0],
+            };
+            let row = match (&t.dest, t.scheme) {
+                (Dest::Excluded { .. }, _) => &mut census.excluded,
+                (_, Scheme::Int4G64) => &mut census.int4,
+                (_, Scheme::Int8G64) => &mut census.int8,
+                (_, Scheme::Passthrough) => &mut census.passthrough,
+            };
+            row.tensors += 1;
+            row.params += n;
+            row.bytes += out;
+        }
+        census
+    }
 }
 
 /// Output bytes per kind.

@@ -123,9 +123,11 @@ impl ExpertStore {
             }
             let map = match mode {
                 ExpertMode::Resident => {
-                    // SAFETY: as for `resident.bin` (see `load::open`): the install is
-                    // read-only once published; a concurrent truncation would fault
-                    // (SIGBUS), which is the accepted mmap contract.
+                    // SAFETY: as for `resident.bin` (see `load::open`): the map is only
+                    // read and lives inside the `Install` holding the install's shared
+                    // lock; gturbo never truncates or rewrites a published pool (an
+                    // overwrite refuses while the lock is held and replaces by rename),
+                    // so only a foreign in-place truncation could fault (SIGBUS).
                     #[allow(unsafe_code)]
                     let map = unsafe { Mmap::map(&file) }.map_err(|e| RunError::io(&p.file, e))?;
                     Some(map)

@@ -18,6 +18,7 @@ use crate::format::check_relative_path;
 use crate::format::manifest::{self, Manifest};
 use crate::format::resident::{ResidentEntry, ResidentHead, ResidentIndex, Span, Storage};
 use crate::header::Dtype;
+use crate::install::lock::InstallLock;
 use crate::verify::{self, VerifyFailure};
 
 /// How to open an install.
@@ -68,6 +69,9 @@ pub struct Install {
     pub resident_bytes: u64,
     /// Routed experts.
     pub experts: ExpertStore,
+    /// The install's shared lock, held while the install is open (see
+    /// [`crate::install::lock`]): no overwrite replaces it under the maps.
+    _lock: InstallLock,
 }
 
 impl std::fmt::Debug for Install {
@@ -82,6 +86,15 @@ impl std::fmt::Debug for Install {
 
 /// Open an install: gate, layout, resident map, expert pools.
 pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
+    // The lock first, so everything read below is of one install.
+    let lock = InstallLock::shared(dir);
+    if let Err(e) = &lock
+        && e.kind() == std::io::ErrorKind::NotFound
+    {
+        // No such directory: the manifest check says so in its own words.
+        open_gated(dir)?;
+    }
+    let lock = lock.map_err(|e| RunError::io(dir.display().to_string(), e))?;
     let (manifest, runner) = open_gated(dir)?;
     // verify-install's cheap checks (sizes, resident index, pool geometry, tokenizer
     // JSON; no hashing): after them every span sliced below lies inside its file.
@@ -100,12 +113,12 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
     let path = safe_join(dir, rel)?;
     let file = File::open(&path).map_err(|e| RunError::io(rel, e))?;
     let len = file.metadata().map_err(|e| RunError::io(rel, e))?.len();
-    // SAFETY: a `.gturbo` install is read-only once published (the installer writes
-    // it in a staging directory and renames it into place, manifest last), and the
-    // map is only read. The accepted mmap contract: if another process truncated or
-    // rewrote `resident.bin` while it is mapped, reads could fault (SIGBUS) or see
-    // changed bytes; gturbo does not defend against concurrent modification of an
-    // install it is running.
+    // SAFETY: the map is only read, and no gturbo process truncates or rewrites a
+    // published file (`crate::install::lock`): `install --overwrite` refuses while
+    // `lock` (this install's shared lock, held as long as the map) is held, and even
+    // then replaces a directory only by rename, the receipt by rename too, so the
+    // mapped inode keeps its length and bytes. Only a foreign writer truncating
+    // `resident.bin` in place could make a read fault (SIGBUS): the mmap contract.
     #[allow(unsafe_code)]
     let map = unsafe { Mmap::map(&file) }.map_err(|e| RunError::io(rel, e))?;
     let head = ResidentHead::parse(&map, len).map_err(|e| RunError::invalid(rel, e.to_string()))?;
@@ -137,6 +150,7 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
         tensors,
         resident_bytes: len,
         experts,
+        _lock: lock,
     })
 }
 

@@ -807,7 +807,8 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
     if let Some(p) = opts.progress {
         p.start(todo.len() as u64, todo.iter().map(|f| f.bytes).sum::<u64>());
     }
-    let results = hash_files(dir, &todo, threads, opts.progress);
+    let paths: Vec<&str> = todo.iter().map(|f| f.path.as_str()).collect();
+    let results = hash_files(dir, &paths, threads, opts.progress);
     let mut hashes: Vec<ReceiptFile> = Vec::new();
     for (f, r) in todo.iter().zip(results) {
         match r {
@@ -855,16 +856,27 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
 }
 
 /// A file's SHA-256 (lowercase hex) and length as read.
-type HashResult = Result<(String, u64), VerifyFailure>;
+pub type HashResult = Result<(String, u64), VerifyFailure>;
 
-/// SHA-256 and length of each file, in `files` order, on `threads` threads pulling
-/// the next file from a shared counter.
-fn hash_files(
+/// The SHA-256 and length of each file `dir/rel`, in `files` order: the one file
+/// hasher of gturbo (verify-install and the installer's finalize step both use it).
+///
+/// `threads` threads (0: the available cores) each take the next file from a shared
+/// counter and stream it in [`CHUNK`] pieces, so memory is `threads × CHUNK` whatever
+/// the sizes; list big files first for the threads to finish together. Each path is
+/// opened with [`open_inside`] (no link followed); a file that cannot be opened or
+/// read is an `Err` naming it and the byte offset.
+pub fn hash_files(
     dir: &Path,
-    files: &[&manifest::ManifestFile],
+    files: &[&str],
     threads: usize,
     progress: Option<&dyn VerifyProgress>,
 ) -> Vec<HashResult> {
+    let threads = if threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        threads
+    };
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<HashResult>>> = Mutex::new(vec![None; files.len()]);
     std::thread::scope(|s| {
@@ -874,7 +886,7 @@ fn hash_files(
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(f) = files.get(i) else { break };
-                    let r = hash_one(dir, &f.path, &mut buf, progress);
+                    let r = hash_one(dir, f, &mut buf, progress);
                     results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(r);
                 }
             });

@@ -4,6 +4,7 @@ mod dry_run;
 mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
+mod install_lock;
 mod mlx_lm_parity;
 mod progress;
 mod quant_parity;

@@ -1,0 +1,187 @@
+//! The executor's *stage* step: claim the output and lay out the staging directory.
+//!
+//! [`Staging::claim`] refuses an existing output without `--overwrite`, takes the
+//! install lock `<out>.partial.lock` (one install per output) and, when replacing a
+//! published directory, that directory's exclusive lock ([`super::lock`]), all before
+//! anything on disk changes. [`Staging::create_outputs`] then creates every output file
+//! at its planned size under `<out>.partial/`, checks free space for what remains and
+//! writes the resident file's head.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use crate::format::resident::MAGIC;
+use crate::plan::Plan;
+use crate::plan::placement::output_file_paths;
+
+use super::execute::ExecuteOptions;
+use super::lock::InstallLock;
+use super::{InstallError, io_err};
+
+/// The claimed output: paths and the locks held until publication.
+pub(super) struct Staging {
+    /// The final `.gturbo` directory.
+    pub out: PathBuf,
+    /// `<out>.partial/`.
+    pub dir: PathBuf,
+    /// `<out>.partial.journal`.
+    pub journal: PathBuf,
+    /// `<out>.partial.lock`.
+    pub lock_path: PathBuf,
+    /// The exclusive lock on `lock_path`, held for the whole install.
+    pub lock: File,
+    /// The exclusive lock on the published `<out>` being replaced (`--overwrite`).
+    pub replacing: Option<InstallLock>,
+}
+
+/// The data output files under the staging directory, in file-id order (see
+/// [`output_file_paths`]), open for positional reads and writes.
+pub(super) struct OutputFiles {
+    /// Open files.
+    pub files: Vec<File>,
+    /// Their paths, for errors.
+    pub paths: Vec<PathBuf>,
+}
+
+/// `out` with `suffix` appended to its last component.
+pub(super) fn with_suffix(out: &Path, suffix: &str) -> PathBuf {
+    let mut s = out.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+impl Staging {
+    /// Claim `options.out` for this install (see the module doc).
+    pub fn claim(options: &ExecuteOptions) -> Result<Staging, InstallError> {
+        let out = &options.out;
+        if out.exists() && !options.overwrite {
+            return Err(InstallError::OutputExists {
+                path: out.display().to_string(),
+            });
+        }
+        let dir = with_suffix(out, ".partial");
+        let lock_path = with_suffix(out, ".partial.lock");
+        let journal = with_suffix(out, ".partial.journal");
+        if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+        }
+        let lock = File::create(&lock_path).map_err(|e| io_err(&lock_path, e))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(InstallError::Locked {
+                    path: lock_path.display().to_string(),
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&lock_path, e)),
+        }
+        let replacing = if out.exists() {
+            Some(InstallLock::exclusive(out).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::WouldBlock {
+                    InstallError::InUse {
+                        path: out.display().to_string(),
+                    }
+                } else {
+                    io_err(out, e)
+                }
+            })?)
+        } else {
+            None
+        };
+        if options.discard_partial && dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        }
+        Ok(Staging {
+            out: out.clone(),
+            dir,
+            journal,
+            lock_path,
+            lock,
+            replacing,
+        })
+    }
+
+    /// Create (or reopen) every data output file at its planned size (sparse:
+    /// unwritten slack reads as zero), check free space, write the resident head.
+    pub fn create_outputs(&self, plan: &Plan) -> Result<OutputFiles, InstallError> {
+        let rel = output_file_paths(plan);
+        let sizes: Vec<u64> = std::iter::once(plan.outputs.resident.file_bytes)
+            .chain(plan.outputs.expert_pools.iter().map(|p| p.file_bytes))
+            .chain(plan.outputs.row_pools.iter().map(|p| p.file_bytes))
+            .collect();
+        let needed: u64 = sizes.iter().sum();
+        let mut paths = Vec::new();
+        let mut files = Vec::new();
+        for (r, size) in rel.iter().zip(&sizes) {
+            let path = self.dir.join(r);
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+            }
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(|e| io_err(&path, e))?;
+            let len = f.metadata().map_err(|e| io_err(&path, e))?.len();
+            if len != *size {
+                f.set_len(*size).map_err(|e| io_err(&path, e))?;
+            }
+            paths.push(path);
+            files.push(f);
+        }
+        let out = OutputFiles { files, paths };
+        space_preflight(
+            &self.dir,
+            &out,
+            needed + plan.outputs.copied.iter().map(|c| c.bytes).sum::<u64>(),
+        )?;
+        write_resident_head(plan, &out)?;
+        Ok(out)
+    }
+}
+
+/// The resident file's head: magic, index length, index.
+fn write_resident_head(plan: &Plan, out: &OutputFiles) -> Result<(), InstallError> {
+    let r = &plan.outputs.resident;
+    let mut head = Vec::with_capacity(16 + r.index_len as usize);
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&r.index_len.to_le_bytes());
+    head.extend_from_slice(
+        &serde_json::to_vec(&r.index).map_err(|e| InstallError::Internal(e.to_string()))?,
+    );
+    out.files[0]
+        .write_all_at(&head, 0)
+        .map_err(|e| io_err(&out.paths[0], e))
+}
+
+/// Bytes kept free beyond what the install still needs: 1 % of the output, at least
+/// 64 MiB (filesystems misbehave when full, and other programs need room too).
+fn space_reserve(total: u64) -> u64 {
+    (total / 100).max(64 << 20)
+}
+
+/// Refuse to start writing when the output's filesystem cannot hold what remains.
+fn space_preflight(staging: &Path, out: &OutputFiles, total: u64) -> Result<(), InstallError> {
+    if std::env::var_os(crate::env::GTURBO_TEST_SKIP_SPACE_CHECK).is_some() {
+        return Ok(());
+    }
+    use std::os::unix::fs::MetadataExt;
+    let mut allocated = 0u64;
+    for (f, p) in out.files.iter().zip(&out.paths) {
+        allocated += f.metadata().map_err(|e| io_err(p, e))?.blocks() * 512;
+    }
+    let remaining = total.saturating_sub(allocated);
+    let available = fs4::available_space(staging).map_err(|e| io_err(staging, e))?;
+    let needed = remaining + space_reserve(total);
+    if available < needed {
+        return Err(InstallError::NotEnoughSpace {
+            path: staging.display().to_string(),
+            needed,
+            available,
+        });
+    }
+    Ok(())
+}

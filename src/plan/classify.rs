@@ -1,0 +1,216 @@
+//! The plan's first stage, *classify*: give every source tensor its role.
+//!
+//! Each tensor of each validated header is matched against the family's rules and
+//! becomes a [`Draft`]: its source bytes and a [`DraftRole`] saying which later stage
+//! places it (resident file, an expert pool, a row table) or why it is left out. The
+//! checks that need only the tensor itself happen here (duplicate names, expert and
+//! row shapes and dtypes); checks across tensors belong to the stage that groups them.
+
+use std::collections::BTreeMap;
+
+use crate::family::{Family, Role};
+use crate::format::Scheme;
+use crate::format::pools::ExpertPart;
+use crate::header::{Dtype, ShardHeader};
+
+use super::{PlanError, PlanOptions, QuantMode};
+
+/// An expert pool: the sidecar it belongs to (`None` for the main model) and its layer.
+/// `None` orders before every sidecar, so a map over keys lists the main model first.
+pub(super) type PoolKey = (Option<String>, u64);
+
+/// A row table: its layer and pool name.
+pub(super) type TableKey = (u64, String);
+
+/// One source tensor, classified but not yet placed.
+#[derive(Debug)]
+pub(super) struct Draft {
+    /// Name.
+    pub name: String,
+    /// Index into the plan's shards.
+    pub shard: usize,
+    /// Source dtype.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Absolute byte range in the shard file.
+    pub src: [u64; 2],
+    /// What happens to it.
+    pub role: DraftRole,
+}
+
+/// Which stage places a tensor.
+#[derive(Debug)]
+pub(super) enum DraftRole {
+    /// Not installed.
+    Excluded {
+        /// Why.
+        why: String,
+    },
+    /// An entry of the resident file, at this scheme.
+    Resident {
+        /// Scheme under the family policy.
+        scheme: Scheme,
+    },
+    /// A member of an expert pool.
+    Expert {
+        /// The pool.
+        pool: PoolKey,
+        /// Which projection.
+        part: ExpertPart,
+        /// The expert, for an unfused checkpoint (`None`: the tensor holds every expert).
+        expert: Option<u64>,
+    },
+    /// One shard of a row table.
+    Rows {
+        /// The table.
+        table: TableKey,
+        /// Shard index inside the table.
+        shard: u64,
+    },
+}
+
+/// Classify every tensor of `headers`, in (shard, offset) order.
+pub(super) fn classify(
+    family: &Family,
+    options: &PlanOptions,
+    headers: &[ShardHeader],
+) -> Result<Vec<Draft>, PlanError> {
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut drafts = Vec::new();
+    for (si, h) in headers.iter().enumerate() {
+        for t in &h.tensors {
+            if let Some(&prev) = seen.get(t.name.as_str()) {
+                return Err(PlanError::Duplicate {
+                    tensor: t.name.clone(),
+                    first: headers[prev].shard.clone(),
+                    second: h.shard.clone(),
+                });
+            }
+            seen.insert(&t.name, si);
+            let tensor_err = |field: &str, detail: String| PlanError::Tensor {
+                shard: h.shard.clone(),
+                tensor: t.name.clone(),
+                field: field.to_string(),
+                detail,
+            };
+            let m = family
+                .classify(&t.name)
+                .ok_or_else(|| PlanError::Unmatched {
+                    shard: h.shard.clone(),
+                    tensor: t.name.clone(),
+                    family_file: family.origin.clone(),
+                })?;
+            let skipped = m
+                .rule
+                .sidecar
+                .as_ref()
+                .filter(|s| options.skip_sidecars.contains(*s));
+            let role = if let Some(s) = skipped {
+                DraftRole::Excluded {
+                    why: format!("sidecar `{s}` skipped"),
+                }
+            } else {
+                match m.rule.role {
+                    Role::Excluded => DraftRole::Excluded {
+                        why: m
+                            .rule
+                            .why
+                            .clone()
+                            .unwrap_or_else(|| "excluded by the family".into()),
+                    },
+                    Role::Resident => DraftRole::Resident {
+                        scheme: resident_scheme(family, options, &t.name, t.dtype, &t.shape),
+                    },
+                    Role::ExpertsFused | Role::Expert => {
+                        let part = match (m.rule.role, m.captures.part.as_deref()) {
+                            (Role::ExpertsFused, Some("gate_up_proj")) => ExpertPart::GateUp,
+                            (Role::ExpertsFused, Some("down_proj")) => ExpertPart::Down,
+                            (Role::Expert, Some("gate_proj")) => ExpertPart::Gate,
+                            (Role::Expert, Some("up_proj")) => ExpertPart::Up,
+                            (Role::Expert, Some("down_proj")) => ExpertPart::Down,
+                            (_, p) => {
+                                return Err(tensor_err(
+                                    "name",
+                                    format!(
+                                        "expert part {p:?} is not one of gate_up_proj/down_proj (fused) or gate_proj/up_proj/down_proj"
+                                    ),
+                                ));
+                            }
+                        };
+                        let want_dims = if m.rule.role == Role::ExpertsFused {
+                            3
+                        } else {
+                            2
+                        };
+                        if t.shape.len() != want_dims || t.shape.contains(&0) {
+                            return Err(tensor_err(
+                                "shape",
+                                format!(
+                                    "{:?}: expected {want_dims} non-zero dimensions for {:?} experts",
+                                    t.shape, m.rule.role
+                                ),
+                            ));
+                        }
+                        DraftRole::Expert {
+                            pool: (m.rule.sidecar.clone(), m.captures.layer.unwrap_or(0)),
+                            part,
+                            expert: m.captures.expert,
+                        }
+                    }
+                    Role::Rows => {
+                        if t.shape.len() != 2 || t.shape[1] == 0 {
+                            return Err(tensor_err(
+                                "shape",
+                                format!("{:?}: a row table must be 2-D [rows, width]", t.shape),
+                            ));
+                        }
+                        if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                            return Err(tensor_err(
+                                "dtype",
+                                format!("{}: a row table must be floating point", t.dtype.name()),
+                            ));
+                        }
+                        let name = m.rule.pool.clone().unwrap_or_else(|| "rows".into());
+                        DraftRole::Rows {
+                            table: (m.captures.layer.unwrap_or(0), name),
+                            shard: m.captures.shard.unwrap_or(0),
+                        }
+                    }
+                }
+            };
+            drafts.push(Draft {
+                name: t.name.clone(),
+                shard: si,
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                src: [h.data_start() + t.data.start, h.data_start() + t.data.end],
+                role,
+            });
+        }
+    }
+    Ok(drafts)
+}
+
+/// Scheme for a resident tensor under the family policy.
+fn resident_scheme(
+    family: &Family,
+    options: &PlanOptions,
+    name: &str,
+    dtype: Dtype,
+    shape: &[u64],
+) -> Scheme {
+    if options.quant == QuantMode::Bf16 || dtype != Dtype::BF16 {
+        return Scheme::Passthrough;
+    }
+    let last = shape.last().copied().unwrap_or(0);
+    let fits = shape.len() >= 2 && last > 0 && last % 64 == 0;
+    if let Some(s) = family.quant_override(name) {
+        return if fits { s } else { Scheme::Passthrough };
+    }
+    if shape.len() == 2 && fits && name.ends_with(".weight") && !family.never_quantize(name) {
+        family.file.quant.default
+    } else {
+        Scheme::Passthrough
+    }
+}
