@@ -4,8 +4,10 @@
 //! (64 MiB) through `quantize_rows_le_bytes` in tiles of 16 rows, as the install does,
 //! five times per bit width, and prints the best wall-clock rate and, on Linux, the
 //! rate per second of CPU time this thread actually ran (meaningful on a busy host).
+//! By default it measures gturbo's own installs, INT4 and INT8 at group 64;
+//! `-- --all` measures every width and group MLX writes.
 
-use gturbo::transform::quant::{Bits, GROUP, f32_to_bf16, quantize_rows_le_bytes};
+use gturbo::transform::quant::{Bits, Spec, f32_to_bf16, quantize_rows_le_bytes};
 use std::time::Instant;
 
 /// Nanoseconds this thread has run on a CPU, from `/proc/thread-self/schedstat`.
@@ -30,9 +32,14 @@ fn main() {
             f32_to_bf16(u * 0.1).to_le_bytes()
         })
         .collect();
-    for bits in [Bits::Four, Bits::Eight] {
-        let wrow = cols * bits.bits() as usize / 8;
-        let srow = cols / GROUP * 2;
+    let specs: Vec<Spec> = if std::env::args().any(|a| a == "--all") {
+        Spec::all().collect()
+    } else {
+        vec![Bits::Four.into(), Bits::Eight.into()]
+    };
+    for spec in specs {
+        let wrow = cols * spec.bits.bits() as usize / 8;
+        let srow = cols / spec.group.size() * 2;
         let mut w = vec![0u8; tile * wrow];
         let mut s = vec![0u8; tile * srow];
         let mut b = vec![0u8; tile * srow];
@@ -41,7 +48,7 @@ fn main() {
             let (t, c0) = (Instant::now(), cpu_ns());
             for r0 in (0..rows).step_by(tile) {
                 let tile_src = &src[r0 * cols * 2..(r0 + tile) * cols * 2];
-                if let Err(e) = quantize_rows_le_bytes(tile_src, cols, bits, &mut w, &mut s, &mut b)
+                if let Err(e) = quantize_rows_le_bytes(tile_src, cols, spec, &mut w, &mut s, &mut b)
                 {
                     eprintln!("quantize failed: {e}");
                     std::process::exit(1);
@@ -54,7 +61,7 @@ fn main() {
             }
         }
         let gb = src.len() as f64 / 1e9;
-        print!("{bits:?}: {:.2} GB/s wall", gb / wall);
+        print!("{spec}: {:.2} GB/s wall", gb / wall);
         if cpu < f64::MAX {
             print!(", {:.2} GB/s per CPU-second", gb / cpu);
         }

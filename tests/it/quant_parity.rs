@@ -1,13 +1,15 @@
-//! The affine quantizer against MLX: the committed golden vectors (MLX 0.32.4), tile
-//! invariance, refusal of non-finite weights, and an optional live cross-check file
-//! produced by `scripts/mlx_crosscheck.py`.
+//! The affine quantizer against MLX: the committed golden vectors (MLX 0.32.4: INT4 g64
+//! with matvec outputs, and every width × group MLX writes), tile invariance, refusal
+//! of non-finite weights, and an optional live cross-check file produced by
+//! `scripts/mlx_crosscheck.py`.
 
 use gturbo::transform::quant::{
-    Bits, GROUP, QuantError, bf16_to_f32, dequantize_rows, dequantize_rows_bf16, f32_to_bf16,
-    quantize_rows, quantize_rows_le_bytes,
+    Bits, GROUP, QuantError, Spec, bf16_to_f32, dequantize_rows, dequantize_rows_bf16, f32_to_bf16,
+    quantize_rows, quantize_rows_le_bytes, unpack_codes,
 };
 use gturbo_testkit::skip::require_or_skip;
 use serde::Deserialize;
+use std::collections::BTreeSet;
 
 /// One matrix of the golden file or the cross-check file (the shared fields).
 #[derive(Deserialize)]
@@ -16,6 +18,8 @@ struct Case {
     shape: [usize; 2],
     #[serde(default = "four")]
     bits: u32,
+    #[serde(default = "sixty_four")]
+    group_size: u32,
     w_bf16_bits: Vec<u16>,
     q_u32: Vec<u32>,
     scales_bf16_bits: Vec<u16>,
@@ -25,10 +29,20 @@ struct Case {
     x_bf16_bits: Vec<u16>,
     #[serde(default)]
     y_fp32_matvec: Vec<f32>,
+    /// The codes as MLX unpacks them (`mx.dequantize` with scale 1, bias 0).
+    #[serde(default)]
+    codes: Vec<u8>,
+    /// `mx.dequantize` on f32-widened scales and biases, as f32 bit patterns.
+    #[serde(default)]
+    dequant_f32_bits: Vec<u32>,
 }
 
 fn four() -> u32 {
     4
+}
+
+fn sixty_four() -> u32 {
+    64
 }
 
 #[derive(Deserialize)]
@@ -37,11 +51,10 @@ struct CaseFile {
     cases: Vec<Case>,
 }
 
-fn bits_of(n: u32) -> Bits {
-    match n {
-        4 => Bits::Four,
-        8 => Bits::Eight,
-        other => panic!("unsupported bit width {other} in test data"),
+impl Case {
+    fn spec(&self) -> Spec {
+        Spec::from_numbers(self.bits.into(), self.group_size.into())
+            .unwrap_or_else(|e| panic!("{}: {e}", self.name))
     }
 }
 
@@ -55,12 +68,19 @@ struct Quantized {
     bbytes: Vec<u8>,
 }
 
-fn quantize(src: &[u16], cols: usize, bits: Bits) -> Result<Quantized, QuantError> {
-    let groups = src.len() / GROUP;
-    let mut wbytes = vec![0u8; groups * bits.group_weight_bytes()];
-    let mut sbytes = vec![0u8; groups * 2];
-    let mut bbytes = vec![0u8; groups * 2];
-    quantize_rows(src, cols, bits, &mut wbytes, &mut sbytes, &mut bbytes)?;
+/// Output byte lengths (weights, scales) for `n` elements at `spec`.
+fn sizes(n: usize, spec: Spec) -> (usize, usize) {
+    let groups = n / spec.group.size();
+    (groups * spec.group_weight_bytes(), groups * 2)
+}
+
+fn quantize(src: &[u16], cols: usize, spec: impl Into<Spec>) -> Result<Quantized, QuantError> {
+    let spec = spec.into();
+    let (wn, sn) = sizes(src.len(), spec);
+    let mut wbytes = vec![0u8; wn];
+    let mut sbytes = vec![0u8; sn];
+    let mut bbytes = vec![0u8; sn];
+    quantize_rows(src, cols, spec, &mut wbytes, &mut sbytes, &mut bbytes)?;
     let words = wbytes
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -83,7 +103,7 @@ fn quantize(src: &[u16], cols: usize, bits: Bits) -> Result<Quantized, QuantErro
 /// Mismatch counts of one case: (words, scales, biases, dequantized values).
 fn compare(case: &Case) -> [usize; 4] {
     let cols = case.shape[1];
-    let bits = bits_of(case.bits);
+    let bits = case.spec();
     let q = quantize(&case.w_bf16_bits, cols, bits)
         .unwrap_or_else(|e| panic!("{}: quantize refused: {e}", case.name));
     let count = |a: &[u32], b: &[u32]| {
@@ -176,6 +196,92 @@ fn golden_vectors_match_mlx_bit_for_bit() {
     }
 }
 
+#[test]
+fn every_width_and_group_matches_mlx_golden_vectors() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/mlx_quant_widths_golden.json"
+    );
+    let file = load(path);
+    assert_eq!(file.mlx_version, "0.32.4");
+    // Exactly one case per spec MLX writes.
+    let specs: BTreeSet<String> = file.cases.iter().map(|c| c.spec().to_string()).collect();
+    let all: BTreeSet<String> = Spec::all().map(|s| s.to_string()).collect();
+    assert_eq!(specs, all);
+    assert_eq!(file.cases.len(), 18);
+    for case in &file.cases {
+        let spec = case.spec();
+        let (rows, cols) = (case.shape[0], case.shape[1]);
+        assert_eq!(case.w_bf16_bits.len(), rows * cols, "{}", case.name);
+        assert_eq!(
+            compare(case),
+            [0; 4],
+            "{}: mismatches (words, scales, biases, dequant)",
+            case.name
+        );
+        let q = quantize(&case.w_bf16_bits, cols, spec).unwrap();
+        assert_eq!(
+            q.words.len(),
+            rows * cols * spec.bits.bits() as usize / 32,
+            "{}",
+            case.name
+        );
+
+        // The byte-input entry point gives the same bytes.
+        let raw: Vec<u8> = case
+            .w_bf16_bits
+            .iter()
+            .flat_map(|b| b.to_le_bytes())
+            .collect();
+        let (mut w, mut s, mut b) = (
+            vec![0u8; q.wbytes.len()],
+            vec![0u8; q.sbytes.len()],
+            vec![0u8; q.bbytes.len()],
+        );
+        quantize_rows_le_bytes(&raw, cols, spec, &mut w, &mut s, &mut b).unwrap();
+        assert!(
+            (w, s, b) == (q.wbytes.clone(), q.sbytes.clone(), q.bbytes.clone()),
+            "{}: byte entry point differs",
+            case.name
+        );
+
+        // Unpacking MLX's own words, a row at a time, gives the codes MLX unpacks.
+        let golden_bytes: Vec<u8> = case.q_u32.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let row_bytes = cols * spec.bits.bits() as usize / 8;
+        let mut codes = vec![0u8; cols];
+        for r in 0..rows {
+            let packed = &golden_bytes[r * row_bytes..(r + 1) * row_bytes];
+            unpack_codes(packed, spec.bits, &mut codes).unwrap();
+            assert_eq!(
+                codes,
+                case.codes[r * cols..(r + 1) * cols],
+                "{} row {r}: codes",
+                case.name
+            );
+        }
+
+        // f32 dequantization of MLX's own packed bytes is bit-exact with MLX's.
+        let le16 = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let mut deq = vec![0f32; rows * cols];
+        dequantize_rows(
+            &golden_bytes,
+            &le16(&case.scales_bf16_bits),
+            &le16(&case.biases_bf16_bits),
+            cols,
+            spec,
+            &mut deq,
+        )
+        .unwrap();
+        let bad = deq
+            .iter()
+            .zip(&case.dequant_f32_bits)
+            .filter(|(d, m)| d.to_bits() != **m)
+            .count();
+        assert_eq!(bad, 0, "{}: f32 dequant mismatches", case.name);
+        assert_eq!(case.dequant_f32_bits.len(), rows * cols, "{}", case.name);
+    }
+}
+
 /// A deterministic BF16 matrix (xorshift; values ~N(0, 0.05) with sign mix).
 fn random_matrix(rows: usize, cols: usize, mut seed: u64) -> Vec<u16> {
     (0..rows * cols)
@@ -193,10 +299,10 @@ fn random_matrix(rows: usize, cols: usize, mut seed: u64) -> Vec<u16> {
 fn tiles_of_any_row_count_give_the_same_bytes() {
     let (rows, cols) = (256, 512);
     let src = random_matrix(rows, cols, 0x9E37_79B9_7F4A_7C15);
-    for bits in [Bits::Four, Bits::Eight] {
+    for bits in Spec::all() {
         let whole = quantize(&src, cols, bits).unwrap();
-        let wrow = cols * bits.bits() as usize / 8;
-        let srow = cols / GROUP * 2;
+        let wrow = cols * bits.bits.bits() as usize / 8;
+        let srow = cols / bits.group.size() * 2;
         // 1 row; 3 rows; 8 and 64 rows; 97 rows, which leaves a ragged last tile;
         // the whole matrix.
         for tile in [1, 3, 8, 64, 97, rows] {
@@ -217,9 +323,9 @@ fn tiles_of_any_row_count_give_the_same_bytes() {
                 .unwrap();
                 r0 = r1;
             }
-            assert!(w == whole.wbytes, "{bits:?} tile {tile}: weights differ");
-            assert!(s == whole.sbytes, "{bits:?} tile {tile}: scales differ");
-            assert!(b == whole.bbytes, "{bits:?} tile {tile}: biases differ");
+            assert!(w == whole.wbytes, "{bits} tile {tile}: weights differ");
+            assert!(s == whole.sbytes, "{bits} tile {tile}: scales differ");
+            assert!(b == whole.bbytes, "{bits} tile {tile}: biases differ");
         }
     }
     // One group per row (cols = 64): a tile of one row is exactly one group.
@@ -247,20 +353,16 @@ fn non_finite_groups_are_refused_with_the_element_index() {
         src[cols + 2 * GROUP + 5] = pattern;
         // A later non-finite element in the same group does not change the index.
         src[cols + 2 * GROUP + 40] = 0x7F80;
-        for bits in [Bits::Four, Bits::Eight] {
+        for bits in Spec::all() {
             let e = quantize(&src, cols, bits).err();
             assert_eq!(
                 e,
                 Some(QuantError::NonFinite { index: 389 }),
-                "{name} {bits:?}"
+                "{name} {bits}"
             );
             let raw: Vec<u8> = src.iter().flat_map(|b| b.to_le_bytes()).collect();
-            let g = src.len() / GROUP;
-            let (mut w, mut s, mut b) = (
-                vec![0u8; g * bits.group_weight_bytes()],
-                vec![0u8; g * 2],
-                vec![0u8; g * 2],
-            );
+            let (wn, sn) = sizes(src.len(), bits);
+            let (mut w, mut s, mut b) = (vec![0u8; wn], vec![0u8; sn], vec![0u8; sn]);
             let e = quantize_rows_le_bytes(&raw, cols, bits, &mut w, &mut s, &mut b).unwrap_err();
             assert_eq!(
                 e.to_string(),
@@ -289,6 +391,10 @@ fn mlx_live_crosscheck() {
         return;
     };
     let file = load(&path);
+    // Every width and group MLX writes is in the file.
+    let specs: BTreeSet<String> = file.cases.iter().map(|c| c.spec().to_string()).collect();
+    let all: BTreeSet<String> = Spec::all().map(|s| s.to_string()).collect();
+    assert_eq!(specs, all, "cross-check file does not cover every spec");
     let (mut groups, mut elements) = (0usize, 0usize);
     let mut totals = [0usize; 4];
     let mut bad = Vec::new();
