@@ -71,7 +71,8 @@ pub struct SourcePin {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ArchSpec {
-    /// Axis name → config key under `config_root`; a key ending in `?` is optional.
+    /// Axis name → config key under `config_root`; a key ending in `?` is optional, a
+    /// dotted key (`rope_parameters.rope_theta`) reads a nested object's field.
     pub axes: BTreeMap<String, String>,
     /// Capabilities a runner must implement to run this family.
     pub required_axes: Vec<String>,
