@@ -7,6 +7,7 @@ pub mod sample;
 pub mod text;
 
 pub mod experts;
+pub mod flash_next;
 pub mod gate;
 pub mod generate;
 pub mod load;
