@@ -1,6 +1,7 @@
 //! One integration-test binary; each module covers one user-facing concern.
 
 mod dry_run;
+mod flash_next;
 mod hub_protocol;
 mod install_e2e;
 mod mlx_lm_parity;
