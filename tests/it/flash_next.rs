@@ -188,7 +188,7 @@ fn ple_row_ids_are_exact_on_both_prompts() {
     let be = Cpu::new(1);
     let model = FlashModel::new(&inst, &be).expect("bind the toy");
     let cfg = &model.cfg;
-    let tables = load_ple_tables(&inst, cfg, 1).unwrap();
+    let tables = load_ple_tables(&inst, cfg, 1, 0).unwrap();
     for name in ["short", "long"] {
         let g = Golden::load(name);
         let ids: Vec<i64> = prompt(name).iter().map(|&t| t as i64).collect();
@@ -690,14 +690,15 @@ fn load_error(dir: &Path) -> String {
 #[test]
 fn ple_tables_that_disagree_with_the_config_are_refused_naming_the_tensor() {
     let p = "model.language_model.layers.1.ple.ple_embedding.";
-    // A head vocabulary that is not prime.
+    // A head vocabulary other than the one the config implies.
     let t = damaged_copy(|d| poke_i64(d, &format!("{p}ngram_heads_vocab_sizes"), 0, |v| v + 1));
     let e = load_error(&t.path().join("toy.gturbo"));
-    assert!(
-        e.starts_with(&format!(
-            "resident.bin: tensor {p}ngram_heads_vocab_sizes: head 0 has vocabulary "
-        )),
-        "{e}"
+    assert_eq!(
+        e,
+        format!(
+            "resident.bin: tensor {p}ngram_heads_vocab_sizes: head 0 has vocabulary 504; \
+             the config implies 503 (prime 1 from ngram_vocab_size_base 500, PLE layer 0)"
+        )
     );
     // Offsets that are not the prefix sums of the vocabularies.
     let t = damaged_copy(|d| poke_i64(d, &format!("{p}ngram_heads_offsets"), 5, |v| v + 1));
@@ -799,4 +800,27 @@ fn the_row_cache_reads_rows_by_pread_within_its_bound_and_counts_hits() {
             "ple/layer_01_ngram_rows.bin: row 9024 is past the table's 9024 rows"
         );
     }
+}
+
+#[test]
+fn a_prompt_fed_token_by_token_from_an_empty_session_equals_its_prefill() {
+    // The states start as the reference pads them: EOS history, zero conv columns,
+    // empty caches; the first decode steps run with less context than the conv taps.
+    let inst = open_toy(1 << 12);
+    let be = Cpu::new(0);
+    let model = FlashModel::new(&inst, &be).unwrap();
+    let ids = prompt("short");
+    let g = Golden::load("short");
+    let mut s = model.session();
+    let stepped: Vec<f32> = be.install(|| {
+        ids.iter()
+            .flat_map(|&t| model.forward(&mut s, &[t], None).unwrap())
+            .collect()
+    });
+    assert_close("short: token by token", &stepped, g.f32("logits"));
+    let mut fresh = model.session();
+    be.install(|| model.forward(&mut fresh, &ids, None))
+        .unwrap();
+    assert_eq!(s.pos, fresh.pos);
+    assert_eq!(s.state_bytes(), fresh.state_bytes());
 }

@@ -178,6 +178,19 @@ fn layer_kind(inst: &FlashInstall, l: usize) -> Result<LayerKind, LoadError> {
     }
 }
 
+/// The first `count` primes ≥ `from` (trial division: the bases are small).
+fn primes_from(from: u64, count: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(count);
+    let mut v = from;
+    while out.len() < count {
+        if is_prime(v) {
+            out.push(v);
+        }
+        v += 1;
+    }
+    out
+}
+
 fn is_prime(v: u64) -> bool {
     if v < 2 {
         return false;
@@ -195,12 +208,14 @@ fn is_prime(v: u64) -> bool {
     true
 }
 
-/// Read layer `l`'s PLE tables and check them against the config and its row pool.
-/// Every error names the tensor (or pool) that disagrees.
+/// Read layer `l`'s PLE tables and check them against the config and its row pool;
+/// `rank` is the layer's place among the PLE layers (its `ple_layer_index`). Every
+/// error names the tensor (or pool) that disagrees.
 pub fn load_ple_tables(
     inst: &FlashInstall,
     cfg: &FlashConfig,
     l: usize,
+    rank: usize,
 ) -> Result<PleTables, LoadError> {
     let p = format!("{LM}layers.{l}.ple.ple_embedding.");
     let (mn, vn, on) = (
@@ -228,18 +243,26 @@ pub fn load_ple_tables(
             ));
         }
     }
-    let base = cfg.ngram_vocab_size_base.unwrap_or(2);
-    let mut prev = 0i64;
     for (h, &v) in vocab_sizes.iter().enumerate() {
-        if v <= prev || (v as u64) < base || !is_prime(v as u64) {
-            return Err(bad(
-                &vn,
-                format!(
-                    "head {h} has vocabulary {v}; the heads' vocabularies are increasing primes from ngram_vocab_size_base {base}"
-                ),
-            ));
+        if v <= 0 {
+            return Err(bad(&vn, format!("head {h} has vocabulary {v}")));
         }
-        prev = v;
+    }
+    // What the config implies: head h of the PLE layer ranked `rank` among the PLE
+    // layers has the (rank·heads + h + 1)-th prime ≥ ngram_vocab_size_base.
+    if let Some(base) = cfg.ngram_vocab_size_base {
+        let want = primes_from(base, (rank + 1) * heads);
+        for (h, (&v, &w)) in vocab_sizes.iter().zip(&want[rank * heads..]).enumerate() {
+            if v as u64 != w {
+                return Err(bad(
+                    &vn,
+                    format!(
+                        "head {h} has vocabulary {v}; the config implies {w} (prime {} from ngram_vocab_size_base {base}, PLE layer {rank})",
+                        rank * heads + h + 1
+                    ),
+                ));
+            }
+        }
     }
     let mut total = 0i64;
     for (h, (&o, &v)) in offsets.iter().zip(&vocab_sizes).enumerate() {
@@ -299,7 +322,8 @@ impl<'a> FlashModel<'a> {
         let inst = install;
         let h = cfg.hidden;
         let w = cfg.hc.width();
-        let ple_layers: Vec<usize> = inst.rows.iter().map(|(l, _)| *l).collect();
+        let mut ple_layers: Vec<usize> = inst.rows.iter().map(|(l, _)| *l).collect();
+        ple_layers.sort_unstable();
         for &l in &ple_layers {
             if l >= cfg.layers {
                 return Err(LoadError::invalid(
@@ -314,7 +338,7 @@ impl<'a> FlashModel<'a> {
             let p = format!("{LM}layers.{l}.");
             let t = |n: &str| format!("{p}{n}");
             let kind = layer_kind(inst, l)?;
-            let ple = if ple_layers.contains(&l) {
+            let ple = if let Some(rank) = ple_layers.iter().position(|&p| p == l) {
                 if kind != LayerKind::Linear {
                     return Err(LoadError::invalid(
                         "manifest.json",
@@ -330,7 +354,7 @@ impl<'a> FlashModel<'a> {
                     norm_query: inst.floats(&t("ple.norm_query.weight"), &[w])?,
                     norm_conv: inst.floats(&t("ple.norm_conv.weight"), &[w])?,
                     conv: inst.floats(&t("ple.conv1d.weight"), &[w, 1, k])?,
-                    tables: load_ple_tables(inst, &cfg, l)?,
+                    tables: load_ple_tables(inst, &cfg, l, rank)?,
                 })
             } else {
                 None
@@ -458,7 +482,10 @@ impl<'a> FlashModel<'a> {
     }
 
     /// Run `tokens` after the session's state; returns the logits of every position
-    /// (`[T, vocab]`). With a trace, records the intermediate values.
+    /// (`[T, vocab]`). With a trace, records the intermediate values. Bad input (a
+    /// token outside the vocabulary, a sequence past `max_position_embeddings`) is
+    /// refused before anything changes; after an I/O error part-way the session is
+    /// part-way too and should be dropped.
     pub fn forward(
         &self,
         s: &mut FlashSession,

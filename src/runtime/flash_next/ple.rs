@@ -129,12 +129,7 @@ impl PleState {
 
 /// The row ids of `tokens` (`[T, heads]`, global rows of the concatenated table),
 /// advancing `history`.
-pub fn ngram_ids(
-    tables: &PleTables,
-    d: &PleDims,
-    history: &mut [i64],
-    tokens: &[i64],
-) -> Vec<u64> {
+pub fn ngram_ids(tables: &PleTables, d: &PleDims, history: &mut [i64], tokens: &[i64]) -> Vec<u64> {
     let (n, hpn) = (d.ngram, d.heads_per_ngram);
     let ctx = n.saturating_sub(1);
     assert!(
