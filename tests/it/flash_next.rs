@@ -824,3 +824,29 @@ fn a_prompt_fed_token_by_token_from_an_empty_session_equals_its_prefill() {
     assert_eq!(s.pos, fresh.pos);
     assert_eq!(s.state_bytes(), fresh.state_bytes());
 }
+
+#[test]
+fn a_manifest_missing_or_overflowing_an_axis_the_runner_needs_is_refused_naming_it() {
+    let edit = |f: fn(&mut Value)| {
+        damaged_copy(move |d| {
+            let path = d.join("manifest.json");
+            let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            f(&mut m["arch"]["axes"]);
+            std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+        })
+    };
+    let t = edit(|a| {
+        a.as_object_mut().unwrap().remove("indexer_n_heads");
+    });
+    assert_eq!(
+        load_error(&t.path().join("toy.gturbo")),
+        "manifest.json: arch.axes.indexer_n_heads (family qwen38flashnext): missing \
+         (the Flash-Next runner needs it)"
+    );
+    let t = edit(|a| a["hc_count"] = Value::from(1u64 << 39));
+    assert_eq!(
+        load_error(&t.path().join("toy.gturbo")),
+        "manifest.json: arch.axes.hc_count (family qwen38flashnext): the product \
+         [549755813888, 128] is too large"
+    );
+}

@@ -203,12 +203,45 @@ impl FlashConfig {
         }
         let heads_per_ngram = a.usize("heads_per_ngram")?;
         let ple_embed_dim = a.usize("ple_embed_dim")?;
-        let ple_heads = (ngram - 1) * heads_per_ngram;
-        if !ple_embed_dim.is_multiple_of(ple_heads) {
+        let ple_heads = (ngram - 1).saturating_mul(heads_per_ngram);
+        if ple_heads > ple_embed_dim || !ple_embed_dim.is_multiple_of(ple_heads) {
             return Err(a.err(
                 "ple_embed_dim",
                 &format!("{ple_embed_dim} is not a multiple of the {ple_heads} n-gram heads"),
             ));
+        }
+        // Buffer sizes are products of axes; a manifest whose products overflow (or
+        // exceed 2^40 elements) describes no installable model.
+        let sizes: [(&str, &[usize]); 8] = [
+            ("hc_count", &[streams, hidden]),
+            ("num_attention_heads", &[heads, head_dim, 2]),
+            ("num_key_value_heads", &[kv_heads, head_dim]),
+            ("indexer_n_heads", &[ix_heads + 1, ix_dim]),
+            (
+                "linear_num_value_heads",
+                &[
+                    nv,
+                    a.usize("linear_key_head_dim")?,
+                    a.usize("linear_value_head_dim")?,
+                ],
+            ),
+            (
+                "linear_num_key_heads",
+                &[nk, a.usize("linear_key_head_dim")?, 2],
+            ),
+            ("vocab_size", &[vocab, hidden]),
+            (
+                "ple_conv_kernel_size",
+                &[a.usize("ple_conv_kernel_size")?, ngram, streams, hidden],
+            ),
+        ];
+        for (axis, factors) in sizes {
+            let n = factors
+                .iter()
+                .try_fold(1usize, |acc, &f| acc.checked_mul(f));
+            if n.is_none_or(|n| n > 1 << 40) {
+                return Err(a.err(axis, &format!("the product {factors:?} is too large")));
+            }
         }
         Ok(FlashConfig {
             hidden,
