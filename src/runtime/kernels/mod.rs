@@ -33,6 +33,8 @@
 use crate::transform::quant::{GROUP, bf16_to_f32};
 use rayon::prelude::*;
 
+#[cfg(feature = "gpu")]
+pub mod gpu;
 mod portable;
 #[cfg(test)]
 mod tests;
