@@ -527,12 +527,29 @@ impl GpuContext {
     }
 
     /// Record one dispatch of `k` with `params` at binding 0 and `buffers` at
-    /// bindings 1, 2, … (in order), over `groups` workgroups.
+    /// bindings 1, 2, … (in order), over `groups` workgroups. The buffers must be
+    /// exactly the bindings the entry point uses (wgpu derives its layout from them).
     pub(crate) fn dispatch(
         &self,
         k: &Kernel,
         params: &[u8],
         buffers: &[&wgpu::Buffer],
+        groups: usize,
+    ) -> Result<()> {
+        let at: Vec<(u32, &wgpu::Buffer)> = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (i as u32 + 1, *b))
+            .collect();
+        self.dispatch_at(k, params, &at, groups)
+    }
+
+    /// [`GpuContext::dispatch`] with each buffer's binding number given.
+    pub(crate) fn dispatch_at(
+        &self,
+        k: &Kernel,
+        params: &[u8],
+        buffers: &[(u32, &wgpu::Buffer)],
         groups: usize,
     ) -> Result<()> {
         if groups == 0 {
@@ -556,9 +573,9 @@ impl GpuContext {
                 size: NonZeroU64::new(PARAMS_SLOT as u64),
             }),
         }];
-        for (i, b) in buffers.iter().enumerate() {
+        for &(binding, b) in buffers {
             entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
+                binding,
                 resource: b.as_entire_binding(),
             });
         }

@@ -29,6 +29,20 @@ pub(crate) fn use_tiled(n: usize) -> bool {
     n > 1
 }
 
+/// Whether the matrix-vector product of `w` takes the 16-byte-load kernel
+/// (`qmatvec4`): its codes start on a 16-byte boundary, a row is a whole number of
+/// 16-byte words, and a code word holds a multiple of 4 codes. The one place the
+/// choice is made; tests run both sides.
+pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
+    match w.encoding {
+        Encoding::Affine { bits, .. } => {
+            let per_word = (32 / bits) as usize;
+            w.w_off % 4 == 0 && per_word % 4 == 0 && (w.cols / per_word) % 4 == 0
+        }
+        _ => false,
+    }
+}
+
 /// The experts a router chose: `[n, k]` ids (best first) and their weights.
 #[derive(Debug, Clone)]
 pub struct RouterOutput {
@@ -126,12 +140,23 @@ impl GpuContext {
                     x_off: 0,
                     y_off: 0,
                 };
-                self.dispatch(
-                    &Kernel::qmat(bits, group, tiled),
-                    &p.bytes(),
-                    &[&w.buf, x, y],
-                    groups,
-                )
+                if !tiled && qmatvec_fast_path(w) {
+                    // Codes and scales are the same buffer at two bindings (u32 and
+                    // vec4 views), as are x's.
+                    self.dispatch_at(
+                        &Kernel::qmat(bits, group, false, true),
+                        &p.bytes(),
+                        &[(1, &w.buf), (3, y), (4, &w.buf), (5, x)],
+                        groups,
+                    )
+                } else {
+                    self.dispatch(
+                        &Kernel::qmat(bits, group, tiled, false),
+                        &p.bytes(),
+                        &[&w.buf, x, y],
+                        groups,
+                    )
+                }
             }
             e => {
                 let p = FmatvecParams {

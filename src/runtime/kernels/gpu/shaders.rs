@@ -123,9 +123,14 @@ impl Kernel {
         s
     }
 
-    /// Quantized matrix-vector (`tiled` false) or tiled matrix-matrix product.
-    pub(crate) fn qmat(bits: u32, group: u32, tiled: bool) -> Kernel {
-        let entry = if tiled { "qmatmul" } else { "qmatvec" };
+    /// Quantized matrix-vector product (`vec4`: the 16-byte-load variant), or the
+    /// tiled matrix-matrix product when `tiled`.
+    pub(crate) fn qmat(bits: u32, group: u32, tiled: bool, vec4: bool) -> Kernel {
+        let entry = match (tiled, vec4) {
+            (true, _) => "qmatmul",
+            (false, true) => "qmatvec4",
+            (false, false) => "qmatvec",
+        };
         Kernel::new(Shader::Qmatvec, entry)
             .with("BITS", bits)
             .with("GROUP", group)
@@ -156,8 +161,9 @@ impl Kernel {
         let mut v = Vec::new();
         for bits in [2, 4, 8] {
             for group in [32, 64, 128] {
-                v.push(Kernel::qmat(bits, group, false));
-                v.push(Kernel::qmat(bits, group, true));
+                v.push(Kernel::qmat(bits, group, false, false));
+                v.push(Kernel::qmat(bits, group, false, true));
+                v.push(Kernel::qmat(bits, group, true, false));
                 v.push(Kernel::embed(3, bits, group));
             }
         }

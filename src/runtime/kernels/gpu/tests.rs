@@ -330,7 +330,39 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     let mut want = vec![0f32; n * f.rows];
     Cpu::new(1).matmul(&m, &xs, n, &mut want);
     let bound = f.bound(&xs);
-    assert_close(&what, &got, &want, |i| 2e-5 * bound[i] + 1e-30);
+    let path = if n == 1 && ops::qmatvec_fast_path(&w) {
+        " fast"
+    } else {
+        ""
+    };
+    assert_close(&format!("{what}{path}"), &got, &want, |i| {
+        2e-5 * bound[i] + 1e-30
+    });
+    if f.kind == "quant" {
+        assert!(
+            n > 1 || ops::qmatvec_fast_path(&w),
+            "{what}: fast path expected"
+        );
+        // The same codes one word further into their buffer: off the 16-byte
+        // boundary, so the matrix-vector product takes the scalar kernel.
+        let mut bytes = vec![0u8; 4];
+        for p in &f.parts {
+            bytes.extend_from_slice(p);
+        }
+        let (wl, sl) = (f.parts[0].len(), f.parts[1].len());
+        let shifted = GpuMatrix {
+            buf: ctx.upload_bytes("shifted", &bytes).unwrap(),
+            w_off: 1,
+            s_off: ((4 + wl) / 2) as u32,
+            b_off: ((4 + wl + sl) / 2) as u32,
+            ..w.clone()
+        };
+        assert!(!ops::qmatvec_fast_path(&shifted));
+        let got = gpu_matmul(ctx, &shifted, &xs, n, &what);
+        assert_close(&format!("{what} at a word offset"), &got, &want, |i| {
+            2e-5 * bound[i] + 1e-30
+        });
+    }
     // The public entry point agrees with the raw one.
     if n == 1 {
         let x = ctx.upload_f32(&[n, f.cols], &xs).unwrap();

@@ -85,6 +85,65 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>,
     }
 }
 
+// The same product reading 16 bytes of codes and of x per load: taken when the codes
+// start on a 16-byte boundary and a row is a whole number of vec4 words (the host's
+// `qmatvec_fast_path`), else `qmatvec` above. Needs 32/BITS to be a multiple of 4.
+@group(0) @binding(4) var<storage, read> mat4: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
+
+@compute @workgroup_size(256)
+fn qmatvec4(@builtin(workgroup_id) wid: vec3<u32>,
+            @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) li: u32) {
+    let blocks = (p.rows + ROWS - 1u) / ROWS;
+    let lin = wid.x + wid.y * nwg.x;
+    if (lin >= blocks * p.n) { return; }
+    let tok = lin / blocks;
+    let row = (lin % blocks) * ROWS + li / LANES;
+    let lane = li % LANES;
+    let pw = per_word();
+    let row_v = p.cols / pw / 4u;
+    let wpg = GROUP / pw;
+    let groups = p.cols / GROUP;
+    var acc = 0.0;
+    if (row < p.rows) {
+        let wbase = p.w_off / 4u + row * row_v;
+        let xbase = (p.x_off + tok * p.cols) / 4u;
+        for (var vi = lane; vi < row_v; vi += LANES) {
+            let words = mat4[wbase + vi];
+            for (var j = 0u; j < 4u; j++) {
+                let wi = vi * 4u + j;
+                let word = words[j];
+                let g = row * groups + wi / wpg;
+                let c4 = xbase + wi * (pw / 4u);
+                var dq = 0.0;
+                var sx = 0.0;
+                for (var v = 0u; v < pw / 4u; v++) {
+                    let xv = x4[c4 + v];
+                    let sh = v * 4u * BITS;
+                    let q = vec4<f32>(
+                        f32((word >> sh) & mask()),
+                        f32((word >> (sh + BITS)) & mask()),
+                        f32((word >> (sh + 2u * BITS)) & mask()),
+                        f32((word >> (sh + 3u * BITS)) & mask()));
+                    dq += dot(q, xv);
+                    sx += (xv.x + xv.y) + (xv.z + xv.w);
+                }
+                acc += bf16_at(p.s_off + g) * dq + bf16_at(p.b_off + g) * sx;
+            }
+        }
+    }
+    red[li] = acc;
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) { red[li] += red[li + s]; }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        y[p.y_off + tok * p.rows + row] = red[li];
+    }
+}
+
 // Tiled product for n > 1 tokens: a workgroup computes TR rows × TN tokens, one output
 // per invocation, walking the columns one group at a time through workgroup memory
 // (codes as f32 and the x chunk), so each code is read from memory once per tile.
