@@ -281,7 +281,7 @@ impl GpuContext {
             return Ok(());
         }
         let padded = bytes.len().next_multiple_of(4);
-        if offset % 4 != 0 || offset + padded as u64 > buf.size() {
+        if !offset.is_multiple_of(4) || offset + padded as u64 > buf.size() {
             return Err(GpuError::Shape {
                 op: "write",
                 message: format!(

@@ -37,7 +37,9 @@ pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
     match w.encoding {
         Encoding::Affine { bits, .. } => {
             let per_word = (32 / bits) as usize;
-            w.w_off % 4 == 0 && per_word % 4 == 0 && (w.cols / per_word) % 4 == 0
+            w.w_off.is_multiple_of(4)
+                && per_word.is_multiple_of(4)
+                && (w.cols / per_word).is_multiple_of(4)
         }
         _ => false,
     }
@@ -78,7 +80,7 @@ fn distinct(op: &'static str, out: &GpuTensor, inputs: &[&GpuTensor]) -> Result<
 
 /// `n` such that `len == n · width`, `n ≥ 1`.
 fn rows_of(op: &'static str, name: &str, len: usize, width: usize) -> Result<usize> {
-    if width == 0 || len == 0 || len % width != 0 {
+    if width == 0 || len == 0 || !len.is_multiple_of(width) {
         return Err(shape_err(
             op,
             format!("{name} has {len} elements, not a positive multiple of {width}"),
@@ -320,7 +322,7 @@ impl GpuContext {
                 format!("head width {hd} is not in 1..={MAX_HEAD_DIM}"),
             ));
         }
-        if cache.kv_heads == 0 || heads % cache.kv_heads != 0 {
+        if cache.kv_heads == 0 || !heads.is_multiple_of(cache.kv_heads) {
             return Err(shape_err(
                 OP,
                 format!(

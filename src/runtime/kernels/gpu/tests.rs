@@ -870,7 +870,9 @@ fn expert_ffn_matches_cpu_and_slot_refills_are_ordered() {
     // Expert 2 in slot 1 for tokens 3 and 0; expert 0 in slot 0 for token 1 alone
     // (the matrix-vector path); then slot 0 refilled with expert 1 for three tokens
     // while the first slot-0 product is still only recorded.
-    let steps: [(usize, usize, &[(usize, f32)]); 3] = [
+    // (expert, slot, [(token, weight)])
+    type Step<'a> = (usize, usize, &'a [(usize, f32)]);
+    let steps: [Step; 3] = [
         (2, 1, &[(3, 0.7), (0, 0.25)]),
         (0, 0, &[(1, 0.5)]),
         (1, 0, &[(2, 0.125), (1, 0.5), (0, 1.0)]),
