@@ -194,7 +194,7 @@ fn main() {
             .map(|p| format!(", {:.1}% of {p} GB/s", 100.0 * g / p))
             .unwrap_or_default();
         println!(
-            "[{rows} x {cols}] {:.1} MiB/product over {copies} matrices: median {:.1} us, {g:.1} GB/s{frac}",
+            "[{rows} x {cols}] {:.1} MiB/product over {copies} matrices: median {:.1} us, {g:.2} GB/s{frac}",
             one as f64 / (1 << 20) as f64,
             median(us)
         );
