@@ -246,7 +246,7 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
 
 fn footer(
     install: &Install,
-    backend: &dyn Backend,
+    backend: &Cpu,
     g: &Generation,
     json: bool,
     prompt: &[u32],

@@ -8,9 +8,10 @@
 //! top-k, optionally renormalised to sum 1 (`norm_topk_prob`).
 
 use super::error::{InputError, RunError};
-use super::experts::expert_matrices;
 use super::gate::{QK_NORM, ROUTED_MOE};
-use super::kernels::{Backend, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
+use super::kernels::{
+    Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace,
+};
 use super::load::Install;
 use crate::format::manifest::{self, Manifest};
 
@@ -193,7 +194,7 @@ pub struct Model<'a> {
     /// Architecture numbers.
     pub cfg: Config,
     install: &'a Install,
-    backend: &'a dyn Backend,
+    backend: &'a Cpu,
     embed: Matrix<'a>,
     head: Matrix<'a>,
     final_norm: Vec<f32>,
@@ -219,7 +220,7 @@ fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 impl<'a> Model<'a> {
     /// Bind the install's tensors (no weight bytes are read here beyond norms).
-    pub fn new(install: &'a Install, backend: &'a dyn Backend) -> Result<Model<'a>, RunError> {
+    pub fn new(install: &'a Install, backend: &'a Cpu) -> Result<Model<'a>, RunError> {
         let cfg = Config::from_manifest(&install.manifest)?;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let embed = install.matrix("model.embed_tokens.weight", cfg.vocab, h)?;
