@@ -595,16 +595,20 @@ mod tests {
     #[test]
     fn network_defaults_are_the_documented_ones() {
         // The env vars would override the defaults; this test reads the defaults only.
-        for k in [
+        let unset = match [
             crate::env::GTURBO_LOW_SPEED_LIMIT,
             crate::env::GTURBO_LOW_SPEED_TIME,
             crate::env::GTURBO_RANGE_TIMEOUT,
             crate::env::GTURBO_MAX_ATTEMPTS,
-        ] {
-            if std::env::var_os(k).is_some() {
-                eprintln!("SKIPPED network_defaults_are_the_documented_ones: {k} is set");
-                return;
-            }
+        ]
+        .into_iter()
+        .find(|k| std::env::var_os(k).is_some())
+        {
+            Some(k) => Err(format!("{k} is set")),
+            None => Ok(()),
+        };
+        if gturbo_testkit::skip::require_or_skip("network_defaults", unset).is_none() {
+            return;
         }
         let a = install_args(&[]);
         assert_eq!(a.low_speed_limit, 65_536);
