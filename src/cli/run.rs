@@ -118,9 +118,15 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
         ExpertMode::Slots(args.expert_cache_slots as usize)
     };
     let install = open(&args.dir, experts)?;
-    let backend = Cpu::new(threads(args.threads));
-    let model = Model::new(&install, &backend)?;
-    let (prompt, codec) = prompt_ids(&args, &args.dir)?;
+    // The one place that names a backend; everything after it is generic.
+    let cpu = Cpu::new(threads(args.threads));
+    run_on(&args, &install, &cpu)
+}
+
+/// Generate with `install` on `backend`, streaming the text, then print the footer.
+fn run_on<B: Backend>(args: &RunArgs, install: &Install, backend: &B) -> Result<(), Failure> {
+    let model = Model::new(install, backend)?;
+    let (prompt, codec) = prompt_ids(args, &args.dir)?;
     let stop_ids: Vec<u32> = codec
         .as_ref()
         .map(|c| c.stop_ids().to_vec())
@@ -165,7 +171,7 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
     if !json {
         let _ = writeln!(out);
     }
-    footer(&install, &backend, &g, json, &prompt, &text, &mut out);
+    footer(install, backend.name(), &g, json, &prompt, &text, &mut out);
     Ok(())
 }
 
@@ -190,6 +196,33 @@ pub struct EvalArgs {
     pub json: bool,
 }
 
+/// The per-position logits of `ids` under install A then B on `backend`, and the
+/// vocabulary they share.
+fn eval_on<B: Backend>(
+    args: &EvalArgs,
+    ids: &[u32],
+    backend: &B,
+) -> Result<([Vec<f32>; 2], usize), Failure> {
+    let mut logits: [Vec<f32>; 2] = Default::default();
+    let mut vocab = 0;
+    for (dir, l) in [&args.dir_a, &args.dir_b].into_iter().zip(&mut logits) {
+        let install = open(dir, ExpertMode::Slots(64))?;
+        let model = Model::new(&install, backend)?;
+        if vocab != 0 && model.cfg.vocab != vocab {
+            return Err(Failure::usage(format!(
+                "{}: vocabulary {} differs from {}'s {vocab}",
+                dir.display(),
+                model.cfg.vocab,
+                args.dir_a.display()
+            )));
+        }
+        vocab = model.cfg.vocab;
+        let mut s = model.session();
+        *l = model.forward(&mut s, ids, true)?;
+    }
+    Ok((logits, vocab))
+}
+
 /// `gturbo eval`: mean KL(A‖B) and top-1 agreement of next-token distributions.
 pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
     let text = std::fs::read_to_string(&args.text)
@@ -203,24 +236,8 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
             args.text.display()
         )));
     }
-    let backend = Cpu::new(threads(args.threads));
-    let mut logits = Vec::new();
-    let mut vocab = 0;
-    for dir in [&args.dir_a, &args.dir_b] {
-        let install = open(dir, ExpertMode::Slots(64))?;
-        let model = Model::new(&install, &backend)?;
-        if vocab != 0 && model.cfg.vocab != vocab {
-            return Err(Failure::usage(format!(
-                "{}: vocabulary {} differs from {}'s {vocab}",
-                dir.display(),
-                model.cfg.vocab,
-                args.dir_a.display()
-            )));
-        }
-        vocab = model.cfg.vocab;
-        let mut s = model.session();
-        logits.push(model.forward(&mut s, &ids, true)?);
-    }
+    let cpu = Cpu::new(threads(args.threads));
+    let (logits, vocab) = eval_on(&args, &ids, &cpu)?;
     let a = generate::agreement(&logits[0], &logits[1], vocab);
     if args.json {
         let doc = serde_json::json!({
@@ -245,7 +262,7 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
 
 fn footer(
     install: &Install,
-    backend: &dyn Backend,
+    backend: &str,
     g: &Generation,
     json: bool,
     prompt: &[u32],
@@ -259,7 +276,7 @@ fn footer(
         "[{} via {} on {}] stop: {}; prompt {} tokens, generated {}; prefill {:.1} tok/s, decode {:.1} tok/s; peak RSS {}; expert cache {}",
         install.manifest.family,
         install.runner.name,
-        backend.name(),
+        backend,
         g.stop.label(),
         g.prompt_tokens,
         g.tokens.len(),

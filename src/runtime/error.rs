@@ -5,10 +5,12 @@
 //! the exit code: the capability gate refused the family ([`GateError`], exit 1), the
 //! install is damaged or unreadable ([`InstallFault`], naming the file and the field;
 //! exit 1 for damage, 2 for an I/O error), or the caller's input cannot be run
-//! ([`InputError`]: the prompt, the token ids, the flags; exit 2). The module depends
-//! on nothing else of the runtime but the gate, so every other module may use it.
+//! ([`InputError`]: the prompt, the token ids, the flags; exit 2), or the compute
+//! device failed ([`BackendError`], exit 2). The module depends on nothing else of the
+//! runtime but the gate and the kernels' error type, so every other module may use it.
 
 use super::gate::GateError;
+use super::kernels::BackendError;
 
 /// Why an install cannot be run, or a prompt cannot be run on it.
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +24,9 @@ pub enum RunError {
     /// The caller's input (prompt, token ids, flags) cannot be run on this install.
     #[error(transparent)]
     Input(#[from] InputError),
+    /// The compute device failed (out of memory, lost); the install and input are fine.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
 }
 
 impl RunError {

@@ -17,10 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use memmap2::Mmap;
 
 use super::error::RunError;
-use super::kernels::Matrix;
 use crate::format::Scheme;
 use crate::format::manifest::{self, Manifest};
-use crate::format::pools::{BlobPart, ExpertPool};
+use crate::format::pools::ExpertPool;
 use crate::header::Dtype;
 
 mod slots;
@@ -68,6 +67,15 @@ impl ExpertBlob<'_> {
         match self {
             ExpertBlob::Mapped(b) => b,
             ExpertBlob::Cached(p) => p.bytes(),
+        }
+    }
+
+    /// The cache slot holding the blob (`None` for a mapped pool): a device backend
+    /// mirrors the slots and uploads a blob when its slot's content changed.
+    pub fn slot(&self) -> Option<usize> {
+        match self {
+            ExpertBlob::Mapped(_) => None,
+            ExpertBlob::Cached(p) => Some(p.slot()),
         }
     }
 }
@@ -234,35 +242,4 @@ impl ExpertStore {
             )),
         }
     }
-}
-
-/// The gate, up and down matrices of one blob of `pool`.
-pub fn expert_matrices<'a>(pool: &ExpertPool, blob: &'a [u8]) -> [Matrix<'a>; 3] {
-    let view = |b: &BlobPart| -> Matrix<'a> {
-        let (o, w, s) = (b.offset as usize, b.weights as usize, b.scales as usize);
-        let (rows, cols) = (b.rows as usize, b.cols as usize);
-        match pool.scheme {
-            Scheme::Int4G64 | Scheme::Int8G64 => Matrix::Quant {
-                bits: pool.scheme.bits().unwrap_or(4),
-                weights: &blob[o..o + w],
-                scales: &blob[o + w..o + w + s],
-                biases: &blob[o + w + s..o + w + 2 * s],
-                rows,
-                cols,
-            },
-            Scheme::Passthrough => {
-                let data = &blob[o..o + w];
-                match pool.dtype {
-                    Dtype::F16 => Matrix::F16 { data, rows, cols },
-                    Dtype::F32 => Matrix::F32 { data, rows, cols },
-                    _ => Matrix::Bf16 { data, rows, cols },
-                }
-            }
-        }
-    };
-    [
-        view(&pool.parts[0]),
-        view(&pool.parts[1]),
-        view(&pool.parts[2]),
-    ]
 }

@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use super::error::{InputError, RunError};
+use super::kernels::Backend;
 use super::model::{Model, Session};
 
 /// Why generation stopped.
@@ -56,8 +57,8 @@ impl Generation {
 /// Generate after `prompt`: prefill in one batched forward pass, then one token at a
 /// time. `pick` chooses the next token from the logits; `on_token` sees each token as
 /// it is produced (to stream it). Stops after a token in `stop_ids` or `max_tokens`.
-pub fn generate(
-    model: &Model,
+pub fn generate<B: Backend>(
+    model: &Model<B>,
     prompt: &[u32],
     max_tokens: usize,
     stop_ids: &[u32],
@@ -67,7 +68,7 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(InputError::EmptyPrompt.into());
     }
-    let mut s: Session = model.session();
+    let mut s: Session<B> = model.session();
     let t0 = Instant::now();
     let mut logits = model.forward(&mut s, prompt, false)?;
     let prefill_s = t0.elapsed().as_secs_f64();

@@ -6,11 +6,17 @@
 //! `inv_freq_i = θ^(-2i/d)`; softmax attention scaled by `1/√head_dim`; SwiGLU
 //! `down(silu(gate x) · up x)`; MoE routing `softmax(router x)` over all experts,
 //! top-k, optionally renormalised to sum 1 (`norm_topk_prob`).
+//!
+//! The runner is written once against [`Backend`]: weights, norms, activations and the
+//! KV cache are the backend's tensors, and each step is one of its operations, so the
+//! same code runs on the CPU and on a device. The host keeps what only it can do: the
+//! input checks, the expert store (blobs pinned in the slot cache while an expert
+//! runs) and the logits handed back for sampling.
 
 use super::error::{InputError, RunError};
-use super::experts::expert_matrices;
+use super::experts::ExpertMode;
 use super::gate::{QK_NORM, ROUTED_MOE};
-use super::kernels::{Backend, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
+use super::kernels::{Backend, BackendError, Causal, ExpertRef, NormGain};
 use super::load::Install;
 use crate::format::manifest::{self, Manifest};
 
@@ -165,71 +171,73 @@ impl Config {
     }
 }
 
-enum Mlp<'a> {
+enum Mlp<'a, B: Backend> {
     Dense {
-        gate: Matrix<'a>,
-        up: Matrix<'a>,
-        down: Matrix<'a>,
+        gate: B::Weights<'a>,
+        up: B::Weights<'a>,
+        down: B::Weights<'a>,
     },
     Moe {
-        router: Matrix<'a>,
+        router: B::Weights<'a>,
     },
 }
 
-struct Layer<'a> {
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    q: Matrix<'a>,
-    k: Matrix<'a>,
-    v: Matrix<'a>,
-    o: Matrix<'a>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    mlp: Mlp<'a>,
+struct Layer<'a, B: Backend> {
+    input_norm: B::Buf,
+    post_norm: B::Buf,
+    q: B::Weights<'a>,
+    k: B::Weights<'a>,
+    v: B::Weights<'a>,
+    o: B::Weights<'a>,
+    q_norm: Option<B::Buf>,
+    k_norm: Option<B::Buf>,
+    mlp: Mlp<'a, B>,
 }
 
-/// A loaded decoder over an install's mapped weights.
-pub struct Model<'a> {
+/// A loaded decoder over an install's mapped weights, computing on `B`.
+pub struct Model<'a, B: Backend> {
     /// Architecture numbers.
     pub cfg: Config,
     install: &'a Install,
-    backend: &'a dyn Backend,
-    embed: Matrix<'a>,
-    head: Matrix<'a>,
-    final_norm: Vec<f32>,
-    layers: Vec<Layer<'a>>,
-    inv_freq: Vec<f32>,
+    backend: &'a B,
+    embed: B::Weights<'a>,
+    /// `None` when the head is tied to the embedding (no second upload).
+    head: Option<B::Weights<'a>>,
+    final_norm: B::Buf,
+    layers: Vec<Layer<'a, B>>,
+    rope: B::Rope,
+    slots: B::Slots,
 }
 
-/// Per-sequence state: the KV cache.
-pub struct Session {
-    /// Per layer: keys then values, `[pos, kv_heads × head_dim]` each.
-    kv: Vec<(Vec<f32>, Vec<f32>)>,
+/// Per-sequence state: the KV cache of every layer.
+pub struct Session<B: Backend> {
+    kv: Vec<B::Kv>,
     /// Tokens already in the cache.
     pub pos: usize,
 }
 
-/// RMSNorm of each `w.len()`-wide row of `x` into `out`.
-fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let d = w.len();
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        rms_norm(xr, w, eps, or);
-    }
-}
-
-impl<'a> Model<'a> {
-    /// Bind the install's tensors (no weight bytes are read here beyond norms).
-    pub fn new(install: &'a Install, backend: &'a dyn Backend) -> Result<Model<'a>, RunError> {
+impl<'a, B: Backend> Model<'a, B> {
+    /// Bind the install's tensors (no weight bytes are read here beyond norms; a
+    /// device backend uploads them).
+    pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
         let cfg = Config::from_manifest(&install.manifest)?;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
-        let embed = install.matrix("model.embed_tokens.weight", cfg.vocab, h)?;
+        let b = backend;
+        let matrix = |name: &str, rows, cols| -> Result<B::Weights<'a>, RunError> {
+            Ok(b.weights(install.matrix(name, rows, cols)?)?)
+        };
+        let vector = |name: &str, len| -> Result<B::Buf, RunError> {
+            Ok(b.upload(&install.vector(name, len)?)?)
+        };
+        let embed = matrix("model.embed_tokens.weight", cfg.vocab, h)?;
         // A checkpoint without `lm_head.weight` ties the head to the embedding.
         let head = if install.has("lm_head.weight") {
-            install.matrix("lm_head.weight", cfg.vocab, h)?
+            Some(matrix("lm_head.weight", cfg.vocab, h)?)
         } else {
-            embed
+            None
         };
         let mut layers = Vec::with_capacity(cfg.layers);
+        let mut pools = Vec::new();
         for l in 0..cfg.layers {
             let p = format!("model.layers.{l}.");
             let t = |n: &str| format!("{p}{n}");
@@ -254,72 +262,67 @@ impl<'a> Model<'a> {
                             ),
                         ));
                     }
+                    pools.push(pool);
                     Mlp::Moe {
-                        router: install.matrix(&t("mlp.gate.weight"), moe.experts, h)?,
+                        router: matrix(&t("mlp.gate.weight"), moe.experts, h)?,
                     }
                 }
                 None => Mlp::Dense {
-                    gate: install.matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
-                    up: install.matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
-                    down: install.matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
+                    gate: matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
+                    up: matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
+                    down: matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
                 },
             };
             layers.push(Layer {
-                input_norm: install.vector(&t("input_layernorm.weight"), h)?,
-                post_norm: install.vector(&t("post_attention_layernorm.weight"), h)?,
-                q: install.matrix(&t("self_attn.q_proj.weight"), cfg.heads * hd, h)?,
-                k: install.matrix(&t("self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
-                v: install.matrix(&t("self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
-                o: install.matrix(&t("self_attn.o_proj.weight"), h, cfg.heads * hd)?,
+                input_norm: vector(&t("input_layernorm.weight"), h)?,
+                post_norm: vector(&t("post_attention_layernorm.weight"), h)?,
+                q: matrix(&t("self_attn.q_proj.weight"), cfg.heads * hd, h)?,
+                k: matrix(&t("self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
+                v: matrix(&t("self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
+                o: matrix(&t("self_attn.o_proj.weight"), h, cfg.heads * hd)?,
                 q_norm: cfg
                     .qk_norm
-                    .then(|| install.vector(&t("self_attn.q_norm.weight"), hd))
+                    .then(|| vector(&t("self_attn.q_norm.weight"), hd))
                     .transpose()?,
                 k_norm: cfg
                     .qk_norm
-                    .then(|| install.vector(&t("self_attn.k_norm.weight"), hd))
+                    .then(|| vector(&t("self_attn.k_norm.weight"), hd))
                     .transpose()?,
                 mlp,
             });
         }
-        let half = hd / 2;
-        let inv_freq = (0..half)
+        let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
             .collect();
+        let slots = match install.experts.mode() {
+            ExpertMode::Slots(n) => Some(n),
+            ExpertMode::Resident => None,
+        };
         Ok(Model {
-            final_norm: install.vector("model.norm.weight", h)?,
+            final_norm: vector("model.norm.weight", h)?,
+            rope: b.rope_table(&inv_freq, cfg.max_positions)?,
+            slots: b.expert_slots(slots, &pools)?,
             cfg,
             install,
             backend,
             embed,
             head,
             layers,
-            inv_freq,
         })
     }
 
-    /// An empty KV cache.
-    pub fn session(&self) -> Session {
+    /// An empty session; its KV caches are made by the first forward pass (which can
+    /// report a device's allocation failure).
+    pub fn session(&self) -> Session<B> {
         Session {
-            kv: (0..self.cfg.layers)
-                .map(|_| (Vec::new(), Vec::new()))
-                .collect(),
+            kv: Vec::new(),
             pos: 0,
         }
     }
 
-    fn rope(&self, x: &mut [f32], pos: usize) {
-        let half = self.cfg.head_dim / 2;
-        for head in x.chunks_exact_mut(self.cfg.head_dim) {
-            let (a, b) = head.split_at_mut(half);
-            for i in 0..half {
-                let ang = pos as f32 * self.inv_freq[i];
-                let (s, c) = ang.sin_cos();
-                let (x1, x2) = (a[i], b[i]);
-                a[i] = x1 * c - x2 * s;
-                b[i] = x2 * c + x1 * s;
-            }
-        }
+    /// The backend the model computes on.
+    pub fn backend(&self) -> &'a B {
+        self.backend
     }
 
     /// Run `tokens` (appended after the session's cache) through the model. Returns
@@ -327,11 +330,12 @@ impl<'a> Model<'a> {
     /// those of the last position only.
     pub fn forward(
         &self,
-        s: &mut Session,
+        s: &mut Session<B>,
         tokens: &[u32],
         all: bool,
     ) -> Result<Vec<f32>, RunError> {
         let c = &self.cfg;
+        let b = self.backend;
         let n = tokens.len();
         if n == 0 {
             return Ok(Vec::new());
@@ -344,157 +348,132 @@ impl<'a> Model<'a> {
             }
             .into());
         }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(InputError::TokenOutsideVocabulary {
+                token: t,
+                vocab: c.vocab,
+            }
+            .into());
+        }
+        if s.kv.len() != c.layers {
+            s.kv = (0..c.layers)
+                .map(|_| b.kv_cache(c.kv_heads, c.head_dim, c.max_positions))
+                .collect::<Result<_, _>>()?;
+        }
         let (h, hd) = (c.hidden, c.head_dim);
         let (qw, kvw) = (c.heads * hd, c.kv_heads * hd);
-        let mut x = vec![0f32; n * h];
-        for (i, &t) in tokens.iter().enumerate() {
-            if t as usize >= c.vocab {
-                return Err(InputError::TokenOutsideVocabulary {
-                    token: t,
-                    vocab: c.vocab,
-                }
-                .into());
-            }
-            self.backend
-                .row(&self.embed, t as usize, &mut x[i * h..(i + 1) * h]);
-        }
-        let mut xn = vec![0f32; n * h];
-        let mut q = vec![0f32; n * qw];
-        let mut k = vec![0f32; n * kvw];
-        let mut v = vec![0f32; n * kvw];
-        let mut att = vec![0f32; n * qw];
-        let mut out = vec![0f32; n * h];
-        let scale = 1.0 / (hd as f32).sqrt();
-        let group = c.heads / c.kv_heads;
+        let mut x = b.zeros(n * h)?;
+        b.embed(&self.embed, tokens, &mut x)?;
+        let mut xn = b.zeros(n * h)?;
+        let mut q = b.zeros(n * qw)?;
+        let mut k = b.zeros(n * kvw)?;
+        let mut v = b.zeros(n * kvw)?;
+        // QK-norm writes into these, then they trade places with q and k.
+        let (mut qn, mut kn) = if c.qk_norm {
+            (b.zeros(n * qw)?, b.zeros(n * kvw)?)
+        } else {
+            (b.zeros(0)?, b.zeros(0)?)
+        };
+        let mut att = b.zeros(n * qw)?;
+        let mut out = b.zeros(n * h)?;
+        let at = Causal {
+            pos: s.pos,
+            heads: c.heads,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
         for (l, layer) in self.layers.iter().enumerate() {
-            rms_norm_rows(&x, &layer.input_norm, c.eps, &mut xn);
-            self.backend.matmul(&layer.q, &xn, n, &mut q);
-            self.backend.matmul(&layer.k, &xn, n, &mut k);
-            self.backend.matmul(&layer.v, &xn, n, &mut v);
-            for i in 0..n {
-                let qi = &mut q[i * qw..(i + 1) * qw];
-                let ki = &mut k[i * kvw..(i + 1) * kvw];
-                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                    let tmp = qi.to_vec();
-                    rms_norm_rows(&tmp, qn, c.eps, qi);
-                    let tmp = ki.to_vec();
-                    rms_norm_rows(&tmp, kn, c.eps, ki);
-                }
-                self.rope(qi, s.pos + i);
-                self.rope(ki, s.pos + i);
+            b.rms_norm(&x, &layer.input_norm, c.eps, NormGain::Weight, &mut xn)?;
+            b.linear(&layer.q, &xn, &mut q)?;
+            b.linear(&layer.k, &xn, &mut k)?;
+            b.linear(&layer.v, &xn, &mut v)?;
+            if let (Some(qnw), Some(knw)) = (&layer.q_norm, &layer.k_norm) {
+                b.rms_norm(&q, qnw, c.eps, NormGain::Weight, &mut qn)?;
+                b.rms_norm(&k, knw, c.eps, NormGain::Weight, &mut kn)?;
+                std::mem::swap(&mut q, &mut qn);
+                std::mem::swap(&mut k, &mut kn);
             }
-            let (kc, vc) = &mut s.kv[l];
-            kc.extend_from_slice(&k);
-            vc.extend_from_slice(&v);
-            let total = s.pos + n;
-            let mut scores = vec![0f32; total];
-            for i in 0..n {
-                let upto = s.pos + i + 1;
-                for hh in 0..c.heads {
-                    let kvh = hh / group;
-                    let qh = &q[i * qw + hh * hd..i * qw + (hh + 1) * hd];
-                    for (j, sc) in scores[..upto].iter_mut().enumerate() {
-                        let kj = &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                        *sc = dot(qh, kj) * scale;
-                    }
-                    softmax_inplace(&mut scores[..upto]);
-                    let ah = &mut att[i * qw + hh * hd..i * qw + (hh + 1) * hd];
-                    ah.fill(0.0);
-                    for (j, &p) in scores[..upto].iter().enumerate() {
-                        let vj = &vc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                        axpy(p, vj, ah);
-                    }
-                }
-            }
-            self.backend.matmul(&layer.o, &att, n, &mut out);
-            for (a, b) in x.iter_mut().zip(&out) {
-                *a += b;
-            }
-            rms_norm_rows(&x, &layer.post_norm, c.eps, &mut xn);
+            b.rope(&self.rope, &mut q, c.heads, hd, s.pos)?;
+            b.rope(&self.rope, &mut k, c.kv_heads, hd, s.pos)?;
+            b.attention(&mut s.kv[l], &q, &k, &v, at, &mut att)?;
+            b.linear(&layer.o, &att, &mut out)?;
+            b.add(&mut x, &out)?;
+            b.rms_norm(&x, &layer.post_norm, c.eps, NormGain::Weight, &mut xn)?;
             match &layer.mlp {
-                Mlp::Dense { gate, up, down } => {
-                    let i = c.intermediate;
-                    let mut g = vec![0f32; n * i];
-                    let mut u = vec![0f32; n * i];
-                    self.backend.matmul(gate, &xn, n, &mut g);
-                    self.backend.matmul(up, &xn, n, &mut u);
-                    silu_mul(&mut g, &u);
-                    self.backend.matmul(down, &g, n, &mut out);
-                }
-                Mlp::Moe { router } => self.moe(l, router, &xn, n, &mut out)?,
+                Mlp::Dense { gate, up, down } => b.ffn_swiglu(gate, up, down, &xn, &mut out)?,
+                Mlp::Moe { router } => self.moe(l, router, &xn, &mut out)?,
             }
-            for (a, b) in x.iter_mut().zip(&out) {
-                *a += b;
-            }
+            b.add(&mut x, &out)?;
         }
         s.pos += n;
-        let rows: &[f32] = if all { &x } else { &x[(n - 1) * h..] };
-        let m = rows.len() / h;
-        let mut normed = vec![0f32; m * h];
-        rms_norm_rows(rows, &self.final_norm, c.eps, &mut normed);
-        let mut logits = vec![0f32; m * c.vocab];
-        self.backend.matmul(&self.head, &normed, m, &mut logits);
-        Ok(logits)
+        let (rows, m) = if all {
+            (x, n)
+        } else {
+            (b.copy_rows(&x, h, n - 1..n)?, 1)
+        };
+        let mut normed = b.zeros(m * h)?;
+        b.rms_norm(
+            &rows,
+            &self.final_norm,
+            c.eps,
+            NormGain::Weight,
+            &mut normed,
+        )?;
+        let mut logits = b.zeros(m * c.vocab)?;
+        b.linear(
+            self.head.as_ref().unwrap_or(&self.embed),
+            &normed,
+            &mut logits,
+        )?;
+        Ok(b.read_owned(logits)?)
     }
 
-    /// Routed experts for `n` tokens: route each token, then run each chosen expert
-    /// once over the tokens that chose it (one cache lookup per expert per call).
+    /// Routed experts for the rows of `xn`: route each token, then run each chosen
+    /// expert once over the tokens that chose it (one cache lookup per expert per call,
+    /// in ascending expert order, so each token's sum is added in a fixed order).
     fn moe(
         &self,
         l: usize,
-        router: &Matrix,
-        xn: &[f32],
-        n: usize,
-        out: &mut [f32],
+        router: &B::Weights<'a>,
+        xn: &B::Buf,
+        out: &mut B::Buf,
     ) -> Result<(), RunError> {
+        let b = self.backend;
         let moe = self
             .cfg
             .moe
             .as_ref()
             .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
-        let (h, e_count, inter) = (self.cfg.hidden, moe.experts, moe.intermediate);
-        let mut probs = vec![0f32; n * e_count];
-        self.backend.matmul(router, xn, n, &mut probs);
-        // chosen[e] = (token, weight) pairs.
-        let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_count];
-        for t in 0..n {
-            let p = &mut probs[t * e_count..(t + 1) * e_count];
-            softmax_inplace(p);
-            let mut idx: Vec<usize> = (0..e_count).collect();
-            // Highest probability first; ties to the lower expert id.
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let top = &idx[..moe.top_k];
-            let sum: f32 = top.iter().map(|&e| p[e]).sum();
-            for &e in top {
-                let w = if moe.norm_topk_prob { p[e] / sum } else { p[e] };
-                chosen[e].push((t, w));
-            }
+        let routing = b.route(router, xn, moe.top_k, moe.norm_topk_prob)?;
+        // chosen[e] = (token, weight) pairs, tokens ascending.
+        let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.experts];
+        let k = routing.top_k.max(1);
+        for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
+            let Some(c) = chosen.get_mut(e as usize) else {
+                let msg = format!("chose expert {e} of {}", moe.experts);
+                return Err(BackendError::new(b.name(), "route", msg).into());
+            };
+            c.push((i / k, w));
         }
-        out.fill(0.0);
+        b.zero(out)?;
         let pool = self.install.experts.pool(l).ok_or_else(|| {
             RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
         })?;
-        for (e, toks) in chosen.iter().enumerate() {
-            if toks.is_empty() {
+        for (e, routes) in chosen.iter().enumerate() {
+            if routes.is_empty() {
                 continue;
             }
             let blob = self.install.experts.get(l, e)?;
-            let [gate, up, down] = expert_matrices(pool, blob.bytes());
-            let m = toks.len();
-            let mut xs = vec![0f32; m * h];
-            for (r, &(t, _)) in toks.iter().enumerate() {
-                xs[r * h..(r + 1) * h].copy_from_slice(&xn[t * h..(t + 1) * h]);
-            }
-            let mut g = vec![0f32; m * inter];
-            let mut u = vec![0f32; m * inter];
-            self.backend.matmul(&gate, &xs, m, &mut g);
-            self.backend.matmul(&up, &xs, m, &mut u);
-            silu_mul(&mut g, &u);
-            let mut d = vec![0f32; m * h];
-            self.backend.matmul(&down, &g, m, &mut d);
-            for (r, &(t, w)) in toks.iter().enumerate() {
-                axpy(w, &d[r * h..(r + 1) * h], &mut out[t * h..(t + 1) * h]);
-            }
+            let expert = b.expert(
+                &self.slots,
+                ExpertRef {
+                    pool,
+                    layer: l,
+                    expert: e,
+                    slot: blob.slot(),
+                    bytes: blob.bytes(),
+                },
+            )?;
+            b.expert_ffn(&expert, xn, routes, out)?;
         }
         Ok(())
     }

@@ -258,6 +258,12 @@ impl Pinned<'_> {
     pub fn bytes(&self) -> &[u8] {
         self.data.as_deref().map_or(&[], Vec::as_slice)
     }
+
+    /// The slot's index (below the capacity). A slot holds one key at a time and
+    /// changes key only when a miss refills it.
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
 }
 
 impl Drop for Pinned<'_> {

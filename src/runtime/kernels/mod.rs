@@ -1,13 +1,16 @@
 //! Compute kernels: matrix-vector and matrix-matrix products over the weight
 //! encodings an install stores (INT4/INT8 affine g64 in MLX's layout, BF16, F16, F32),
-//! and the small f32 helpers the runners call on every token.
+//! the small f32 helpers, and the [`Backend`] seam runners compute through.
 //!
 //! # Shape of the API
 //! A [`Matrix`] borrows the bytes of one weight tensor straight from the install
 //! (memory-mapped resident file or an expert-cache slot); nothing is converted ahead
-//! of time. A [`Backend`] multiplies it by f32 activations. [`Cpu`] is the only
-//! backend today; the trait is what a GPU backend (wgpu: Metal on macOS, Vulkan
-//! elsewhere) implements later, so runners hold a `&dyn Backend` and never name `Cpu`.
+//! of time. A runner never multiplies a [`Matrix`] itself: it hands it to a
+//! [`Backend`] once ([`Backend::weights`]) and then calls whole operations (norms,
+//! RoPE, attention with its KV cache, the FFN, routing, an expert's FFN) on tensors
+//! the backend owns (`backend.rs` gives the contract). [`Cpu`] is the only backend
+//! today: its ops (`cpu.rs`) run over the host-slice products [`Cpu::matvec`] and
+//! [`Cpu::matmul`] below, which a device backend's tests also compare against.
 //!
 //! # Arithmetic
 //! Quantized products never materialise the dequantized matrix. One group of 64
@@ -26,17 +29,26 @@
 //! shift and one mask, with no byte shuffles. Rows are split over a rayon pool.
 //!
 //! # Contract
-//! The hot functions ([`Backend::matvec`], [`Backend::matmul`], [`Backend::row`]) may
-//! assume [`Matrix::check`] passed and the slice lengths are the documented ones; they
-//! panic (never read out of bounds) when that is not so. `check` itself never panics.
+//! The hot functions ([`Cpu::matvec`], [`Cpu::matmul`], [`Cpu::row`]) may assume
+//! [`Matrix::check`] passed and the slice lengths are the documented ones; they panic
+//! (never read out of bounds) when that is not so. `check` itself never panics.
 
-use crate::format::Affine;
+use crate::format::pools::{BlobPart, ExpertPool};
+use crate::format::{Affine, Scheme};
+use crate::header::Dtype;
 use crate::transform::quant::{GROUP, bf16_to_f32};
 use rayon::prelude::*;
 
+mod backend;
+#[cfg(test)]
+mod conformance;
+mod cpu;
 mod portable;
 #[cfg(test)]
 mod tests;
+
+pub use backend::{Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing};
+pub use cpu::{CpuKv, CpuRope};
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -233,7 +245,7 @@ impl Matrix<'_> {
 
     /// Row `r` widened to f32 into `out` (`out.len() == cols`). A plain conversion of
     /// host bytes that needs no backend: norm weights are read once at load with it,
-    /// and [`Cpu`]'s [`Backend::row`] is this. Panics (never reads out of bounds) when
+    /// and [`Cpu::row`] and the CPU's [`Backend::embed`] are this. Panics (never reads out of bounds) when
     /// `r` or `out` do not fit the shape.
     pub fn widen_row(&self, r: usize, out: &mut [f32]) {
         debug_assert!(self.check().is_ok());
@@ -282,24 +294,6 @@ impl Matrix<'_> {
             },
         }
     }
-}
-
-/// A compute backend. Runners hold `&dyn Backend`; the CPU backend is [`Cpu`].
-///
-/// Every method may assume [`Matrix::check`] passed for `w` and panics (never reads
-/// out of bounds) when the slice lengths are not the documented ones.
-pub trait Backend: Send + Sync {
-    /// Short name for logs and footers (`"cpu-avx2"`, `"cpu"`).
-    fn name(&self) -> &'static str;
-    /// `y[r] = Σ_c W[r,c]·x[c]` with f32 accumulation; `x.len() == cols`,
-    /// `y.len() == rows`.
-    fn matvec(&self, w: &Matrix, x: &[f32], y: &mut [f32]);
-    /// `n` vectors at once (prefill): `xs` is `[n, cols]`, `ys` is `[n, rows]`. Equals
-    /// `n` calls of [`Backend::matvec`] to f32 rounding; reuses each dequantized row
-    /// across the `n` vectors.
-    fn matmul(&self, w: &Matrix, xs: &[f32], n: usize, ys: &mut [f32]);
-    /// Row `r` of `W` as f32 (embedding lookup); `out.len() == cols`.
-    fn row(&self, w: &Matrix, r: usize, out: &mut [f32]);
 }
 
 /// Which inner loops the CPU backend runs.
@@ -575,8 +569,13 @@ impl Prepared {
     }
 }
 
-impl Backend for Cpu {
-    fn name(&self) -> &'static str {
+/// Products on host slices: what the [`Backend`] ops of [`Cpu`] (in `cpu.rs`) are
+/// built from, and what kernel benchmarks and other backends' tests compare with.
+/// They may assume [`Matrix::check`] passed for `w` and panic (never read out of
+/// bounds) when the slice lengths are not the documented ones.
+impl Cpu {
+    /// Short name for logs and footers (`"cpu-avx2"`, `"cpu"`).
+    fn isa_name(&self) -> &'static str {
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => "cpu-avx2",
@@ -584,7 +583,9 @@ impl Backend for Cpu {
         }
     }
 
-    fn matvec(&self, w: &Matrix, x: &[f32], y: &mut [f32]) {
+    /// `y[r] = Σ_c W[r,c]·x[c]` with f32 accumulation; `x.len() == cols`,
+    /// `y.len() == rows`.
+    pub fn matvec(&self, w: &Matrix, x: &[f32], y: &mut [f32]) {
         debug_assert!(w.check().is_ok());
         assert_eq!(x.len(), w.cols(), "matvec: x length");
         assert_eq!(y.len(), w.rows(), "matvec: y length");
@@ -594,7 +595,10 @@ impl Backend for Cpu {
         });
     }
 
-    fn matmul(&self, w: &Matrix, xs: &[f32], n: usize, ys: &mut [f32]) {
+    /// `n` vectors at once (prefill): `xs` is `[n, cols]`, `ys` is `[n, rows]`. Equals
+    /// `n` calls of [`Cpu::matvec`] to f32 rounding; reuses each dequantized row
+    /// across the `n` vectors.
+    pub fn matmul(&self, w: &Matrix, xs: &[f32], n: usize, ys: &mut [f32]) {
         debug_assert!(w.check().is_ok());
         let (rows, cols) = (w.rows(), w.cols());
         assert_eq!(xs.len(), n * cols, "matmul: xs length");
@@ -659,7 +663,8 @@ impl Backend for Cpu {
         }
     }
 
-    fn row(&self, w: &Matrix, r: usize, out: &mut [f32]) {
+    /// Row `r` of `W` as f32 (embedding lookup); `out.len() == cols`.
+    pub fn row(&self, w: &Matrix, r: usize, out: &mut [f32]) {
         w.widen_row(r, out);
     }
 }
@@ -673,6 +678,38 @@ pub(super) fn quant_row_bytes(bits: u32, cols: usize) -> (usize, usize) {
         .and_then(|a| a.row_sizes(cols as u64))
         .expect("Matrix::check accepted this bit width and row width");
     (row.weights as usize, row.scales as usize)
+}
+
+/// The gate, up and down matrices of one expert blob of `pool` (its parts in blob
+/// order), as views of the blob's bytes.
+pub fn expert_matrices<'a>(pool: &ExpertPool, blob: &'a [u8]) -> [Matrix<'a>; 3] {
+    let view = |b: &BlobPart| -> Matrix<'a> {
+        let (o, w, s) = (b.offset as usize, b.weights as usize, b.scales as usize);
+        let (rows, cols) = (b.rows as usize, b.cols as usize);
+        match pool.scheme {
+            Scheme::Int4G64 | Scheme::Int8G64 => Matrix::Quant {
+                bits: pool.scheme.bits().unwrap_or(4),
+                weights: &blob[o..o + w],
+                scales: &blob[o + w..o + w + s],
+                biases: &blob[o + w + s..o + w + 2 * s],
+                rows,
+                cols,
+            },
+            Scheme::Passthrough => {
+                let data = &blob[o..o + w];
+                match pool.dtype {
+                    Dtype::F16 => Matrix::F16 { data, rows, cols },
+                    Dtype::F32 => Matrix::F32 { data, rows, cols },
+                    _ => Matrix::Bf16 { data, rows, cols },
+                }
+            }
+        }
+    };
+    [
+        view(&pool.parts[0]),
+        view(&pool.parts[1]),
+        view(&pool.parts[2]),
+    ]
 }
 
 /// Read little-endian BF16 element `i` of `data`.

@@ -12,7 +12,8 @@ use crate::transform::quant::{Bits, dequantize_rows, f32_to_bf16, quantize_rows}
 
 const TOL: f64 = 1e-5;
 
-struct Rng(u64);
+/// Xorshift: the same inputs on every run, shared with `conformance`.
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -22,10 +23,10 @@ impl Rng {
         self.0
     }
     /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
+    pub(super) fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
+    pub(super) fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.unit()).collect()
     }
 }

@@ -1,0 +1,283 @@
+//! The seam between a runner and the device it computes on: [`Backend`].
+//!
+//! # Why whole operations on backend-owned tensors
+//! A runner (the decoder in `runtime::model`) holds its weights, activations, KV cache
+//! and expert slots as values of the backend's associated types: plain memory on the
+//! CPU ([`Cpu`](super::Cpu): `Vec<f32>` and borrowed [`Matrix`] views of the mapped
+//! install), device buffers on a GPU. It calls whole operations on them (a norm, a
+//! product, RoPE, attention with its cache, the FFN, routing, an expert's FFN), so a
+//! token's forward pass stays on the device. Two things cross back to the host, both
+//! small: the router's choice of experts (the host reads their blobs with `pread`) and
+//! the logits (the host samples).
+//!
+//! # Static dispatch
+//! The associated types are what lets a GPU keep tensors in device memory, and they make
+//! the trait unusable as `dyn`. So runners are generic (`Model<'a, B: Backend>`) and the
+//! CLI matches on the chosen backend once, then calls one generic function. A runner
+//! never names a backend.
+//!
+//! # Shapes
+//! A [`Backend::Buf`] is a row-major f32 tensor `[rows, width]`: one row per token, or
+//! per (token, head) for per-head ops. Buffers are allocated with the exact length an
+//! op produces ([`Backend::zeros`]); an op derives the row count from the lengths and
+//! the widths it is given or the weights imply, and outputs are `&mut`, so an output is
+//! never also an input. Lengths that disagree are a runner bug: the CPU panics (never
+//! reads out of bounds), a GPU may return [`BackendError`].
+//!
+//! # Arithmetic
+//! Every op accumulates in f32. Each op's doc gives its formula; the CPU backend
+//! computes exactly what the runner computed inline before the seam existed, in the same
+//! order, so its tokens did not change. Another backend may differ by reduction order
+//! (and `exp`/`sin` rounding) within the tolerances `kernels::conformance` holds every
+//! backend to.
+//!
+//! # Runner-specific operations
+//! Operations only one runner needs (Flash-Next's gated-delta-net step, its
+//! hyper-connection mix and inject, the PLE gather and conv, the indexer's block scores)
+//! go in an extension trait of that runner, `trait FlashNextOps: Backend { … }`, which
+//! the runner requires (`FlashModel<'a, B: FlashNextOps>`), so the core trait does not
+//! grow per runner. The CPU implements such a trait over the runner's pure slice
+//! functions (its `Buf` is a `Vec<f32>`, its weights [`Matrix`] views), a GPU once it
+//! has kernels for them.
+
+use std::ops::Range;
+
+use super::Matrix;
+use crate::format::pools::ExpertPool;
+
+/// A backend operation that failed for a reason of the device (out of memory, device
+/// lost, a limit of the adapter), not of the install or the input.
+#[derive(Debug, thiserror::Error)]
+#[error("{backend} backend: {op}: {source}")]
+pub struct BackendError {
+    /// The backend's name ([`Backend::name`]).
+    pub backend: String,
+    /// The operation that failed.
+    pub op: &'static str,
+    /// What the device reported.
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl BackendError {
+    /// `op` of `backend` failed with `source` (an error, or a message).
+    pub fn new(
+        backend: &str,
+        op: &'static str,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> BackendError {
+        BackendError {
+            backend: backend.to_string(),
+            op,
+            source: source.into(),
+        }
+    }
+}
+
+/// What an op returns.
+pub type OpResult<T = ()> = Result<T, BackendError>;
+
+/// What multiplies an RMSNorm's normalised input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormGain {
+    /// `x̂ · w` (Llama, Qwen3).
+    Weight,
+    /// `x̂ · (1 + w)`: checkpoints that store the gain centred on zero (Qwen3-Next,
+    /// Gemma).
+    OnePlusWeight,
+}
+
+/// One causal attention step: the new tokens' positions and the query heads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Causal {
+    /// Position of the first new token (tokens already in the cache).
+    pub pos: usize,
+    /// Query heads; a multiple of the cache's KV heads.
+    pub heads: usize,
+    /// Factor on `q·k` before the softmax (`1/√head_dim` for the decoder).
+    pub scale: f32,
+}
+
+/// The router's choice for `n` tokens, read back to the host (which reads the chosen
+/// experts' blobs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// `[n, top_k]` expert ids, most probable first (ties to the lower id).
+    pub experts: Vec<u32>,
+    /// `[n, top_k]` routing weights, in the same order.
+    pub weights: Vec<f32>,
+}
+
+/// One expert blob as the host holds it, handed to [`Backend::expert`].
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertRef<'e> {
+    /// The layer's pool geometry (where gate, up and down sit in the blob).
+    pub pool: &'e ExpertPool,
+    /// Layer and expert: the blob's identity.
+    pub layer: usize,
+    /// Expert index in the pool.
+    pub expert: usize,
+    /// The host slot-cache slot holding the blob (`None` when it is a slice of a
+    /// mapped pool). A slot holds one blob at a time, and a slot's key changes only
+    /// when it is refilled, so a device mirror of the slots may upload a blob when
+    /// its slot's `(layer, expert)` differs from what the device slot last received.
+    pub slot: Option<usize>,
+    /// The blob bytes (gate, up, down as `pool.parts` lays them out).
+    pub bytes: &'e [u8],
+}
+
+/// Operations a runner calls, over tensors the backend owns. See the module doc for
+/// the contract shared by every op (shapes, arithmetic, errors).
+pub trait Backend {
+    /// A weight matrix ready for products: on the CPU the [`Matrix`] view of the
+    /// install's bytes itself (zero copy from the map), on a GPU an upload made once.
+    type Weights<'w>;
+    /// An f32 activation tensor.
+    type Buf;
+    /// RoPE frequencies (a GPU may expand them into a cos/sin table).
+    type Rope;
+    /// One layer's KV cache.
+    type Kv;
+    /// Device-side storage for expert blobs (a GPU's mirror of the host slot cache;
+    /// nothing on the CPU, which reads the host buffers in place).
+    type Slots;
+    /// One expert's gate, up and down, ready for [`Backend::expert_ffn`].
+    type Expert<'e>
+    where
+        Self: 'e;
+
+    /// Short name for logs and the footer (`"cpu-avx2"`, an adapter's name).
+    fn name(&self) -> &str;
+
+    // ---------------------------------------------------------------- data
+
+    /// Make `m` computable. Called once per tensor when a runner loads.
+    fn weights<'w>(&self, m: Matrix<'w>) -> OpResult<Self::Weights<'w>>;
+    /// A tensor holding `data` (norm weights; test inputs).
+    fn upload(&self, data: &[f32]) -> OpResult<Self::Buf>;
+    /// A tensor of `len` zeros.
+    fn zeros(&self, len: usize) -> OpResult<Self::Buf>;
+    /// Set every element of `x` to zero.
+    fn zero(&self, x: &mut Self::Buf) -> OpResult;
+    /// Rows `rows` of the `width`-wide `x`, copied into a new tensor.
+    fn copy_rows(&self, x: &Self::Buf, width: usize, rows: Range<usize>) -> OpResult<Self::Buf>;
+    /// The elements of `x`, copied to the host (tests, diagnostics).
+    fn read(&self, x: &Self::Buf) -> OpResult<Vec<f32>>;
+    /// `x` handed to the host: the logits for sampling (no copy on the CPU).
+    fn read_owned(&self, x: Self::Buf) -> OpResult<Vec<f32>> {
+        self.read(&x)
+    }
+
+    // ---------------------------------------------------------------- dense ops
+
+    /// Rows of `table` for `tokens` into `out` `[tokens.len(), cols]`, widened to f32
+    /// exactly as [`Matrix::widen_row`] does (`s·q + b` per element for quantized
+    /// rows). The runner has checked every token against the table's rows.
+    fn embed(&self, table: &Self::Weights<'_>, tokens: &[u32], out: &mut Self::Buf) -> OpResult;
+    /// `out[t] = W · x[t]` for each row of `x` `[n, cols]` into `out` `[n, rows]`; a
+    /// matrix-vector product when `n` is 1.
+    fn linear(&self, w: &Self::Weights<'_>, x: &Self::Buf, out: &mut Self::Buf) -> OpResult;
+    /// RMSNorm of each `w.len()`-wide row of `x` into `out`: `x · (1/√(mean(x²) + eps))
+    /// · gain`, the gain being `w` or `1 + w`. Per-head norms (QK-norm) are this with
+    /// a head-wide `w` over `[n·heads, head_dim]`.
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        eps: f32,
+        gain: NormGain,
+        out: &mut Self::Buf,
+    ) -> OpResult;
+    /// `x += y` (the residual connection).
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf) -> OpResult;
+    /// SwiGLU's gating in place: `gate = silu(gate) · up`, `silu(g) = g / (1 + e^-g)`.
+    fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf) -> OpResult;
+    /// The dense MLP `out = down(silu(gate·x) · up·x)` for each row of `x`.
+    fn ffn_swiglu(
+        &self,
+        gate: &Self::Weights<'_>,
+        up: &Self::Weights<'_>,
+        down: &Self::Weights<'_>,
+        x: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> OpResult;
+
+    // ---------------------------------------------------------------- attention
+
+    /// Frequencies `inv_freq` (`rot/2` of them: the first `rot` dims of each head
+    /// rotate) for positions `0..positions`.
+    fn rope_table(&self, inv_freq: &[f32], positions: usize) -> OpResult<Self::Rope>;
+    /// RoPE in place on `x` `[n, heads, head_dim]`, token `i` at position `pos + i`, in
+    /// the rotate-half layout: for `j < rot/2`, with the angle `θ = p·inv_freq_j`
+    /// rounded to f32 (`p` the position as f32), `s = sin θ` and `c = cos θ`, the pair
+    /// `(a, b) = (x_j, x_{j+rot/2})` becomes `(a·c − b·s, b·c + a·s)`; dims from `rot`
+    /// on are left alone.
+    fn rope(
+        &self,
+        rope: &Self::Rope,
+        x: &mut Self::Buf,
+        heads: usize,
+        head_dim: usize,
+        pos: usize,
+    ) -> OpResult;
+    /// An empty KV cache of one layer for up to `max_positions` positions (the CPU's
+    /// grows as tokens arrive).
+    fn kv_cache(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        max_positions: usize,
+    ) -> OpResult<Self::Kv>;
+    /// Store `k` and `v` (`[n, kv_heads·head_dim]`) at positions `at.pos..at.pos + n`
+    /// of `kv`, forgetting any positions after them (so a session whose last forward
+    /// pass failed halfway continues cleanly), then causal attention of `q`
+    /// `[n, at.heads·head_dim]` into `out`: query head `h` of token `i` attends over
+    /// positions `0..=at.pos + i` of KV head `h / (heads / kv_heads)` with
+    /// `softmax(at.scale · q·k)` weights on `v`. `at.pos` is at most the positions
+    /// the cache holds.
+    fn attention(
+        &self,
+        kv: &mut Self::Kv,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        at: Causal,
+        out: &mut Self::Buf,
+    ) -> OpResult;
+
+    // ---------------------------------------------------------------- routed experts
+
+    /// MoE routing of each row of `x` by the `[experts, cols]` `router`:
+    /// `p = softmax(router · x)` over all experts, the `top_k` largest (ties to the
+    /// lower id), and as weights `p` itself or, with `renormalize`, `p / Σ_topk p`.
+    fn route(
+        &self,
+        router: &Self::Weights<'_>,
+        x: &Self::Buf,
+        top_k: usize,
+        renormalize: bool,
+    ) -> OpResult<Routing>;
+    /// Storage for expert blobs of `pools` (every MoE layer's geometry), mirroring a
+    /// host slot cache of `slots` slots, or `None` when the pools are mapped.
+    fn expert_slots(&self, slots: Option<usize>, pools: &[&ExpertPool]) -> OpResult<Self::Slots>;
+    /// The expert in `blob`, ready for [`Backend::expert_ffn`] (a GPU uploads it into
+    /// its slot when that slot holds another blob). The host keeps `blob` pinned while
+    /// the result lives.
+    fn expert<'e>(
+        &'e self,
+        slots: &'e Self::Slots,
+        blob: ExpertRef<'e>,
+    ) -> OpResult<Self::Expert<'e>>;
+    /// One routed expert over the tokens that chose it: for each `(t, weight)` of
+    /// `routes` (distinct rows of `x` and `out`, ascending), `out[t] += weight ·
+    /// down(silu(gate·x[t]) · up·x[t])`.
+    fn expert_ffn(
+        &self,
+        expert: &Self::Expert<'_>,
+        x: &Self::Buf,
+        routes: &[(usize, f32)],
+        out: &mut Self::Buf,
+    ) -> OpResult;
+}

@@ -1,0 +1,327 @@
+//! [`Backend`] for [`Cpu`]: tensors are `Vec<f32>` and weights the [`Matrix`] views of
+//! the install's mapped bytes, so nothing is copied at load. Each op is the loop the
+//! decoder ran inline before the seam, in the same order (same tokens, bit for bit);
+//! products go through [`Cpu::matmul`].
+
+use std::ops::Range;
+
+use super::backend::{Backend, Causal, ExpertRef, NormGain, OpResult, Routing};
+use super::{Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace};
+use crate::format::pools::ExpertPool;
+
+/// RoPE frequencies; the angles are computed per position as they are used.
+#[derive(Debug, Clone)]
+pub struct CpuRope {
+    inv_freq: Vec<f32>,
+}
+
+/// One layer's keys and values, `[positions, kv_heads·head_dim]` each, grown as
+/// tokens arrive.
+#[derive(Debug, Clone)]
+pub struct CpuKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl CpuKv {
+    /// Positions held.
+    pub fn positions(&self) -> usize {
+        self.k.len() / (self.kv_heads * self.head_dim)
+    }
+}
+
+/// Rows of `x` for a `width`-wide tensor, panicking when the length is not a multiple.
+fn rows_of(op: &str, len: usize, width: usize) -> usize {
+    assert!(
+        width > 0 && len.is_multiple_of(width),
+        "{op}: {len} elements are not rows of {width}"
+    );
+    len / width
+}
+
+/// RMSNorm of each `w.len()`-wide row of `x` into `out`.
+fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        rms_norm(xr, w, eps, or);
+    }
+}
+
+impl Backend for Cpu {
+    type Weights<'w> = Matrix<'w>;
+    type Buf = Vec<f32>;
+    type Rope = CpuRope;
+    type Kv = CpuKv;
+    type Slots = ();
+    type Expert<'e> = [Matrix<'e>; 3];
+
+    fn name(&self) -> &str {
+        self.isa_name()
+    }
+
+    fn weights<'w>(&self, m: Matrix<'w>) -> OpResult<Matrix<'w>> {
+        Ok(m)
+    }
+
+    fn upload(&self, data: &[f32]) -> OpResult<Vec<f32>> {
+        Ok(data.to_vec())
+    }
+
+    fn zeros(&self, len: usize) -> OpResult<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn zero(&self, x: &mut Vec<f32>) -> OpResult {
+        x.fill(0.0);
+        Ok(())
+    }
+
+    fn copy_rows(&self, x: &Vec<f32>, width: usize, rows: Range<usize>) -> OpResult<Vec<f32>> {
+        Ok(x[rows.start * width..rows.end * width].to_vec())
+    }
+
+    fn read(&self, x: &Vec<f32>) -> OpResult<Vec<f32>> {
+        Ok(x.clone())
+    }
+
+    fn read_owned(&self, x: Vec<f32>) -> OpResult<Vec<f32>> {
+        Ok(x)
+    }
+
+    fn embed(&self, table: &Matrix<'_>, tokens: &[u32], out: &mut Vec<f32>) -> OpResult {
+        let h = table.cols();
+        assert_eq!(out.len(), tokens.len() * h, "embed: out length");
+        for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(h)) {
+            table.widen_row(t as usize, row);
+        }
+        Ok(())
+    }
+
+    fn linear(&self, w: &Matrix<'_>, x: &Vec<f32>, out: &mut Vec<f32>) -> OpResult {
+        let n = rows_of("linear", x.len(), w.cols());
+        self.matmul(w, x, n, out);
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        gain: NormGain,
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        rows_of("rms_norm", x.len(), w.len());
+        assert_eq!(x.len(), out.len(), "rms_norm: out length");
+        match gain {
+            NormGain::Weight => rms_norm_rows(x, w, eps, out),
+            NormGain::OnePlusWeight => {
+                let w: Vec<f32> = w.iter().map(|w| 1.0 + w).collect();
+                rms_norm_rows(x, &w, eps, out);
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> OpResult {
+        assert_eq!(x.len(), y.len(), "add: lengths differ");
+        for (a, b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> OpResult {
+        silu_mul(gate, up);
+        Ok(())
+    }
+
+    fn ffn_swiglu(
+        &self,
+        gate: &Matrix<'_>,
+        up: &Matrix<'_>,
+        down: &Matrix<'_>,
+        x: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        let n = rows_of("ffn_swiglu", x.len(), gate.cols());
+        let i = gate.rows();
+        let mut g = vec![0f32; n * i];
+        let mut u = vec![0f32; n * i];
+        self.matmul(gate, x, n, &mut g);
+        self.matmul(up, x, n, &mut u);
+        silu_mul(&mut g, &u);
+        self.matmul(down, &g, n, out);
+        Ok(())
+    }
+
+    fn rope_table(&self, inv_freq: &[f32], _positions: usize) -> OpResult<CpuRope> {
+        Ok(CpuRope {
+            inv_freq: inv_freq.to_vec(),
+        })
+    }
+
+    fn rope(
+        &self,
+        rope: &CpuRope,
+        x: &mut Vec<f32>,
+        heads: usize,
+        head_dim: usize,
+        pos: usize,
+    ) -> OpResult {
+        let half = rope.inv_freq.len();
+        assert!(2 * half <= head_dim, "rope: rotary width exceeds the head");
+        rows_of("rope", x.len(), heads * head_dim);
+        for (i, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+            let p = pos + i;
+            for head in token.chunks_exact_mut(head_dim) {
+                let (a, b) = head[..2 * half].split_at_mut(half);
+                for j in 0..half {
+                    let ang = p as f32 * rope.inv_freq[j];
+                    let (s, c) = ang.sin_cos();
+                    let (x1, x2) = (a[j], b[j]);
+                    a[j] = x1 * c - x2 * s;
+                    b[j] = x2 * c + x1 * s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_cache(&self, kv_heads: usize, head_dim: usize, _max_positions: usize) -> OpResult<CpuKv> {
+        assert!(kv_heads > 0 && head_dim > 0, "kv_cache: empty heads");
+        Ok(CpuKv {
+            k: Vec::new(),
+            v: Vec::new(),
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    fn attention(
+        &self,
+        kv: &mut CpuKv,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        at: Causal,
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        let (hd, kvw) = (kv.head_dim, kv.kv_heads * kv.head_dim);
+        let n = rows_of("attention", k.len(), kvw);
+        let qw = at.heads * hd;
+        assert!(
+            at.heads.is_multiple_of(kv.kv_heads) && at.heads > 0,
+            "attention: {} query heads over {} KV heads",
+            at.heads,
+            kv.kv_heads
+        );
+        assert!(
+            q.len() == n * qw && v.len() == k.len() && out.len() == q.len(),
+            "attention: lengths"
+        );
+        assert!(
+            at.pos <= kv.positions(),
+            "attention: position past the cache"
+        );
+        let (kc, vc) = (&mut kv.k, &mut kv.v);
+        kc.truncate(at.pos * kvw);
+        vc.truncate(at.pos * kvw);
+        kc.extend_from_slice(k);
+        vc.extend_from_slice(v);
+        let group = at.heads / kv.kv_heads;
+        let mut scores = vec![0f32; at.pos + n];
+        for i in 0..n {
+            let upto = at.pos + i + 1;
+            for hh in 0..at.heads {
+                let kvh = hh / group;
+                let qh = &q[i * qw + hh * hd..i * qw + (hh + 1) * hd];
+                for (j, sc) in scores[..upto].iter_mut().enumerate() {
+                    let kj = &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                    *sc = dot(qh, kj) * at.scale;
+                }
+                softmax_inplace(&mut scores[..upto]);
+                let ah = &mut out[i * qw + hh * hd..i * qw + (hh + 1) * hd];
+                ah.fill(0.0);
+                for (j, &p) in scores[..upto].iter().enumerate() {
+                    let vj = &vc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                    axpy(p, vj, ah);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn route(
+        &self,
+        router: &Matrix<'_>,
+        x: &Vec<f32>,
+        top_k: usize,
+        renormalize: bool,
+    ) -> OpResult<Routing> {
+        let e_count = router.rows();
+        assert!(top_k <= e_count, "route: top-{top_k} of {e_count} experts");
+        let n = rows_of("route", x.len(), router.cols());
+        let mut probs = vec![0f32; n * e_count];
+        self.matmul(router, x, n, &mut probs);
+        let mut experts = Vec::with_capacity(n * top_k);
+        let mut weights = Vec::with_capacity(n * top_k);
+        let mut idx: Vec<usize> = Vec::with_capacity(e_count);
+        for p in probs.chunks_exact_mut(e_count) {
+            softmax_inplace(p);
+            idx.clear();
+            idx.extend(0..e_count);
+            // Highest probability first; ties to the lower expert id.
+            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let top = &idx[..top_k];
+            let sum: f32 = top.iter().map(|&e| p[e]).sum();
+            for &e in top {
+                experts.push(e as u32);
+                weights.push(if renormalize { p[e] / sum } else { p[e] });
+            }
+        }
+        Ok(Routing {
+            top_k,
+            experts,
+            weights,
+        })
+    }
+
+    fn expert_slots(&self, _slots: Option<usize>, _pools: &[&ExpertPool]) -> OpResult<()> {
+        Ok(())
+    }
+
+    fn expert<'e>(&'e self, _slots: &'e (), blob: ExpertRef<'e>) -> OpResult<[Matrix<'e>; 3]> {
+        Ok(expert_matrices(blob.pool, blob.bytes))
+    }
+
+    fn expert_ffn(
+        &self,
+        expert: &[Matrix<'_>; 3],
+        x: &Vec<f32>,
+        routes: &[(usize, f32)],
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        let [gate, up, down] = expert;
+        let (h, inter) = (gate.cols(), gate.rows());
+        assert_eq!(x.len(), out.len(), "expert_ffn: out length");
+        let m = routes.len();
+        let mut xs = vec![0f32; m * h];
+        for (r, &(t, _)) in routes.iter().enumerate() {
+            xs[r * h..(r + 1) * h].copy_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        let mut g = vec![0f32; m * inter];
+        let mut u = vec![0f32; m * inter];
+        self.matmul(gate, &xs, m, &mut g);
+        self.matmul(up, &xs, m, &mut u);
+        silu_mul(&mut g, &u);
+        let mut d = vec![0f32; m * h];
+        self.matmul(down, &g, m, &mut d);
+        for (r, &(t, w)) in routes.iter().enumerate() {
+            axpy(w, &d[r * h..(r + 1) * h], &mut out[t * h..(t + 1) * h]);
+        }
+        Ok(())
+    }
+}
