@@ -49,8 +49,13 @@ URL=$(head -1 "$WORK/hub.url")
   --index-sha256 "$(index_sha "$WORK/flash-next-full")" --out "$WORK/qwen38flashnext.gturbo"
 
 # A scaled replica (same tensor names and structure, real random BF16 weights) installed
-# end to end from a local folder: quantized, repacked, verified, published.
+# end to end through a hub that publishes every file's SHA-256 (as the real hub does):
+# fetched, source-verified, quantized, repacked, verified, published.
 "$BIN/gturbo-dev" replica flash-next --scaled "$WORK/flash-next-scaled"
-"$BIN/gturbo" -q install --family qwen38flashnext "$REPLICA" --from "$WORK/flash-next-scaled" \
+"$BIN/gturbo-dev" hub --repo "$REPLICA=$WORK/flash-next-scaled" --cdn > "$WORK/scaled-hub.url" &
+SCALED_HUB=$!
+trap 'kill $HUB $SMOL_HUB $SCALED_HUB 2>/dev/null || true' EXIT
+for _ in $(seq 50); do [ -s "$WORK/scaled-hub.url" ] && break; sleep 0.1; done
+"$BIN/gturbo" -q install --family qwen38flashnext "$REPLICA" --endpoint "$(head -1 "$WORK/scaled-hub.url")" \
   --index-sha256 "$(index_sha "$WORK/flash-next-scaled")" --out "$WORK/qwen38flashnext-scaled.gturbo"
 ls -l "$WORK/qwen38flashnext-scaled.gturbo" "$WORK/qwen38flashnext-scaled.gturbo/packed_experts"
