@@ -304,7 +304,10 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
     let footer = String::from_utf8_lossy(&o.stderr);
     assert!(
         footer.contains(&format!("quality: mean KL {kl:.4} nats"))
-            && footer.contains("vs local/flash (passthrough)"),
+            && footer.contains(&format!(
+                "vs {} (passthrough)",
+                manifest(&b)["model_id"].as_str().unwrap()
+            )),
         "{footer}"
     );
     // verify-install accepts it and keeps it in the receipt it rewrites.

@@ -301,7 +301,7 @@ fn full_replica_writes_the_ple_integer_tables() {
     assert_eq!(sizes.len(), 16);
     assert_eq!(sizes.iter().sum::<i64>(), 320_001_446);
     assert_eq!(
-        sizes.iter().sum::<i64>().div_ceil(128) * 128,
+        (sizes.iter().sum::<i64>() as u64).div_ceil(128) * 128,
         128 * 2_500_012
     );
     let offs = read_i64("ngram_heads_offsets");

@@ -174,6 +174,7 @@ pub trait FlashOps: Backend {
     /// and its incomplete tail block (`n_b·cr ..= p`, `n_b = (p + 1) / cr`), in
     /// ascending block order then the tail: `softmax(at.scale · q·k)` over exactly
     /// those keys, on their values.
+    #[allow(clippy::too_many_arguments)]
     fn indexed_attention(
         &self,
         cache: &mut Self::AttnCache,

@@ -303,7 +303,12 @@ impl FlashNextSpec {
     /// The n-gram heads' vocabularies as the config implies them: the first
     /// `ngram_heads()` primes ≥ `ngram_vocab_size_base` (one PLE layer, index 0).
     pub fn ngram_vocab_sizes(&self) -> Vec<u64> {
-        let is_prime = |v: u64| v >= 2 && (2..).take_while(|d| d * d <= v).all(|d| v % d != 0);
+        let is_prime = |v: u64| {
+            v >= 2
+                && (2..)
+                    .take_while(|d| d * d <= v)
+                    .all(|d| !v.is_multiple_of(d))
+        };
         (self.ngram_vocab_size_base..)
             .filter(|&v| is_prime(v))
             .take(self.ngram_heads() as usize)
