@@ -3,8 +3,8 @@
 # `gturbo run` (footer figures, and /usr/bin/time -v's maximum resident set size) on
 #  1. the scaled replica (testkit, seeded random BF16, installed at INT4) with 2 and 16
 #     expert slots and resident experts;
-#  2. a Flash-Next-shaped random model with larger experts (EXPERTS,MOE_I,HIDDEN,
-#     default 64,512,512: 64 experts per layer) whose expert pools are at least 4× the
+#  2. a Flash-Next-shaped random model with more experts (EXPERTS=E,I,H,
+#     default 32,256,512: 32 experts of width 256 per layer) whose expert pools are 8× the
 #     16-slot budget, at 2 and 16 slots and resident.
 # For each run it prints RSS against resident bytes + slot budget + row-cache capacity
 # + a stated overhead (OVERHEAD_MIB, default 48: the binary, the tokenizer-free run's
@@ -12,23 +12,32 @@
 # The models are random: the figures compare expert modes and the memory bound, not
 # quality. Quantized installs are run with --allow-unmeasured (no quality recorded).
 #
-# Environment: TOKENS (32), PROMPT (64 ids), THREADS (nproc), EXPERTS (64,512,512),
-# OVERHEAD_MIB (48), ROWS (row-cache rows, 65536).
+# Environment: TOKENS (32), PROMPT (64 ids), THREADS (nproc), EXPERTS (32,256,512),
+# OVERHEAD_MIB (48), ROWS (row-cache rows, 65536), PROFILE (release; `debug` reuses
+# the test build, for a quick check only: its tok/s mean nothing), NO_BUILD (set: use
+# the binaries already built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOKENS="${TOKENS:-32}"
 PROMPT="${PROMPT:-64}"
 THREADS="${THREADS:-$(nproc)}"
-EXPERTS="${EXPERTS:-64,512,512}"
+EXPERTS="${EXPERTS:-32,256,512}"
 OVERHEAD_MIB="${OVERHEAD_MIB:-48}"
 ROWS="${ROWS:-65536}"
 B=target/bench-flashnext
 rm -rf "$B" && mkdir -p "$B"
 [ -x /usr/bin/time ] || { echo "bench_flashnext: needs /usr/bin/time (GNU time)" >&2; exit 2; }
 
-cargo build -q --release -p gturbo -p gturbo-testkit --bins
-G=target/release/gturbo
-D=target/release/gturbo-dev
+PROFILE="${PROFILE:-release}"
+if [ -n "${NO_BUILD:-}" ]; then
+  :
+elif [ "$PROFILE" = release ]; then
+  cargo build -q --release -p gturbo -p gturbo-testkit --bins
+else
+  cargo build -q -p gturbo -p gturbo-testkit --bins
+fi
+G=target/$PROFILE/gturbo
+D=target/$PROFILE/gturbo-dev
 
 "$D" replica flash-next --scaled "$B/scaled-snap" --seed 7 > /dev/null
 "$D" replica flash-next --scaled --experts "$EXPERTS" "$B/big-snap" --seed 8 > /dev/null

@@ -12,6 +12,7 @@
 //! The same call runs a prompt and a cached decode step: every op continues from the
 //! session's state (KV cache and block keys, GDN conv and recurrent state, PLE
 //! history and conv state), so decoding token by token equals re-running the prefix.
+//! It is generic over the backend (`B: FlashOps`) and never names one.
 
 use std::collections::BTreeMap;
 
@@ -24,7 +25,7 @@ use super::moe::{MoeWeights, moe_forward};
 use super::ops::FlashOps;
 use super::ple::{PleState, PleTables, PleWeights, ple_forward};
 use super::rope::inv_freq;
-use crate::format::manifest::{self, Manifest};
+use crate::format::manifest;
 use crate::runtime::RunError;
 use crate::runtime::error::InputError;
 use crate::runtime::experts::ExpertMode;
@@ -680,12 +681,6 @@ impl<'a, B: FlashOps> FlashModel<'a, B> {
         s.pos += t;
         Ok(b.read_owned(logits)?)
     }
-}
-
-/// The manifest's model type is the one the runner implements (used by the CLI to
-/// pick it; the gate has already admitted the family).
-pub fn is_flash_next(m: &Manifest) -> bool {
-    m.arch.model_type == super::install::MODEL_TYPE
 }
 
 impl<B: FlashOps> crate::runtime::generate::LanguageModel for FlashModel<'_, B> {

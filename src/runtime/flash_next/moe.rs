@@ -2,7 +2,7 @@
 //! sigmoid-gated shared expert.
 //! ```text
 //! p      = softmax_f32(gate.weight · u)              [E]
-//! idx    = torch.topk(p, k)  (torch's tie rule)      w = p[idx] / Σ p[idx]  (norm_topk_prob)
+//! idx    = top-k of p (the seam's route)             w = p[idx] / Σ p[idx]  (norm_topk_prob)
 //! y      = Σ_{e ∈ idx, ascending e} w_e · down_e(silu(G_e u) ⊙ U_e u)     [G; U] = gate_up_proj[e]
 //! y     += sigmoid(shared_expert_gate · u) · shared.down(silu(shared.gate u) ⊙ shared.up u)
 //! ```
