@@ -40,7 +40,8 @@ G=target/$PROFILE/gturbo
 D=target/$PROFILE/gturbo-dev
 
 "$D" replica flash-next --scaled "$B/scaled-snap" --seed 7 > /dev/null
-"$D" replica flash-next --scaled --experts "$EXPERTS" "$B/big-snap" --seed 8 > /dev/null
+# shellcheck disable=SC2086
+"$D" replica flash-next "$B/big-snap" --scaled --seed 8 --experts ${EXPERTS//,/ } > /dev/null
 for m in scaled big; do
   "$G" -q install --family qwen38flashnext local/flash-$m --from "$B/$m-snap" \
     --out "$B/$m.gturbo" > /dev/null 2>&1

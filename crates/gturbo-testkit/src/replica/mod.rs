@@ -119,7 +119,7 @@ pub struct ReplicaArgs {
     #[arg(long)]
     int4_rows: bool,
     /// flash-next --scaled only: routed experts per layer, their width and the stream
-    /// width (the benchmark's larger model), e.g. `64,512,512`.
+    /// width (the benchmark's larger model), e.g. `--experts 32 256 512`.
     #[arg(long, value_name = "E,I,H", value_delimiter = ',', num_args = 3)]
     experts: Option<Vec<u64>>,
 }
