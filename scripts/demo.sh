@@ -59,3 +59,17 @@ for _ in $(seq 50); do [ -s "$WORK/scaled-hub.url" ] && break; sleep 0.1; done
 "$BIN/gturbo" -q install --family qwen38flashnext "$REPLICA" --endpoint "$(head -1 "$WORK/scaled-hub.url")" \
   --index-sha256 "$(index_sha "$WORK/flash-next-scaled")" --out "$WORK/qwen38flashnext-scaled.gturbo"
 ls -l "$WORK/qwen38flashnext-scaled.gturbo" "$WORK/qwen38flashnext-scaled.gturbo/packed_experts"
+
+# The scaled replica runs. The family asks for a recorded quality result before a
+# quantized install may run: a BF16 install is the reference, the INT4 install's KL and
+# top-1 against it are measured and recorded (signed into its receipt), verify-install
+# re-proves it, and run generates with experts streamed through 2 cache slots.
+"$BIN/gturbo" -q install --family qwen38flashnext "$REPLICA" --endpoint "$(head -1 "$WORK/scaled-hub.url")" \
+  --index-sha256 "$(index_sha "$WORK/flash-next-scaled")" --quant bf16 --out "$WORK/qwen38flashnext-scaled-bf16.gturbo"
+kill $SCALED_HUB 2>/dev/null || true
+printf '%s\n' "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France." > "$WORK/eval.txt"
+"$BIN/gturbo" eval "$WORK/qwen38flashnext-scaled.gturbo" "$WORK/qwen38flashnext-scaled-bf16.gturbo" \
+  --text "$WORK/eval.txt" --record
+"$BIN/gturbo" verify-install "$WORK/qwen38flashnext-scaled.gturbo"
+"$BIN/gturbo" run "$WORK/qwen38flashnext-scaled.gturbo" --prompt "The capital of France is" \
+  --max-tokens 16 --expert-cache-slots 2
