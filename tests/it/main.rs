@@ -1,6 +1,7 @@
 //! One integration-test binary; each module covers one user-facing concern.
 
 mod dry_run;
+mod hostile_install;
 mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
