@@ -7,14 +7,19 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use super::Failure;
+use crate::format::quality::{Quality, QualityReference};
 use crate::runtime::RunError;
-use crate::runtime::experts::ExpertMode;
-use crate::runtime::generate::{self, Generation};
+use crate::runtime::experts::{CacheStats, ExpertMode};
+use crate::runtime::flash_next::install::{DEFAULT_ROW_CACHE_ROWS, FlashInstall};
+use crate::runtime::flash_next::model::FlashModel;
+use crate::runtime::gate::FLASH_NEXT;
+use crate::runtime::generate::{self, Generation, LanguageModel};
 use crate::runtime::kernels::{Backend, Cpu};
 use crate::runtime::load::{self, Install, LoadOptions};
 use crate::runtime::model::Model;
 use crate::runtime::sample::{Sampler, SamplerConfig};
 use crate::runtime::text::{TextCodec, TextError};
+use crate::verify::{self, VerifyFailure};
 
 /// Flags of `gturbo run`.
 #[derive(Debug, Args)]
@@ -54,6 +59,14 @@ pub struct RunArgs {
     /// Map every expert pool instead of caching blobs.
     #[arg(long, conflicts_with = "expert_cache_slots")]
     pub resident_experts: bool,
+    /// Rows each PLE n-gram row cache keeps (Flash-Next; an LRU filled by reads).
+    #[arg(long, default_value_t = DEFAULT_ROW_CACHE_ROWS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 28))]
+    pub row_cache_rows: u64,
+    /// Run a quantized install whose family requires a recorded quality result
+    /// although none is recorded (the footer then says "quality: not measured").
+    #[arg(long)]
+    pub allow_unmeasured: bool,
     /// Compute threads (default: all cores; at most 4 per core).
     #[arg(long, value_parser = super::parse_threads)]
     pub threads: Option<usize>,
@@ -118,14 +131,149 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
         ExpertMode::Slots(args.expert_cache_slots as usize)
     };
     let install = open(&args.dir, experts)?;
+    let quality = quality_gate(&install, args.allow_unmeasured)?;
     // The one place that names a backend; everything after it is generic.
     let cpu = Cpu::new(threads(args.threads));
-    run_on(&args, &install, &cpu)
+    if install.runner.name == FLASH_NEXT {
+        let fi = FlashInstall::new(install, args.row_cache_rows as usize)?;
+        let model = FlashModel::new(&fi, &cpu)?;
+        run_on(&args, &fi, &model, cpu.name(), &quality, |g| {
+            flash_footer(&fi, &model, g)
+        })
+    } else {
+        let model = Model::new(&install, &cpu)?;
+        run_on(&args, &install, &model, cpu.name(), &quality, |_| {
+            Vec::new()
+        })
+    }
 }
 
-/// Generate with `install` on `backend`, streaming the text, then print the footer.
-fn run_on<B: Backend>(args: &RunArgs, install: &Install, backend: &B) -> Result<(), Failure> {
-    let model = Model::new(install, backend)?;
+/// What the run footer says about quality: the recorded result, "not measured", or
+/// why a file there was not accepted.
+enum QualityNote {
+    Recorded(Box<Quality>),
+    NotMeasured,
+    Rejected(VerifyFailure),
+}
+
+impl QualityNote {
+    fn text(&self) -> String {
+        match self {
+            QualityNote::Recorded(q) => format!("quality: {}", q.summary()),
+            QualityNote::NotMeasured => "quality: not measured".into(),
+            QualityNote::Rejected(f) => format!("quality: record rejected ({f})"),
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        match self {
+            QualityNote::Recorded(q) => serde_json::to_value(q).unwrap_or_default(),
+            QualityNote::NotMeasured => serde_json::Value::Null,
+            QualityNote::Rejected(f) => serde_json::json!({ "rejected": f.to_string() }),
+        }
+    }
+}
+
+/// The rule of FORMAT.md ("quality.json"): an install whose manifest says
+/// `quantized_at_install.quality_gate.required_for_run` (written at install for a
+/// quantized install of a family whose quant policy asks for it) runs only with a
+/// recorded quality result the receipt covers, unless `allow` (`--allow-unmeasured`).
+fn quality_gate(install: &Install, allow: bool) -> Result<QualityNote, Failure> {
+    let note = match verify::recorded_quality(&install.dir) {
+        Ok(Some(q)) => QualityNote::Recorded(Box::new(q)),
+        Ok(None) => QualityNote::NotMeasured,
+        Err(f) => QualityNote::Rejected(f),
+    };
+    let required = install
+        .manifest
+        .quantized_at_install
+        .quality_gate
+        .as_ref()
+        .and_then(|g| g.get("required_for_run"))
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false);
+    if required && !allow && !matches!(note, QualityNote::Recorded(_)) {
+        let why = match &note {
+            QualityNote::Rejected(f) => format!("the recorded one was not accepted: {f}"),
+            _ => "none is recorded".into(),
+        };
+        return Err(Failure {
+            code: 1,
+            message: format!(
+                "{}: family {} requires a recorded quality result before a quantized install \
+                 runs (manifest.json quantized_at_install.quality_gate.required_for_run); {why}; \
+                 measure it with `gturbo eval {} REFERENCE --text FILE --record`, or pass \
+                 --allow-unmeasured",
+                install.dir.display(),
+                install.manifest.family,
+                install.dir.display()
+            ),
+        });
+    }
+    Ok(note)
+}
+
+/// One part of the run footer: its text and its `--json` key and value.
+struct FooterPart {
+    text: String,
+    key: &'static str,
+    value: serde_json::Value,
+}
+
+fn cache_text(stats: CacheStats) -> String {
+    match stats.hit_rate() {
+        Some(r) => format!(
+            "{:.1}% hits ({} hits, {} misses)",
+            100.0 * r,
+            stats.hits,
+            stats.misses
+        ),
+        None => "unused".into(),
+    }
+}
+
+/// Flash-Next's footer parts: the PLE row caches and the per-sequence state.
+fn flash_footer(fi: &FlashInstall, model: &FlashModel<'_, Cpu>, g: &Generation) -> Vec<FooterPart> {
+    let mut rows = CacheStats::default();
+    let mut cap = 0u64;
+    for (_, r) in &fi.rows {
+        let s = r.stats();
+        rows.hits += s.hits;
+        rows.misses += s.misses;
+        cap += r.capacity_bytes();
+    }
+    // The last sampled token is never fed back: the cache holds the rest.
+    let positions = g.prompt_tokens + g.tokens.len().saturating_sub(1);
+    let state = model.state_bytes(positions);
+    vec![
+        FooterPart {
+            text: format!("row cache {}", cache_text(rows)),
+            key: "row_cache",
+            value: serde_json::json!({
+                "hits": rows.hits, "misses": rows.misses, "hit_rate": rows.hit_rate(),
+                "capacity_bytes": cap,
+            }),
+        },
+        FooterPart {
+            text: format!(
+                "KV cache + GDN/PLE state {:.1} KiB at {positions} positions",
+                state as f64 / 1024.0
+            ),
+            key: "state_bytes",
+            value: serde_json::json!(state),
+        },
+    ]
+}
+
+/// Generate with `model` (over `install`), streaming the text, then print the footer.
+fn run_on<M: LanguageModel>(
+    args: &RunArgs,
+    install: &Install,
+    model: &M,
+    backend: &str,
+    quality: &QualityNote,
+    extra: impl FnOnce(&Generation) -> Vec<FooterPart>,
+) -> Result<(), Failure> {
     let (prompt, codec) = prompt_ids(args, &args.dir)?;
     let stop_ids: Vec<u32> = codec
         .as_ref()
@@ -143,7 +291,7 @@ fn run_on<B: Backend>(args: &RunArgs, install: &Install, backend: &B) -> Result<
     let mut stream = codec.as_ref().map(|c| c.stream_decoder(true));
     let mut text = String::new();
     let g = generate::generate(
-        &model,
+        model,
         &prompt,
         args.max_tokens,
         &stop_ids,
@@ -171,7 +319,13 @@ fn run_on<B: Backend>(args: &RunArgs, install: &Install, backend: &B) -> Result<
     if !json {
         let _ = writeln!(out);
     }
-    footer(install, backend.name(), &g, json, &prompt, &text, &mut out);
+    let mut parts = extra(&g);
+    parts.push(FooterPart {
+        text: quality.text(),
+        key: "quality",
+        value: quality.json(),
+    });
+    footer(install, backend, &g, json, &prompt, &text, &parts, &mut out);
     Ok(())
 }
 
@@ -194,33 +348,31 @@ pub struct EvalArgs {
     /// One JSON document instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Record the result in install A (`quality.json`, listed in its receipt).
+    #[arg(long)]
+    pub record: bool,
 }
 
-/// The per-position logits of `ids` under install A then B on `backend`, and the
-/// vocabulary they share.
-fn eval_on<B: Backend>(
-    args: &EvalArgs,
+/// The per-position logits of `ids` under the install in `dir` on `backend`, with
+/// the runner its gate chose, and its vocabulary.
+fn logits_of<B: crate::runtime::flash_next::ops::FlashOps>(
+    dir: &Path,
     ids: &[u32],
     backend: &B,
-) -> Result<([Vec<f32>; 2], usize), Failure> {
-    let mut logits: [Vec<f32>; 2] = Default::default();
-    let mut vocab = 0;
-    for (dir, l) in [&args.dir_a, &args.dir_b].into_iter().zip(&mut logits) {
-        let install = open(dir, ExpertMode::Slots(64))?;
-        let model = Model::new(&install, backend)?;
-        if vocab != 0 && model.cfg.vocab != vocab {
-            return Err(Failure::usage(format!(
-                "{}: vocabulary {} differs from {}'s {vocab}",
-                dir.display(),
-                model.cfg.vocab,
-                args.dir_a.display()
-            )));
-        }
-        vocab = model.cfg.vocab;
-        let mut s = model.session();
-        *l = model.forward(&mut s, ids, true)?;
+) -> Result<(Vec<f32>, usize, Install), Failure> {
+    let install = open(dir, ExpertMode::Slots(64))?;
+    fn all<M: LanguageModel>(m: &M, ids: &[u32]) -> Result<(Vec<f32>, usize), RunError> {
+        let mut s = m.new_session();
+        Ok((m.run(&mut s, ids, true)?, m.vocab()))
     }
-    Ok((logits, vocab))
+    if install.runner.name == FLASH_NEXT {
+        let fi = FlashInstall::new(install, DEFAULT_ROW_CACHE_ROWS)?;
+        let (l, v) = all(&FlashModel::new(&fi, backend)?, ids)?;
+        Ok((l, v, fi.install))
+    } else {
+        let (l, v) = all(&Model::new(&install, backend)?, ids)?;
+        Ok((l, v, install))
+    }
 }
 
 /// `gturbo eval`: mean KL(A‖B) and top-1 agreement of next-token distributions.
@@ -237,7 +389,16 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
         )));
     }
     let cpu = Cpu::new(threads(args.threads));
-    let (logits, vocab) = eval_on(&args, &ids, &cpu)?;
+    let (la, vocab, ia) = logits_of(&args.dir_a, &ids, &cpu)?;
+    let (lb, vb, ib) = logits_of(&args.dir_b, &ids, &cpu)?;
+    if vb != vocab {
+        return Err(Failure::usage(format!(
+            "{}: vocabulary {vb} differs from {}'s {vocab}",
+            args.dir_b.display(),
+            args.dir_a.display()
+        )));
+    }
+    let logits = [la, lb];
     let a = generate::agreement(&logits[0], &logits[1], vocab);
     if args.json {
         let doc = serde_json::json!({
@@ -257,9 +418,51 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
             100.0 * a.top1
         );
     }
+    if args.record {
+        let sha = |i: &Install| -> Result<String, Failure> {
+            let b = std::fs::read(i.dir.join(crate::format::manifest::FILE_NAME))
+                .map_err(|e| Failure::usage(format!("{}: {e}", i.dir.display())))?;
+            Ok(crate::format::digest::sha256_hex(&b))
+        };
+        let q = Quality {
+            format: crate::format::quality::FORMAT.into(),
+            version: crate::format::quality::VERSION,
+            manifest_sha256: sha(&ia)?,
+            reference: QualityReference {
+                model_id: ib.manifest.model_id.clone(),
+                manifest_sha256: sha(&ib)?,
+                scheme: ib.manifest.quantized_at_install.scheme.label().into(),
+            },
+            text_sha256: crate::format::digest::sha256_hex(text.as_bytes()),
+            tokens: ids.len() as u64,
+            positions: a.positions as u64,
+            mean_kl_nats: a.mean_kl,
+            max_kl_nats: a.max_kl,
+            top1_agreement: a.top1,
+            tool_version: env!("CARGO_PKG_VERSION").into(),
+            measured_at_unix: std::time::SystemTime::now()
+                .duration_since(std::time::SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        };
+        // The installs' locks are released before writing into A.
+        let dir = ia.dir.clone();
+        drop((ia, ib));
+        verify::record_quality(&dir, &q).map_err(|f| Failure {
+            code: 1,
+            message: f.to_string(),
+        })?;
+        if !args.json {
+            println!(
+                "recorded in {}/{} (listed in the receipt)",
+                dir.display(),
+                crate::format::quality::FILE_NAME
+            );
+        }
+    }
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn footer(
     install: &Install,
     backend: &str,
@@ -267,12 +470,13 @@ fn footer(
     json: bool,
     prompt: &[u32],
     text: &str,
+    parts: &[FooterPart],
     out: &mut impl std::io::Write,
 ) {
     let stats = install.experts.stats();
     let rss = generate::peak_rss_bytes();
     let hit = stats.hit_rate();
-    eprintln!(
+    let mut line = format!(
         "[{} via {} on {}] stop: {}; prompt {} tokens, generated {}; prefill {:.1} tok/s, decode {:.1} tok/s; peak RSS {}; expert cache {}",
         install.manifest.family,
         install.runner.name,
@@ -286,16 +490,13 @@ fn footer(
             "{:.1} MiB",
             b as f64 / (1 << 20) as f64
         )),
-        match hit {
-            Some(r) => format!(
-                "{:.1}% hits ({} hits, {} misses)",
-                100.0 * r,
-                stats.hits,
-                stats.misses
-            ),
-            None => "unused".into(),
-        }
+        cache_text(stats),
     );
+    for p in parts {
+        line.push_str("; ");
+        line.push_str(&p.text);
+    }
+    eprintln!("{line}");
     if json {
         let doc = serde_json::json!({
             "family": install.manifest.family,
@@ -313,6 +514,10 @@ fn footer(
             "expert_slot_bytes": install.experts.slot_bytes(),
             "expert_cache": { "hits": stats.hits, "misses": stats.misses, "hit_rate": hit },
         });
+        let mut doc = doc;
+        for p in parts {
+            doc[p.key] = p.value.clone();
+        }
         let _ = writeln!(out, "{}", super::json_text(&doc));
     }
 }

@@ -73,7 +73,8 @@ pub struct SourcePin {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ArchSpec {
-    /// Axis name → config key under `config_root`; a key ending in `?` is optional.
+    /// Axis name → config key under `config_root`; a key ending in `?` is optional, a
+    /// dotted key (`rope_parameters.rope_theta`) reads a nested object's field.
     pub axes: BTreeMap<String, String>,
     /// Capabilities a runner must implement to run this family.
     pub required_axes: Vec<String>,
@@ -130,6 +131,11 @@ pub struct QuantPolicy {
     /// Per-pattern scheme overrides (first match wins).
     #[serde(default)]
     pub overrides: Vec<QuantOverride>,
+    /// Whether `gturbo run` needs a recorded quality result (`gturbo eval --record`)
+    /// before it runs a quantized install of the family; written into the manifest as
+    /// `quantized_at_install.quality_gate.required_for_run` (FORMAT.md, "quality.json").
+    #[serde(default)]
+    pub run_requires_recorded_quality: bool,
 }
 
 /// One quantization override.

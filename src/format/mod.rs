@@ -11,6 +11,7 @@ pub mod digest;
 pub mod json;
 pub mod manifest;
 pub mod pools;
+pub mod quality;
 pub mod receipt;
 pub mod resident;
 pub mod sizes;

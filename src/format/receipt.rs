@@ -41,6 +41,10 @@ pub struct Receipt {
     /// SHA-256 the source published (absent in receipts written before this field).
     #[serde(default)]
     pub source_shards: Vec<ReceiptSource>,
+    /// `quality.json` as `gturbo eval --record` wrote it (absent when no quality was
+    /// recorded): the receipt's signature over the quality result.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<ReceiptFile>,
 }
 
 /// One source shard of the install.
@@ -129,6 +133,7 @@ impl Receipt {
             source_repo,
             source_commit,
             source_shards,
+            quality: None,
         }
     }
 

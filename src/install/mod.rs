@@ -82,6 +82,9 @@ pub struct Prepared {
     pub family_overrides: Vec<(String, crate::format::Scheme)>,
     /// Sidecar name → `carried` or `skipped`.
     pub sidecars: BTreeMap<String, String>,
+    /// The family asks `gturbo run` for a recorded quality result before it runs a
+    /// quantized install (its quant policy's `run_requires_recorded_quality`).
+    pub run_requires_recorded_quality: bool,
 }
 
 /// Why an install cannot be planned.
@@ -538,6 +541,7 @@ pub async fn prepare(
     Ok(Prepared {
         family_overrides,
         sidecars,
+        run_requires_recorded_quality: settings.family.file.quant.run_requires_recorded_quality,
         plan,
         stats: source.stats(),
         header_requests,

@@ -338,7 +338,10 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
             overrides,
             parity_gate: "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)"
                 .into(),
-            quality_gate: None,
+            // FORMAT.md "quality.json": the family's requirement travels with the
+            // install (a passthrough install is its own reference and needs none).
+            quality_gate: (prepared.run_requires_recorded_quality && scheme != Scheme::Passthrough)
+                .then(|| serde_json::json!({ "required_for_run": true })),
         },
         files,
         resident: ManifestResident {

@@ -403,7 +403,9 @@ fn read_arch(
             None => (key.as_str(), false),
         };
         let field = format!("{prefix}{key}");
-        let Some(v) = root.get(key) else {
+        // A dotted key walks nested objects (`rope_parameters.rope_theta`); config keys
+        // themselves never contain dots.
+        let Some(v) = key.split('.').try_fold(root, |node, part| node.get(part)) else {
             if optional {
                 continue;
             }

@@ -20,6 +20,21 @@ pub const QK_NORM: &str = "qkNorm";
 pub const ROUTED_MOE: &str = "routedMoe";
 /// LM head shared with the token embedding.
 pub const TIED_EMBEDDINGS: &str = "tiedEmbeddings";
+/// Attention whose output is multiplied by a sigmoid gate packed with the query
+/// (Flash-Next's `q_proj`), with partial RoPE and QK-norm.
+pub const GATED_ATTENTION: &str = "gatedAttention";
+/// Gated DeltaNet linear attention: causal conv state and the delta-rule recurrence.
+pub const GATED_DELTA_NET: &str = "gatedDeltaNetLinearAttention";
+/// The QSA indexer: block-pooled keys, relu-sum scores, torch's top-k tie rule.
+pub const ATTENTION_INDEXER: &str = "attentionIndexer";
+/// A shared expert next to the routed ones, scaled by a sigmoid gate.
+pub const SHARED_EXPERT_GATED: &str = "sharedExpertGated";
+/// A residual of several streams read and written through low-rank hyper-connections.
+pub const HYPER_CONNECTIONS: &str = "hyperConnectionsLowRank";
+/// The PLE n-gram embedding: hashed row ids into row pools, gated and convolved.
+pub const PLE_NGRAM: &str = "pleNgramEmbedding";
+/// RMSNorm scaled by `1 + w` (zero-centred weights).
+pub const OFFSET_RMS_NORM: &str = "offsetRmsNorm";
 
 /// A runner: the families it reads and the axes it implements.
 #[derive(Debug, PartialEq, Eq)]
@@ -39,21 +54,40 @@ impl Runner {
     }
 }
 
+/// The runner of the qwen4_exp text model (`runtime::flash_next`).
+pub const FLASH_NEXT: &str = "flash-next";
+
 /// Every runner gturbo has. One decoder, parametrised by axes, covers the plain
-/// transformer families.
-pub const RUNNERS: &[Runner] = &[Runner {
-    name: "decoder",
-    families: &["llama", "qwen3", "qwen3_moe"],
-    axes: &[
-        GQA_ATTENTION,
-        ROPE,
-        RMS_NORM,
-        SWIGLU,
-        QK_NORM,
-        ROUTED_MOE,
-        TIED_EMBEDDINGS,
-    ],
-}];
+/// transformer families; `flash-next` runs Qwen3.8-Flash-Next.
+pub const RUNNERS: &[Runner] = &[
+    Runner {
+        name: "decoder",
+        families: &["llama", "qwen3", "qwen3_moe"],
+        axes: &[
+            GQA_ATTENTION,
+            ROPE,
+            RMS_NORM,
+            SWIGLU,
+            QK_NORM,
+            ROUTED_MOE,
+            TIED_EMBEDDINGS,
+        ],
+    },
+    Runner {
+        name: FLASH_NEXT,
+        families: &["qwen38flashnext"],
+        axes: &[
+            GATED_ATTENTION,
+            GATED_DELTA_NET,
+            ATTENTION_INDEXER,
+            ROUTED_MOE,
+            SHARED_EXPERT_GATED,
+            HYPER_CONNECTIONS,
+            PLE_NGRAM,
+            OFFSET_RMS_NORM,
+        ],
+    },
+];
 
 /// Why an install cannot run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -158,19 +192,19 @@ mod tests {
     #[test]
     fn unknown_family_lists_only_axes_no_runner_has() {
         let err = check(
-            "qwen38flashnext",
+            "deepseek_v4",
             &s(&[
-                "gatedAttention",
+                "multiLatentAttention",
                 "routedMoe",
-                "attentionIndexer",
-                "gatedAttention",
+                "slidingWindow",
+                "multiLatentAttention",
             ]),
         )
         .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "family qwen38flashnext is installed but has no runner; missing axes: \
-             gatedAttention, attentionIndexer"
+            "family deepseek_v4 is installed but has no runner; missing axes: \
+             multiLatentAttention, slidingWindow"
         );
     }
 
@@ -181,6 +215,31 @@ mod tests {
             err.to_string(),
             "family mistral is installed but has no runner; missing axes: none (every \
              required axis exists in another family's runner)"
+        );
+    }
+
+    #[test]
+    fn flash_next_passes_with_its_family_axes_and_refuses_mtp_as_required() {
+        let fam: serde_json::Value =
+            serde_json::from_str(include_str!("../../families/qwen38flashnext.json")).unwrap();
+        let axes: Vec<String> = fam["arch"]["required_axes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            check("qwen38flashnext", &axes).map(|r| r.name),
+            Ok(FLASH_NEXT)
+        );
+        // MTP is a carried sidecar, not needed to generate: a family that required
+        // it would be refused, naming the axis.
+        let mut with_mtp = axes.clone();
+        with_mtp.push("multiTokenPrediction".into());
+        assert_eq!(
+            check("qwen38flashnext", &with_mtp).unwrap_err().to_string(),
+            "family qwen38flashnext is installed but its runner flash-next lacks axes; \
+             missing axes: multiTokenPrediction"
         );
     }
 

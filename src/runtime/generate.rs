@@ -7,6 +7,34 @@ use super::error::{InputError, RunError};
 use super::kernels::Backend;
 use super::model::{Model, Session};
 
+/// What the generation loop and `gturbo eval` need of a runner: a session and a
+/// forward pass over it. The decoder ([`Model`]) and the Flash-Next runner implement
+/// it, each over any backend.
+pub trait LanguageModel {
+    /// Per-sequence state (KV caches, recurrent state).
+    type Session;
+    /// An empty session.
+    fn new_session(&self) -> Self::Session;
+    /// Run `tokens` after the session's state: the logits of every position when
+    /// `all`, else of the last one.
+    fn run(&self, s: &mut Self::Session, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError>;
+    /// Vocabulary size (the logits' width).
+    fn vocab(&self) -> usize;
+}
+
+impl<B: Backend> LanguageModel for Model<'_, B> {
+    type Session = Session<B>;
+    fn new_session(&self) -> Session<B> {
+        self.session()
+    }
+    fn run(&self, s: &mut Session<B>, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError> {
+        self.forward(s, tokens, all)
+    }
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+}
+
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -57,8 +85,8 @@ impl Generation {
 /// Generate after `prompt`: prefill in one batched forward pass, then one token at a
 /// time. `pick` chooses the next token from the logits; `on_token` sees each token as
 /// it is produced (to stream it). Stops after a token in `stop_ids` or `max_tokens`.
-pub fn generate<B: Backend>(
-    model: &Model<B>,
+pub fn generate<M: LanguageModel>(
+    model: &M,
     prompt: &[u32],
     max_tokens: usize,
     stop_ids: &[u32],
@@ -68,9 +96,9 @@ pub fn generate<B: Backend>(
     if prompt.is_empty() {
         return Err(InputError::EmptyPrompt.into());
     }
-    let mut s: Session<B> = model.session();
+    let mut s = model.new_session();
     let t0 = Instant::now();
-    let mut logits = model.forward(&mut s, prompt, false)?;
+    let mut logits = model.run(&mut s, prompt, false)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut tokens = Vec::new();
@@ -86,7 +114,7 @@ pub fn generate<B: Backend>(
         if tokens.len() == max_tokens {
             break;
         }
-        logits = model.forward(&mut s, &[t], false)?;
+        logits = model.run(&mut s, &[t], false)?;
     }
     Ok(Generation {
         tokens,

@@ -226,6 +226,66 @@ impl Install {
         Ok(out)
     }
 
+    /// A float tensor of exactly `shape` (any rank: conv weights, gate vectors),
+    /// widened to f32 in row-major order.
+    pub fn floats(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, RunError> {
+        let e = self.entry(name)?;
+        let want: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        if e.shape != want {
+            return Err(RunError::invalid(
+                &self.manifest.resident.file,
+                format!(
+                    "tensor {name} has shape {:?}, the config implies {want:?}",
+                    e.shape
+                ),
+            ));
+        }
+        let n: usize = shape.iter().product();
+        let m = self.matrix_any(name, e, 1, n)?;
+        let mut out = vec![0f32; n];
+        m.widen_row(0, &mut out);
+        Ok(out)
+    }
+
+    /// An I64 tensor of shape `[len]` (lookup tables the forward pass indexes with,
+    /// such as Flash-Next's n-gram vocabularies), stored as is.
+    pub fn i64s(&self, name: &str, len: usize) -> Result<Vec<i64>, RunError> {
+        let file = &self.manifest.resident.file;
+        let e = self.entry(name)?;
+        if e.shape != [len as u64] {
+            return Err(RunError::invalid(
+                file,
+                format!(
+                    "tensor {name} has shape {:?}, the config implies [{len}]",
+                    e.shape
+                ),
+            ));
+        }
+        let data = match e.storage {
+            Storage::Dense { data } if e.dtype == Dtype::I64 => self.span(data),
+            _ => {
+                return Err(RunError::invalid(
+                    file,
+                    format!(
+                        "tensor {name} is stored as {} {}, expected passthrough I64",
+                        e.scheme_label(),
+                        e.dtype.name()
+                    ),
+                ));
+            }
+        };
+        if data.len() != len * 8 {
+            return Err(RunError::invalid(
+                file,
+                format!("tensor {name}: {} bytes for {len} I64 values", data.len()),
+            ));
+        }
+        Ok(data
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+            .collect())
+    }
+
     fn matrix_any(
         &self,
         name: &str,

@@ -14,6 +14,7 @@ pub mod text;
 
 pub mod error;
 pub mod experts;
+pub mod flash_next;
 pub mod gate;
 pub mod generate;
 pub mod load;

@@ -222,7 +222,8 @@ async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
     assert_eq!(manifest["plan_fingerprint"], plan["fingerprint"]);
     assert_eq!(
         manifest["arch"]["required_axes"].as_array().unwrap().len(),
-        9
+        8,
+        "MTP is a carried sidecar, not a required axis"
     );
 
     // The resident file opens with its magic and index length.

@@ -1,6 +1,8 @@
 //! One integration-test binary; each module covers one user-facing concern.
 
 mod dry_run;
+mod flash_next;
+mod flash_next_run;
 mod hostile_install;
 mod hostile_net;
 mod hub_protocol;

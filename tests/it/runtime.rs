@@ -57,7 +57,7 @@ fn error_line(o: &Output) -> String {
 }
 
 #[test]
-fn flash_next_install_is_refused_naming_every_missing_axis_before_any_weight_is_read() {
+fn a_flash_next_install_requiring_an_axis_its_runner_lacks_is_refused_before_any_weight_is_read() {
     let tmp = temp_dir();
     let snap = tmp.path().join("snap");
     replica::write_flash_next(&snap, &FlashNextSpec::scaled()).unwrap();
@@ -72,6 +72,14 @@ fn flash_next_install_is_refused_naming_every_missing_axis_before_any_weight_is_
         .output()
         .unwrap();
     assert!(o.status.success(), "install: {}", text(&o));
+    // MTP is a carried sidecar the runner never reads; a manifest that claims the
+    // runner must implement it is refused, naming the axis.
+    let path = out.join("manifest.json");
+    let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let axes = m["arch"]["required_axes"].as_array_mut().unwrap();
+    assert!(!axes.contains(&Value::from("multiTokenPrediction")));
+    axes.push(Value::from("multiTokenPrediction"));
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
     // Every weight file gone: the gate must answer from manifest.json alone.
     std::fs::remove_file(out.join("resident.bin")).unwrap();
     std::fs::remove_dir_all(out.join("packed_experts")).unwrap();
@@ -80,9 +88,8 @@ fn flash_next_install_is_refused_naming_every_missing_axis_before_any_weight_is_
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert_eq!(
         error_line(&o),
-        "gturbo: error: family qwen38flashnext is installed but has no runner; missing axes: \
-         gatedAttention, gatedDeltaNetLinearAttention, attentionIndexer, sharedExpertGated, \
-         hyperConnectionsLowRank, pleNgramEmbedding, offsetRmsNorm, multiTokenPrediction"
+        "gturbo: error: family qwen38flashnext is installed but its runner flash-next lacks \
+         axes; missing axes: multiTokenPrediction"
     );
     assert!(o.stdout.is_empty(), "{}", text(&o));
 }
@@ -159,7 +166,7 @@ fn families_lists_the_runner_of_each_family() {
         vec![
             ("llama".to_string(), Value::from("decoder")),
             ("qwen3".to_string(), Value::from("decoder")),
-            ("qwen38flashnext".to_string(), Value::Null),
+            ("qwen38flashnext".to_string(), Value::from("flash-next")),
             ("qwen3_moe".to_string(), Value::from("decoder")),
         ]
     );
@@ -169,7 +176,7 @@ fn families_lists_the_runner_of_each_family() {
         .lines()
         .find(|l| l.starts_with("qwen38flashnext"))
         .unwrap();
-    assert!(flash.contains("none (needs "), "{table}");
+    assert!(flash.ends_with("flash-next"), "{table}");
     let q3 = table.lines().find(|l| l.starts_with("qwen3 ")).unwrap();
     assert!(q3.ends_with("decoder"), "{table}");
 }

@@ -368,12 +368,12 @@ fn edited_manifest_numbers_are_caught_by_the_layout_checks() {
 
     let c = copy();
     edit_manifest(&c.dir, |m| {
-        m["row_pools"][0]["shards"][1]["rows"] = 2602.into()
+        m["row_pools"][0]["shards"][1]["rows"] = 3112.into()
     });
     assert_caught(
         &c.dir,
         &[
-            "manifest.json: row_pools[0] (ple/layer_01_ngram_rows.bin).shards[1].blocks: 51; 2602 rows at 51 per block need 52",
+            "manifest.json: row_pools[0] (ple/layer_01_ngram_rows.bin).shards[1].blocks: 61; 3112 rows at 51 per block need 62",
         ],
     );
 
@@ -497,7 +497,7 @@ fn hostile_manifests_get_clear_errors_and_no_panic() {
     assert_caught(
         &c.dir,
         &[
-            "row_pools[0] (ple/layer_01_ngram_rows.bin).shards[3]: region at 18446744073709551605 of 1294336 bytes ends past file_bytes 3768320",
+            "row_pools[0] (ple/layer_01_ngram_rows.bin).shards[3]: region at 18446744073709551605 of 999424 bytes ends past file_bytes 3997696",
         ],
     );
 

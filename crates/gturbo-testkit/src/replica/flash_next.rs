@@ -25,9 +25,14 @@
 //!   `merger.norm` (`[V]` ×2), `merger.linear_fc1` (`[4V, 4V]`, `[4V]`),
 //!   `merger.linear_fc2` (`[H, 4V]`, `[H]`). No deepstack mergers: with them the
 //!   total overshoots the published size by 195 MB, without them it is 3.3 MB short.
-//! - **PLE integer tables**: `layer_multipliers` are odd constants from the PLE seed;
-//!   every n-gram head gets `total_rows / heads` rows (`ngram_heads_vocab_sizes`), and
-//!   `ngram_heads_offsets` are their prefix sums, so the heads tile the 128 shards.
+//! - **PLE integer tables**: `layer_multipliers` are odd constants from the PLE seed
+//!   (below `(2^63 − 1) / vocab_size`, as the reference bounds them); head `h` of the
+//!   PLE layer has the `(h+1)`-th prime ≥ `ngram_vocab_size_base` rows
+//!   (`ngram_heads_vocab_sizes`, as the config implies), `ngram_heads_offsets` are
+//!   their prefix sums, and the table is their sum rounded up to
+//!   `make_ngram_vocab_size_divisible_by`, split over the shards as `torch.chunk` does
+//!   (the full model: 16 primes from 20,000,000 sum to 320,001,446, padded to
+//!   320,001,536 = 128 × 2,500,012 rows).
 //!
 //! Full size: 1,655 tensors, `total_size` 359,996,670,456 B (3,292,672 B, 0.0009 %,
 //! under the published 359,999,963,128), split by the Hugging Face rule at
@@ -109,9 +114,9 @@ pub struct FlashNextSpec {
     /// Rank R of the hyper-connection mixers.
     pub hc_lowrank: u64,
     /// Indexer query heads.
-    pub indexer_num_heads: u64,
+    pub indexer_n_heads: u64,
     /// Indexer key heads.
-    pub indexer_num_kv_heads: u64,
+    pub indexer_kv_heads: u64,
     /// Indexer head width.
     pub indexer_head_dim: u64,
     /// Indexer token budget (config only).
@@ -172,8 +177,8 @@ impl FlashNextSpec {
             vocab_size: 248_320,
             hc_count: 4,
             hc_lowrank: 320,
-            indexer_num_heads: 4,
-            indexer_num_kv_heads: 1,
+            indexer_n_heads: 4,
+            indexer_kv_heads: 1,
             indexer_head_dim: 128,
             indexer_budget: 2048,
             indexer_compress_ratio: 4,
@@ -205,10 +210,10 @@ impl FlashNextSpec {
         }
     }
 
-    /// Same names and rules, ~28 MB of seeded random BF16 over 6 shards (HF rule at 5 MB). Matrix dims are
-    /// multiples of 64 except the n-gram rows, which keep width 160 (51 rows per
-    /// 16 KiB block): shard row counts 3000, 2551 (= 50 × 51 + 1), 2049 and 4000 all
-    /// end in a partial block.
+    /// Same names and rules, ~28 MB of seeded random BF16 over 6 shards (HF rule at
+    /// 5 MB). Matrix dims are multiples of 64 except the n-gram rows, which keep the
+    /// real width 160 (BF16 at INT4 too; 51 rows per 16 KiB block): 4 shards of 3,107
+    /// rows (= 60 × 51 + 47) each end in a partial block.
     pub fn scaled() -> Self {
         FlashNextSpec {
             hidden_size: 256,
@@ -230,7 +235,9 @@ impl FlashNextSpec {
             indexer_budget: 64,
             ngram_vocab_size_base: 720,
             ngram_vocab_divisible_by: 1,
-            ngram_shard_rows: vec![3000, 2551, 2049, 4000],
+            // 16 primes from 720 sum to 12,428 rows; torch.chunk's 4 parts of 3,107
+            // (60 × 51 + 47) each end in a partial block.
+            ngram_shard_rows: vec![3107; 4],
             eos_token_id: 1020,
             max_position_embeddings: 4096,
             vision: VisionSpec {
@@ -250,6 +257,33 @@ impl FlashNextSpec {
         }
     }
 
+    /// [`FlashNextSpec::scaled`] with n-gram rows 64 wide (`ple_embed_dim` 1024), a
+    /// multiple of the quantization group: an INT4 install stores the rows at INT4,
+    /// so the row cache's quantized path runs (the scaled replica keeps the real
+    /// width 160, whose rows stay BF16).
+    pub fn scaled_int4_rows() -> Self {
+        FlashNextSpec {
+            ple_embed_dim: 1024,
+            ..FlashNextSpec::scaled()
+        }
+    }
+
+    /// [`FlashNextSpec::scaled`] with `experts` routed experts per layer of width
+    /// `moe_intermediate` over a `hidden`-wide stream: the benchmark's model, whose
+    /// expert pools outgrow a slot budget.
+    pub fn scaled_with_experts(experts: u64, moe_intermediate: u64, hidden: u64) -> Self {
+        FlashNextSpec {
+            num_experts: experts,
+            moe_intermediate_size: moe_intermediate,
+            shared_expert_intermediate_size: moe_intermediate,
+            hidden_size: hidden,
+            // Shards of the HF rule grow with the model (6 at the scaled size).
+            max_shard_size: 5_000_000
+                * (experts * moe_intermediate * hidden / (8 * 128 * 256)).max(1),
+            ..FlashNextSpec::scaled()
+        }
+    }
+
     /// The same spec with seeded random data.
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.data = DataMode::Random { seed };
@@ -264,6 +298,28 @@ impl FlashNextSpec {
     /// Total n-gram hash heads, `(ngram_size - 1) × heads_per_ngram`.
     pub fn ngram_heads(&self) -> u64 {
         self.ngram_size.saturating_sub(1) * self.heads_per_ngram
+    }
+
+    /// The n-gram heads' vocabularies as the config implies them: the first
+    /// `ngram_heads()` primes ≥ `ngram_vocab_size_base` (one PLE layer, index 0).
+    pub fn ngram_vocab_sizes(&self) -> Vec<u64> {
+        let is_prime = |v: u64| {
+            v >= 2
+                && (2..)
+                    .take_while(|d| d * d <= v)
+                    .all(|d| !v.is_multiple_of(d))
+        };
+        (self.ngram_vocab_size_base..)
+            .filter(|&v| is_prime(v))
+            .take(self.ngram_heads() as usize)
+            .collect()
+    }
+
+    /// Rows of the n-gram table: the vocabularies' sum rounded up to
+    /// `make_ngram_vocab_size_divisible_by`.
+    pub fn ngram_table_rows(&self) -> u64 {
+        let total: u64 = self.ngram_vocab_sizes().iter().sum();
+        total.div_ceil(self.ngram_vocab_divisible_by.max(1)) * self.ngram_vocab_divisible_by.max(1)
     }
 
     /// Width of one n-gram table row.
@@ -281,9 +337,10 @@ impl FlashNextSpec {
                 "ple_embed_dim {} is not a multiple of the {heads} n-gram heads",
                 self.ple_embed_dim
             ))
-        } else if !rows.is_multiple_of(heads) {
+        } else if rows != self.ngram_table_rows() {
             Some(format!(
-                "{rows} n-gram rows do not split evenly over {heads} heads"
+                "{rows} n-gram shard rows; the vocabularies the config implies need {}",
+                self.ngram_table_rows()
             ))
         } else if self.ple_layer >= self.num_hidden_layers {
             Some(format!(
@@ -442,7 +499,7 @@ impl FlashNextSpec {
         ));
         if indexer {
             let ix = format!("{sa}indexer.");
-            let rows = (self.indexer_num_heads + self.indexer_num_kv_heads) * self.indexer_head_dim;
+            let rows = (self.indexer_n_heads + self.indexer_kv_heads) * self.indexer_head_dim;
             out.push(TensorDef::bf16(
                 format!("{ix}index_qk_proj.weight"),
                 &[rows, h],
@@ -536,16 +593,20 @@ impl FlashNextSpec {
             format!("{pe}layer_multipliers"),
             multipliers,
         ));
-        let heads = self.ngram_heads();
-        let per_head = self.ngram_shard_rows.iter().sum::<u64>() / heads.max(1);
+        let sizes = self.ngram_vocab_sizes();
+        let offsets: Vec<i64> = sizes
+            .iter()
+            .scan(0i64, |acc, &v| {
+                let o = *acc;
+                *acc += v as i64;
+                Some(o)
+            })
+            .collect();
         out.push(TensorDef::i64s(
             format!("{pe}ngram_heads_vocab_sizes"),
-            (0..heads).map(|_| per_head as i64).collect(),
+            sizes.iter().map(|&v| v as i64).collect(),
         ));
-        out.push(TensorDef::i64s(
-            format!("{pe}ngram_heads_offsets"),
-            (0..heads).map(|k| (k * per_head) as i64).collect(),
-        ));
+        out.push(TensorDef::i64s(format!("{pe}ngram_heads_offsets"), offsets));
         out.push(TensorDef::bf16(
             format!("{p}key_proj.weight"),
             &[wide, self.ple_embed_dim],
@@ -614,9 +675,9 @@ impl FlashNextSpec {
             "tie_word_embeddings": false,
             "hc_count": self.hc_count,
             "hc_lowrank": self.hc_lowrank,
-            "indexer_num_heads": self.indexer_num_heads,
+            "indexer_n_heads": self.indexer_n_heads,
             "indexer_head_dim": self.indexer_head_dim,
-            "indexer_num_kv_heads": self.indexer_num_kv_heads,
+            "indexer_kv_heads": self.indexer_kv_heads,
             "indexer_budget": self.indexer_budget,
             "indexer_compress_ratio": self.indexer_compress_ratio,
             "ple_layer_ids": [self.ple_layer + 1],
@@ -627,7 +688,7 @@ impl FlashNextSpec {
             "make_ngram_vocab_size_divisible_by": self.ngram_vocab_divisible_by,
             "split_ngram_parts": self.ngram_shard_rows.len(),
             "ple_conv_kernel_size": self.ple_conv_kernel_size,
-            "ple_seed": self.ple_seed,
+            "seed": self.ple_seed,
             "hidden_act": "silu",
             "rms_norm_eps": 1e-6,
             "eos_token_id": self.eos_token_id,

@@ -115,6 +115,13 @@ pub struct ReplicaArgs {
     /// Seed of the random data (the tiny families and `flash-next --scaled`).
     #[arg(long, value_name = "N")]
     seed: Option<u64>,
+    /// flash-next --scaled only: n-gram rows 64 wide (stored at INT4 by an INT4 install).
+    #[arg(long)]
+    int4_rows: bool,
+    /// flash-next --scaled only: routed experts per layer, their width and the stream
+    /// width (the benchmark's larger model), e.g. `--experts 32 256 512`.
+    #[arg(long, value_name = "E,I,H", value_delimiter = ',', num_args = 3)]
+    experts: Option<Vec<u64>>,
 }
 
 /// The snapshot kinds `gturbo-dev replica` writes.
@@ -150,9 +157,19 @@ fn run(a: &ReplicaArgs) -> Result<ReplicaSummary, String> {
     let io_err = |e: io::Error| format!("{}: {e}", out.display());
     match a.kind {
         ReplicaKind::FlashNext => {
-            let spec = match (a.full, a.scaled) {
-                (true, false) => FlashNextSpec::full(),
-                (false, true) => FlashNextSpec::scaled(),
+            let spec = match (a.full, a.scaled, a.int4_rows, &a.experts) {
+                (true, false, false, None) => FlashNextSpec::full(),
+                (false, true, false, None) => FlashNextSpec::scaled(),
+                (false, true, true, None) => FlashNextSpec::scaled_int4_rows(),
+                (false, true, false, Some(e)) => {
+                    FlashNextSpec::scaled_with_experts(e[0], e[1], e[2])
+                }
+                (true, ..) if a.int4_rows || a.experts.is_some() => {
+                    return Err("--int4-rows and --experts apply to --scaled only".into());
+                }
+                (false, true, true, Some(_)) => {
+                    return Err("give one of --int4-rows, --experts".into());
+                }
                 _ => return Err("flash-next needs exactly one of --full, --scaled".into()),
             };
             if a.shards.is_some() {
