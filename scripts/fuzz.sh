@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Run every cargo-fuzz target under fuzz/ for SECONDS each (default 60); exit non-zero
-# if any target finds a crash. Installs cargo-fuzz when missing; needs a nightly
-# toolchain (`rustup toolchain install nightly`).
+# Run every cargo-fuzz target under fuzz/ for SECONDS each (default 60), or, with
+# --total, SECONDS split evenly over the targets (CI's budget stays the same as
+# targets are added); exit non-zero if any target finds a crash. Installs cargo-fuzz
+# when missing; needs a nightly toolchain (`rustup toolchain install nightly`).
 #
-# Usage: scripts/fuzz.sh [SECONDS]
+# Usage: scripts/fuzz.sh [--total] [SECONDS]
 #
 # The seed corpora are generated here (valid safetensors headers; a valid manifest,
 # resident index and resident file) rather than committed as binaries; fuzz/corpus and fuzz/artifacts are gitignored. A crash leaves its input in
 # fuzz/artifacts/<target>/; turn it into a unit-test regression case before fixing.
 set -euo pipefail
 
+total=0
+if [ "${1:-}" = --total ]; then
+    total=1
+    shift
+fi
 seconds="${1:-60}"
 if ! [[ "$seconds" =~ ^[0-9]+$ ]] || [ "$seconds" -eq 0 ]; then
-    echo "usage: $0 SECONDS (a positive integer)" >&2
+    echo "usage: $0 [--total] SECONDS (a positive integer)" >&2
     exit 2
 fi
 
@@ -70,12 +76,28 @@ JSON
     } >"$dir/seed-resident"
 }
 
+# config_axes seeds: a flat config (qwen3_moe), a nested one (Flash-Next's text_config),
+# and a dense llama one.
+seed_config_axes() {
+    local dir="fuzz/corpus/config_axes"
+    mkdir -p "$dir"
+    printf '%s' '{"model_type":"qwen3_moe","hidden_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":64,"num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":64,"vocab_size":512,"rope_theta":1000000.0,"rms_norm_eps":1e-6,"norm_topk_prob":true,"max_position_embeddings":4096,"rope_scaling":null}' >"$dir/seed-qwen3-moe"
+    printf '%s' '{"model_type":"qwen4_exp","text_config":{"hidden_size":2560,"num_hidden_layers":48,"num_attention_heads":24,"num_key_value_heads":2,"head_dim":256,"num_experts":512,"num_experts_per_tok":10,"moe_intermediate_size":640,"vocab_size":248320,"hc_count":4,"hc_lowrank":320}}' >"$dir/seed-flash-next"
+    printf '%s' '{"model_type":"llama","hidden_size":576,"num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"intermediate_size":1536,"vocab_size":49152,"rope_theta":100000,"rms_norm_eps":1e-5,"tie_word_embeddings":true}' >"$dir/seed-llama"
+}
+
 targets=$(cargo +nightly fuzz list)
+if [ "$total" = 1 ]; then
+    count=$(printf '%s\n' "$targets" | grep -c .)
+    seconds=$((seconds / count))
+    [ "$seconds" -ge 1 ] || seconds=1
+fi
 failed=()
 for target in $targets; do
     case "$target" in
     header_parse) seed_header_parse ;;
     manifest_parse) seed_manifest_parse ;;
+    config_axes) seed_config_axes ;;
     esac
     mkdir -p "fuzz/corpus/$target"
     echo "== fuzz $target for ${seconds}s" >&2

@@ -25,6 +25,9 @@ pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// Test hook: the install exits (status 137, as if killed) right after this many reads
 /// are durably journaled in one run. Used by the resume tests; never set it otherwise.
 pub const GTURBO_TEST_ABORT_AFTER_READS: &str = "GTURBO_TEST_ABORT_AFTER_READS";
+/// Test hook: the install exits (status 137, as if killed) right after the rename that
+/// publishes the output, before its journal and lock are removed. Never set it otherwise.
+pub const GTURBO_TEST_EXIT_AFTER_PUBLISH: &str = "GTURBO_TEST_EXIT_AFTER_PUBLISH";
 /// Test hook: skip the free-space preflight, so the tests can reach a real ENOSPC in the
 /// middle of an install. Never set it otherwise.
 pub const GTURBO_TEST_SKIP_SPACE_CHECK: &str = "GTURBO_TEST_SKIP_SPACE_CHECK";

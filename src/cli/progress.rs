@@ -243,6 +243,12 @@ impl Done {
     }
 
     fn text(&self) -> String {
+        if self.summary.already_installed {
+            return format!(
+                "gturbo: {} was already installed by an interrupted run of this plan: verified, leftovers removed, nothing fetched",
+                self.out
+            );
+        }
         format!(
             "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} source shards verified, {} retries",
             self.out,
@@ -642,6 +648,7 @@ mod tests {
                 bytes_read: 300,
                 bytes_written: 200,
                 shards_verified: 1,
+                already_installed: false,
             },
             retries: 2,
             source_unverified: Vec::new(),

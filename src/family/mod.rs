@@ -20,6 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::format::Scheme;
 
+pub mod axes;
+
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/families.rs"));
 }

@@ -71,6 +71,11 @@ pub struct ExecuteSummary {
     pub shards_verified: u64,
     /// Wall time.
     pub elapsed_s: f64,
+    /// The output was already published by an interrupted run of this plan (verified,
+    /// its leftover journal and lock removed); nothing was fetched. Serialized only
+    /// when true.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub already_installed: bool,
 }
 
 /// Progress callbacks; the CLI draws them.
@@ -101,12 +106,22 @@ pub async fn execute(
 ) -> Result<ExecuteSummary, InstallError> {
     let started = Instant::now();
     let plan = &prepared.plan;
-    let staging = Staging::claim(options)?;
     let fingerprint = plan.fingerprint();
+    if !options.overwrite && publish::finish_interrupted(&options.out, &fingerprint, reporter)? {
+        return Ok(ExecuteSummary {
+            reads_total: plan.reads.len() as u64,
+            reads_kept: plan.reads.len() as u64,
+            already_installed: true,
+            elapsed_s: started.elapsed().as_secs_f64(),
+            ..Default::default()
+        });
+    }
+    let staging = Staging::claim(options)?;
     let shard_of = |r: usize| plan.reads.get(r).map(|x| x.shard);
     let (journal, done) = Journal::open(
         &staging.journal,
         &fingerprint,
+        &plan.facts(),
         options.discard_partial,
         shard_of,
     )?;
@@ -137,5 +152,6 @@ pub async fn execute(
         bytes_written: streamed.bytes_written,
         shards_verified: streamed.shards_verified,
         elapsed_s: started.elapsed().as_secs_f64(),
+        already_installed: false,
     })
 }

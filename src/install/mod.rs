@@ -7,6 +7,7 @@
 pub mod execute;
 mod journal;
 pub mod lock;
+mod nofollow;
 pub mod pin;
 mod publish;
 mod resume;
@@ -126,9 +127,11 @@ pub enum InstallError {
     },
     /// A weight is inf or NaN.
     #[error(
-        "tensor `{tensor}`: non-finite weight (inf or NaN) at element {element}; refusing to quantize a defective checkpoint"
+        "{shard}: tensor `{tensor}`: non-finite weight (inf or NaN) at element {element}; refusing to install a defective checkpoint"
     )]
     NonFinite {
+        /// The source shard holding it.
+        shard: String,
         /// Tensor.
         tensor: String,
         /// Flat element index.
@@ -144,7 +147,7 @@ pub enum InstallError {
     },
     /// The partial install was made by another plan.
     #[error(
-        "{journal}: the partial install was planned with fingerprint {theirs}, this plan is {ours} (another revision, family or flags); refusing to mix them\n\nhint: rerun with the original flags to resume, or pass --discard-partial to start over"
+        "{journal}: the partial install was planned with fingerprint {theirs}, this plan is {ours} ({changed}); refusing to mix them\n\nhint: rerun with the original flags to resume, or pass --discard-partial to start over"
     )]
     PlanChanged {
         /// Journal path.
@@ -153,6 +156,8 @@ pub enum InstallError {
         theirs: String,
         /// This plan's fingerprint.
         ours: String,
+        /// What differs between the two plans' inputs, by name.
+        changed: String,
     },
     /// A source shard's bytes do not hash to the published SHA-256.
     #[error(
@@ -192,6 +197,16 @@ pub enum InstallError {
         /// Output path.
         path: String,
     },
+    /// An interrupted run published the output, but it no longer verifies.
+    #[error(
+        "{path} already exists: a run of this plan published it but stopped before cleaning up, and it does not verify ({failure})\n\nhint: pass --overwrite to install it again"
+    )]
+    PublishedDamaged {
+        /// Output path.
+        path: String,
+        /// The first failure of the verification.
+        failure: String,
+    },
     /// Another install holds the lock.
     #[error("{path} is locked by another gturbo install into the same output")]
     Locked {
@@ -216,6 +231,17 @@ pub enum InstallError {
         journal: String,
         /// The head's `journal` and `version`.
         found: String,
+    },
+    /// A link (or another file type) stands where the install creates its own path
+    /// beside or inside the output: never followed, never written through.
+    #[error(
+        "{path}: {what}, where gturbo creates its own file or directory of the install; refusing to follow or write through it\n\nhint: remove it (or choose another --out) and rerun"
+    )]
+    Planted {
+        /// The path.
+        path: String,
+        /// What stands there (`a symbolic link`, `a FIFO (named pipe)`, …).
+        what: String,
     },
     /// A bug.
     #[error("internal error: {0}")]

@@ -21,11 +21,11 @@ use crate::plan::{Dest, Plan, QuantMode};
 use crate::source::{RangeSource, SourceError};
 
 use super::execute::InstallReporter;
+use super::nofollow;
 use super::stage::{Staging, with_suffix};
 use super::{InstallError, Prepared, io_err};
 
-/// Largest tokenizer/config file copied.
-const MAX_COPIED_BYTES: u64 = 512 << 20;
+use crate::plan::MAX_COPIED_BYTES;
 
 /// Copy the tokenizer and config files into the staging directory.
 pub(super) async fn copy_files(
@@ -51,9 +51,11 @@ pub(super) async fn copy_files(
         }
         let path = staging.join(&c.file);
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+            nofollow::ensure_dirs(staging, dir)?;
         }
-        std::fs::write(&path, &bytes).map_err(|e| io_err(&path, e))?;
+        nofollow::create_fresh(&path)?
+            .write_all(&bytes)
+            .map_err(|e| io_err(&path, e))?;
     }
     Ok(())
 }
@@ -94,8 +96,8 @@ fn hash_listed(plan: &Plan, staging: &Path) -> Result<Vec<ManifestFile>, Install
         let bytes = std::fs::metadata(&path)
             .map_err(|e| io_err(&path, e))?
             .len();
-        File::open(&path)
-            .and_then(|f| f.sync_all())
+        nofollow::open_read(&path)?
+            .sync_all()
             .map_err(|e| io_err(&path, e))?;
         sizes.push(bytes);
     }
@@ -171,6 +173,13 @@ pub(super) fn publish(
 ) -> Result<(), InstallError> {
     let out = &staging.out;
     reporter.phase("publish", &out.display().to_string());
+    // What is renamed into place is the directory this install staged, never a link
+    // swapped in for it since.
+    match nofollow::kind(&staging.dir)? {
+        Some(t) if t.is_dir() => {}
+        Some(_) => return Err(nofollow::planted(&staging.dir, "not the staging directory")),
+        None => return Err(io_err(&staging.dir, std::io::ErrorKind::NotFound.into())),
+    }
     if out.exists() {
         let old = with_suffix(out, &format!(".replaced-{}", std::process::id()));
         std::fs::rename(out, &old).map_err(|e| io_err(out, e))?;
@@ -181,6 +190,10 @@ pub(super) fn publish(
     }
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         sync_dir(parent)?;
+    }
+    if std::env::var_os(crate::env::GTURBO_TEST_EXIT_AFTER_PUBLISH).is_some() {
+        // Test hook: a kill between the rename and the removal of the leftovers.
+        std::process::exit(137);
     }
     let _ = std::fs::remove_file(&staging.journal);
     let Staging {
@@ -195,8 +208,77 @@ pub(super) fn publish(
     Ok(())
 }
 
+/// A rerun after a kill between the publish rename and the removal of the journal and
+/// the lock: when `<out>` is published by this very plan (its manifest has this plan's
+/// fingerprint) and still verifies in full (every file's SHA-256, the receipt's
+/// manifest hash), the leftovers are removed and the install is complete; returns
+/// whether that was the case. `Ok(false)` leaves everything as it was, for
+/// [`Staging::claim`] to refuse or proceed as usual.
+pub(super) fn finish_interrupted(
+    out: &Path,
+    fingerprint: &str,
+    reporter: &dyn InstallReporter,
+) -> Result<bool, InstallError> {
+    let journal = with_suffix(out, ".partial.journal");
+    let lock_path = with_suffix(out, ".partial.lock");
+    let is_dir = |p: &Path| nofollow::kind(p).map(|k| k.is_some_and(|t| t.is_dir()));
+    let leftovers = nofollow::kind(&journal)?.is_some() || nofollow::kind(&lock_path)?.is_some();
+    if !leftovers || !is_dir(out)? || nofollow::kind(&with_suffix(out, ".partial"))?.is_some() {
+        return Ok(false);
+    }
+    // Held while deciding, so a concurrent install of the same output cannot race it.
+    let lock = super::stage::take_lock(&lock_path)?;
+    let ours = crate::verify::open_manifest(out).is_ok_and(|m| m.plan_fingerprint == fingerprint);
+    if !ours {
+        return Ok(false);
+    }
+    reporter.phase(
+        "resume-check",
+        &format!(
+            "{} is published by this plan and its journal is left over (a run stopped during publication): verifying it",
+            out.display()
+        ),
+    );
+    let report = tokio::task::block_in_place(|| {
+        crate::verify::verify(
+            out,
+            &crate::verify::VerifyOptions {
+                write_receipt: false,
+                ..Default::default()
+            },
+        )
+    });
+    if !report.ok {
+        let first = report
+            .failures
+            .first()
+            .map_or_else(|| "does not verify".to_string(), |f| f.to_string());
+        return Err(InstallError::PublishedDamaged {
+            path: out.display().to_string(),
+            failure: first,
+        });
+    }
+    for p in [&journal, &lock_path] {
+        match std::fs::remove_file(p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(p, e)),
+        }
+    }
+    drop(lock);
+    reporter.phase(
+        "publish",
+        &format!(
+            "{}: already installed ({}); removed the leftover journal and lock",
+            out.display(),
+            report.summary()
+        ),
+    );
+    Ok(true)
+}
+
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), InstallError> {
-    let mut f = File::create(path).map_err(|e| io_err(path, e))?;
+    let mut f = nofollow::create_fresh(path)?;
     f.write_all(bytes).map_err(|e| io_err(path, e))?;
     f.sync_all().map_err(|e| io_err(path, e))
 }

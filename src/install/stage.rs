@@ -1,13 +1,14 @@
 //! The executor's *stage* step: claim the output and lay out the staging directory.
 //!
-//! [`Staging::claim`] refuses an existing output without `--overwrite`, takes the
+//! [`Staging::claim`] refuses an existing output without `--overwrite` (and a link
+//! there, or at the staging directory, always: [`super::nofollow`]), takes the
 //! install lock `<out>.partial.lock` (one install per output) and, when replacing a
 //! published directory, that directory's exclusive lock ([`super::lock`]), all before
 //! anything on disk changes. [`Staging::create_outputs`] then creates every output file
 //! at its planned size under `<out>.partial/`, checks free space for what remains and
 //! writes the resident file's head.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -17,6 +18,7 @@ use crate::plan::placement::output_file_paths;
 
 use super::execute::ExecuteOptions;
 use super::lock::InstallLock;
+use super::nofollow;
 use super::{InstallError, io_err};
 
 /// The claimed output: paths and the locks held until publication.
@@ -55,10 +57,17 @@ impl Staging {
     /// Claim `options.out` for this install (see the module doc).
     pub fn claim(options: &ExecuteOptions) -> Result<Staging, InstallError> {
         let out = &options.out;
-        if out.exists() && !options.overwrite {
-            return Err(InstallError::OutputExists {
-                path: out.display().to_string(),
-            });
+        // The published directory is never a link: gturbo neither publishes one nor
+        // replaces (or writes through) one.
+        match nofollow::kind(out)? {
+            Some(t) if t.is_symlink() => return Err(nofollow::planted(out, "a symbolic link")),
+            Some(_) if !options.overwrite => {
+                return Err(InstallError::OutputExists {
+                    path: out.display().to_string(),
+                });
+            }
+            Some(t) if !t.is_dir() => return Err(nofollow::planted(out, "not a directory")),
+            _ => {}
         }
         let dir = with_suffix(out, ".partial");
         let lock_path = with_suffix(out, ".partial.lock");
@@ -66,16 +75,7 @@ impl Staging {
         if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
         }
-        let lock = File::create(&lock_path).map_err(|e| io_err(&lock_path, e))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(InstallError::Locked {
-                    path: lock_path.display().to_string(),
-                });
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&lock_path, e)),
-        }
+        let lock = take_lock(&lock_path)?;
         let replacing = if out.exists() {
             Some(InstallLock::exclusive(out).map_err(|e| {
                 if e.kind() == std::io::ErrorKind::WouldBlock {
@@ -89,8 +89,16 @@ impl Staging {
         } else {
             None
         };
-        if options.discard_partial && dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        // The staging directory is the install's own: a link there is refused (the
+        // weights would land in its target, and the rename would publish the link).
+        match nofollow::kind(&dir)? {
+            Some(t) if t.is_dir() && options.discard_partial => {
+                std::fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+            }
+            Some(t) if t.is_dir() => {}
+            Some(t) if t.is_symlink() => return Err(nofollow::planted(&dir, "a symbolic link")),
+            Some(_) => return Err(nofollow::planted(&dir, "not a directory")),
+            None => {}
         }
         Ok(Staging {
             out: out.clone(),
@@ -113,18 +121,13 @@ impl Staging {
         let needed: u64 = sizes.iter().sum();
         let mut paths = Vec::new();
         let mut files = Vec::new();
+        nofollow::ensure_dir(&self.dir)?;
         for (r, size) in rel.iter().zip(&sizes) {
             let path = self.dir.join(r);
             if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+                nofollow::ensure_dirs(&self.dir, dir)?;
             }
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .map_err(|e| io_err(&path, e))?;
+            let f = nofollow::open_rw(&path)?;
             let len = f.metadata().map_err(|e| io_err(&path, e))?.len();
             if len != *size {
                 f.set_len(*size).map_err(|e| io_err(&path, e))?;
@@ -140,6 +143,20 @@ impl Staging {
         )?;
         write_resident_head(plan, &out)?;
         Ok(out)
+    }
+}
+
+/// Open `<out>.partial.lock` (never following a link, never truncating: its bytes do
+/// not matter, only its `flock`) and lock it, refusing at once while another install
+/// holds it.
+pub(super) fn take_lock(lock_path: &Path) -> Result<File, InstallError> {
+    let lock = nofollow::open_rw(lock_path)?;
+    match lock.try_lock() {
+        Ok(()) => Ok(lock),
+        Err(std::fs::TryLockError::WouldBlock) => Err(InstallError::Locked {
+            path: lock_path.display().to_string(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_err(lock_path, e)),
     }
 }
 

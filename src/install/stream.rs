@@ -150,6 +150,14 @@ impl<'a> ReadWriter<'a> {
         let (ow, os, ob) = p.out_row;
         match p.scheme {
             Scheme::Passthrough => {
+                if let Some(i) = crate::transform::first_non_finite(&self.tile, t.dtype) {
+                    let per_row = p.src_row_bytes / t.dtype.size();
+                    return Err(InstallError::NonFinite {
+                        shard: self.plan.shards[t.shard].path.clone(),
+                        tensor: t.name.clone(),
+                        element: self.tile_row0 * per_row + i as u64,
+                    });
+                }
                 self.out[0].clear();
                 self.out[0].extend_from_slice(&self.tile);
             }
@@ -167,6 +175,7 @@ impl<'a> ReadWriter<'a> {
                 quant::quantize_rows_le_bytes(&self.tile, p.cols as usize, bits, w, s, b).map_err(
                     |e| match e {
                         quant::QuantError::NonFinite { index } => InstallError::NonFinite {
+                            shard: self.plan.shards[t.shard].path.clone(),
                             tensor: t.name.clone(),
                             element: self.tile_row0 * p.cols + index as u64,
                         },

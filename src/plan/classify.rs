@@ -37,6 +37,10 @@ pub(super) struct Draft {
     pub src: [u64; 2],
     /// What happens to it.
     pub role: DraftRole,
+    /// The `{layer}` its rule captured, if any.
+    pub layer: Option<u64>,
+    /// The sidecar its rule belongs to, if any.
+    pub sidecar: Option<String>,
 }
 
 /// Which stage places a tensor.
@@ -186,6 +190,8 @@ pub(super) fn classify(
                 shape: t.shape.clone(),
                 src: [h.data_start() + t.data.start, h.data_start() + t.data.end],
                 role,
+                layer: m.captures.layer,
+                sidecar: m.rule.sidecar.clone(),
             });
         }
     }

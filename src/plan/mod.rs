@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::family::Family;
+use crate::family::{Family, axes as axis_rules};
 use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
 use crate::header::{Dtype, ShardHeader};
@@ -49,6 +49,10 @@ pub const COPIED_FILES: &[&str] = &[
     "merges.txt",
     "tokenizer.model",
 ];
+
+/// Largest tokenizer or config file copied (the largest real `tokenizer.json` files
+/// are tens of MB).
+pub const MAX_COPIED_BYTES: u64 = 512 << 20;
 
 /// Which weights get quantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -320,6 +324,17 @@ pub enum PlanError {
         /// What is wrong.
         detail: String,
     },
+    /// A tokenizer or config file to copy is larger than any real one.
+    #[error(
+        "{file}: {bytes} bytes, more than the {} a tokenizer or config file may have; refusing before any weight is read",
+        MAX_COPIED_BYTES
+    )]
+    CopiedTooLarge {
+        /// Path in the repo.
+        file: String,
+        /// Size from the listing.
+        bytes: u64,
+    },
     /// Sizes overflow.
     #[error("{what}: sizes overflow 64 bits")]
     Overflow {
@@ -346,10 +361,12 @@ pub struct PlanInput<'a> {
     pub options: &'a PlanOptions,
 }
 
-/// Largest config value accepted for an integer axis.
-const MAX_AXIS_VALUE: u64 = 1 << 40;
-
-fn read_arch(family: &Family, config: &serde_json::Value) -> Result<Arch, PlanError> {
+/// The *arch* stage: the config's axes through the family's mapping, each checked by
+/// the shared rules ([`axis_rules`]). Also returns each axis's config field, for errors.
+fn read_arch(
+    family: &Family,
+    config: &serde_json::Value,
+) -> Result<(Arch, BTreeMap<String, String>), PlanError> {
     let cfg_err = |field: &str, detail: String| PlanError::Config {
         field: field.to_string(),
         detail,
@@ -379,6 +396,7 @@ fn read_arch(family: &Family, config: &serde_json::Value) -> Result<Arch, PlanEr
         None => (config, String::new()),
     };
     let mut axes = BTreeMap::new();
+    let mut fields = BTreeMap::new();
     for (axis, key) in &family.file.arch.axes {
         let (key, optional) = match key.strip_suffix('?') {
             Some(k) => (k, true),
@@ -393,35 +411,79 @@ fn read_arch(family: &Family, config: &serde_json::Value) -> Result<Arch, PlanEr
             }
             return Err(cfg_err(&field, format!("missing (axis `{axis}`)")));
         };
-        match v {
-            serde_json::Value::Number(n) => {
-                if let Some(i) = n.as_i64() {
-                    if i < 0 || i as u64 > MAX_AXIS_VALUE {
-                        return Err(cfg_err(&field, format!("{i} is out of range 0..=2^40")));
-                    }
-                } else if let Some(f) = n.as_f64() {
-                    if !f.is_finite() || f.abs() > 1e15 {
-                        return Err(cfg_err(&field, format!("{f} is not a sane number")));
-                    }
-                } else {
-                    return Err(cfg_err(&field, format!("{n} is out of range 0..=2^40")));
-                }
-            }
-            serde_json::Value::Bool(_) | serde_json::Value::Null => {}
-            other => {
-                return Err(cfg_err(
-                    &field,
-                    format!("expected a number or boolean, found {other}"),
-                ));
-            }
-        }
+        axis_rules::check_value(axis, v)
+            .map_err(|d| cfg_err(&field, format!("{d} (axis `{axis}`)")))?;
+        fields.insert(axis.clone(), field);
         axes.insert(axis.clone(), v.clone());
     }
-    Ok(Arch {
+    // The rules across axes, the runtime's own (one function for both).
+    axis_rules::check(&axes).map_err(|e| {
+        let field = fields.get(&e.axis).cloned().unwrap_or(e.axis.clone());
+        cfg_err(&field, format!("{} (axis `{}`)", e.detail, e.axis))
+    })?;
+    let arch = Arch {
         model_type: model_type.to_string(),
         axes,
         required_axes: family.file.arch.required_axes.clone(),
-    })
+    };
+    Ok((arch, fields))
+}
+
+/// The architecture a family reads from `config.json`, every axis checked by the
+/// shared rules ([`crate::family::axes`]): the planner's first stage on its own, for
+/// the fuzzer and for callers that have no headers yet.
+pub fn arch_from_config(family: &Family, config: &serde_json::Value) -> Result<Arch, PlanError> {
+    read_arch(family, config).map(|(arch, _)| arch)
+}
+
+/// The axes against the tensors present: `num_layers` must be the number of decoder
+/// layers the main model's tensors hold (numbered `0..num_layers`), and `num_experts`
+/// the experts of every main-model expert pool. A config that names a billion layers
+/// over a checkpoint of four is refused here, naming the field.
+fn check_axes_against_tensors(
+    arch: &Arch,
+    fields: &BTreeMap<String, String>,
+    drafts: &[Draft],
+    pools: &[ExpertPool],
+) -> Result<(), PlanError> {
+    let err = |axis: &str, detail: String| PlanError::Config {
+        field: fields
+            .get(axis)
+            .cloned()
+            .unwrap_or_else(|| axis.to_string()),
+        detail: format!("{detail} (axis `{axis}`)"),
+    };
+    let layers: BTreeSet<u64> = drafts
+        .iter()
+        .filter(|d| d.sidecar.is_none() && !matches!(d.role, DraftRole::Excluded { .. }))
+        .filter_map(|d| d.layer)
+        .collect();
+    if let (Some(n), Some(&last)) = (
+        arch.axes.get("num_layers").and_then(|v| v.as_u64()),
+        layers.last(),
+    ) && (last + 1 != n || layers.len() as u64 != n)
+    {
+        let missing = (0..n.min(last + 1)).find(|l| !layers.contains(l));
+        let detail = match missing {
+            Some(l) if last + 1 >= n => format!("{n} layers, but layer {l} has no tensors"),
+            _ => format!(
+                "{n} layers, but the checkpoint's tensors hold layers 0..={last} ({})",
+                layers.len()
+            ),
+        };
+        return Err(err("num_layers", detail));
+    }
+    if let Some(e) = arch.axes.get("num_experts").and_then(|v| v.as_u64()) {
+        for p in pools.iter().filter(|p| p.sidecar.is_none()) {
+            if p.experts != e {
+                return Err(err(
+                    "num_experts",
+                    format!("{e} experts, but {} holds {}", p.file, p.experts),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn elems(shape: &[u64]) -> Option<u64> {
@@ -447,18 +509,19 @@ type Placed = Vec<(usize, Scheme, Dest)>;
 /// Build the plan, stage by stage.
 pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     let (family, options) = (input.family, input.options);
-    let arch = read_arch(family, input.config)?;
+    let (arch, fields) = read_arch(family, input.config)?;
     let shards = planned_shards(input);
     let drafts = classify::classify(family, options, input.headers)?;
     let (resident, resident_placed) = place_resident(&drafts)?;
     let (expert_pools, experts_placed) = experts::place(family, options, &drafts)?;
+    check_axes_against_tensors(&arch, &fields, &drafts, &expert_pools)?;
     let (row_pools, rows_placed) = rows::place(family, options, &drafts)?;
     let tensors = assemble(drafts, [resident_placed, experts_placed, rows_placed]);
     let outputs = Outputs {
         resident,
         expert_pools,
         row_pools,
-        copied: copied_files(input.repo_files),
+        copied: copied_files(input.repo_files)?,
     };
     let census = Census::count(&tensors, &outputs);
     let reads = coalesce::plan_reads(&shards, &tensors, options);
@@ -561,12 +624,21 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
         .collect()
 }
 
-/// The *copied files* stage: the tokenizer and config files the repo has.
-fn copied_files(repo_files: &BTreeMap<String, u64>) -> Vec<CopiedFile> {
+/// The *copied files* stage: the tokenizer and config files the repo has. Their sizes
+/// (from the listing) are checked here, at plan time, so an absurd one is refused
+/// before any weight streams rather than after.
+fn copied_files(repo_files: &BTreeMap<String, u64>) -> Result<Vec<CopiedFile>, PlanError> {
     COPIED_FILES
         .iter()
-        .filter_map(|f| {
-            repo_files.get(*f).map(|&bytes| CopiedFile {
+        .filter_map(|f| repo_files.get(*f).map(|&bytes| (f, bytes)))
+        .map(|(f, bytes)| {
+            if bytes > MAX_COPIED_BYTES {
+                return Err(PlanError::CopiedTooLarge {
+                    file: f.to_string(),
+                    bytes,
+                });
+            }
+            Ok(CopiedFile {
                 source: f.to_string(),
                 file: format!("tokenizer/{f}"),
                 bytes,
@@ -620,6 +692,32 @@ impl Census {
     }
 }
 
+/// What differs between two records of [`Plan::facts`], `before` then `now`, one
+/// `name: was X, now Y` per fact, `; `-separated; empty when they agree.
+pub fn changed(before: &BTreeMap<String, String>, now: &BTreeMap<String, String>) -> String {
+    let names: BTreeSet<&String> = before.keys().chain(now.keys()).collect();
+    names
+        .into_iter()
+        .filter_map(|k| {
+            // A flag absent from a record was not given.
+            let absent = if k.starts_with("--") {
+                "not set"
+            } else {
+                "absent"
+            };
+            let (a, b) = (before.get(k), now.get(k));
+            (a != b).then(|| {
+                format!(
+                    "{k}: was {}, now {}",
+                    a.map_or(absent, |s| s.as_str()),
+                    b.map_or(absent, |s| s.as_str())
+                )
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Output bytes per kind.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutputTotals {
@@ -669,6 +767,85 @@ impl Plan {
         t.files =
             1 + o.expert_pools.len() as u64 + o.row_pools.len() as u64 + o.copied.len() as u64;
         t
+    }
+
+    /// What the plan was made from, each under the name a user knows it by (a flag,
+    /// a file and field, a source shard): recorded beside a partial install, so a
+    /// rerun whose fingerprint differs can say exactly what changed ([`changed`]).
+    /// Everything else in the plan follows from these and gturbo's own layout rules.
+    pub fn facts(&self) -> BTreeMap<String, String> {
+        let none = || "none".to_string();
+        let on = |b: bool| if b { "set" } else { "not set" }.to_string();
+        let mut f = BTreeMap::new();
+        let mut put = |k: String, v: String| {
+            f.insert(k, v);
+        };
+        put("family".into(), self.family.clone());
+        put("source repo".into(), self.source.repo.clone());
+        put("revision".into(), self.source.revision.clone());
+        put(
+            "resolved commit".into(),
+            self.source.commit.clone().unwrap_or_else(none),
+        );
+        put(
+            "SHA-256 of model.safetensors.index.json".into(),
+            self.source.index_sha256.clone().unwrap_or_else(none),
+        );
+        put(
+            "--quant".into(),
+            match self.options.quant {
+                QuantMode::Int4 => "int4",
+                QuantMode::Bf16 => "bf16",
+            }
+            .into(),
+        );
+        let max = self.options.coalesce_max;
+        put(
+            "--range-mib".into(),
+            if max.is_multiple_of(1 << 20) {
+                (max >> 20).to_string()
+            } else {
+                format!("{max} bytes")
+            },
+        );
+        put(
+            "read-through gap".into(),
+            format!("{} bytes", self.options.coalesce_gap),
+        );
+        put("--no-verify-source".into(), on(!self.options.verify_source));
+        for s in &self.options.skip_sidecars {
+            put(format!("--skip-{s}"), on(true));
+        }
+        put(
+            "config.json model_type".into(),
+            self.arch.model_type.clone(),
+        );
+        for (axis, v) in &self.arch.axes {
+            put(format!("config.json axis {axis}"), v.to_string());
+        }
+        for (i, sh) in self.shards.iter().enumerate() {
+            put(
+                format!("{}: published SHA-256", sh.path),
+                sh.sha256.clone().unwrap_or_else(none),
+            );
+            put(format!("{}: size", sh.path), format!("{} bytes", sh.size));
+            // The header's tensors (names, dtypes, shapes, offsets), not what the
+            // plan makes of them (that follows from the flags above).
+            let tensors: Vec<(&str, Dtype, &[u64], [u64; 2])> = self
+                .tensors
+                .iter()
+                .filter(|t| t.shard == i)
+                .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.src))
+                .collect();
+            let digest = crate::format::json::to_compact(&tensors)
+                .map(|b| crate::format::digest::sha256_hex(&b))
+                .unwrap_or_else(|e| e.to_string());
+            put(format!("{}: header (tensors)", sh.path), digest);
+        }
+        for c in &self.outputs.copied {
+            put(format!("{}: size", c.source), format!("{} bytes", c.bytes));
+        }
+        f
     }
 
     /// Bytes the reads fetch.

@@ -110,6 +110,8 @@ impl Config {
     /// configs: `head_dim = hidden / heads`, `norm_topk_prob = false`,
     /// `rms_norm_eps = 1e-6`, `rope_theta = 10000`.
     pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
+        // The install's own rules first (the planner checked the config with them).
+        crate::family::axes::check(&m.arch.axes).map_err(|e| axis_err(m, &e.axis, &e.detail))?;
         if m.arch
             .axes
             .get("rope_scaling")
@@ -236,7 +238,29 @@ impl<'a, B: Backend> Model<'a, B> {
         } else {
             None
         };
-        let mut layers = Vec::with_capacity(cfg.layers);
+        // The axis against the tensors present: a layer past the last is a manifest
+        // that lies about its depth.
+        if install.has(&format!(
+            "model.layers.{}.input_layernorm.weight",
+            cfg.layers
+        )) {
+            return Err(axis_err(
+                &install.manifest,
+                "num_layers",
+                &format!(
+                    "{}, but the install holds tensors of layer {}",
+                    cfg.layers, cfg.layers
+                ),
+            ));
+        }
+        let mut layers = Vec::new();
+        layers.try_reserve_exact(cfg.layers).map_err(|_| {
+            axis_err(
+                &install.manifest,
+                "num_layers",
+                &format!("{} layers do not fit in memory", cfg.layers),
+            )
+        })?;
         let mut pools = Vec::new();
         for l in 0..cfg.layers {
             let p = format!("model.layers.{l}.");

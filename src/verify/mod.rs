@@ -177,12 +177,17 @@ fn unsafe_paths(m: &Manifest) -> Vec<VerifyFailure> {
 /// files sorted and unique, every pool and the resident file listed with the right
 /// kind and size, pool geometry (see `ExpertPool::layout_errors`,
 /// `RowPool::layout_errors`), sidecar pools belonging to a carried sidecar, a
-/// tokenizer present. Pure, so the fuzzer drives it directly.
+/// tokenizer present, the architecture axes within their bounds
+/// ([`crate::family::axes::check`]). Pure, so the fuzzer drives it directly.
 pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
     let mf = manifest::FILE_NAME;
     let mut out = unsafe_paths(m);
     let fail = |at: String, detail: String| VerifyFailure::new(mf, at, detail);
 
+    // The architecture axes, by the rules the planner and the runtime apply.
+    if let Err(e) = crate::family::axes::check(&m.arch.axes) {
+        out.push(fail(format!("arch.axes.{}", e.axis), e.detail));
+    }
     if m.tool.name != "gturbo" {
         out.push(fail(
             "tool.name".into(),

@@ -551,3 +551,80 @@ fn issue13_a_fifo_in_a_from_snapshot_is_named_and_refused() {
     );
     assert_not_published(&out);
 }
+
+/// Item 9: the source changed under the same file names (the hub now publishes another
+/// SHA-256 for one shard): the refusal to resume names that shard's hash, old and new,
+/// where it used to say "another revision, family or flags".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_a_changed_source_hash_is_named_when_the_resume_is_refused() {
+    let r = Replica::new();
+    let oids = r.true_oids();
+    r.publish(&oids);
+    let (hub, repo) = r.start(HubConfig::default()).await;
+    let out = r.out("changed.gturbo");
+    let flags = ["-q", "--range-mib", "1"];
+    let o = install_env(
+        &hub,
+        &repo,
+        &r,
+        &out,
+        &flags,
+        &[("GTURBO_TEST_ABORT_AFTER_READS", "2")],
+    );
+    assert_eq!(o.status.code(), Some(137), "{}", stderr(&o));
+    let old = oids.iter().find(|(p, _)| p == SHARD).unwrap().1.clone();
+    let new = "ab".repeat(32);
+    let changed: Vec<(String, String)> = oids
+        .iter()
+        .map(|(p, h)| (p.clone(), if p == SHARD { new.clone() } else { h.clone() }))
+        .collect();
+    r.publish(&changed);
+    let (hub, repo) = r.start(HubConfig::default()).await;
+    let o = install(&hub, &repo, &r, &out, &flags);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let line = error_line(&err);
+    assert!(
+        line.contains(&format!(
+            " (changed: {SHARD}: published SHA-256: was {old}, now {new}); refusing to mix them"
+        )),
+        "{line}"
+    );
+}
+
+/// Item 14: a 2 GB `tokenizer.json` (sparse) is refused from the listing's size before
+/// any weight is read: the shards see their header reads and nothing more. It used to
+/// be refused only after every weight had streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue13_an_oversized_tokenizer_is_refused_before_any_weight_streams() {
+    let r = Replica::new();
+    let tok = r.dir.join("tokenizer.json");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&tok)
+        .unwrap();
+    f.set_len(2_000_000_000).unwrap();
+    drop(f);
+    // Published hashes, so the hub never hashes the 2 GB file for its listing.
+    let mut oids = r.true_oids();
+    oids.push(("tokenizer.json".into(), "cd".repeat(32)));
+    r.publish(&oids);
+    let (hub, repo) = r.start(HubConfig::default()).await;
+    hub.reset_stats();
+    let out = r.out("tok.gturbo");
+    let o = install(&hub, &repo, &r, &out, &["-q"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(
+        error_line(&err),
+        "gturbo: error: tokenizer.json: 2000000000 bytes, more than the 536870912 a tokenizer or config file may have; refusing before any weight is read"
+    );
+    let stats = hub.stats();
+    for s in r.shards() {
+        let n = stats.file(REPO, &s).ranges.len();
+        assert!((1..=2).contains(&n), "{s}: {n} requests");
+    }
+    assert_eq!(stats.file(REPO, "tokenizer.json").ranges.len(), 0);
+    assert_not_published(&out);
+}

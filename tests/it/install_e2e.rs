@@ -357,14 +357,15 @@ fn real_sigkill_mid_stream_resumes_to_identical_bytes() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    // Kill -9 once a few reads are journaled (the journal's first line is its header).
+    // Kill -9 once a few reads are journaled (the journal's first two lines are its
+    // header and the plan's facts).
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut killed_mid_stream = false;
     while Instant::now() < deadline {
         let lines = std::fs::read_to_string(&journal)
             .map(|t| t.lines().count())
             .unwrap_or(0);
-        if lines >= 4 {
+        if lines >= 5 {
             child.kill().unwrap(); // SIGKILL
             killed_mid_stream = true;
             break;
@@ -427,9 +428,10 @@ fn another_plan_refuses_the_partial_install_and_damage_is_redone() {
     assert!(o.status.success(), "{}", text(&o));
     let plan: Value = serde_json::from_slice(&std::fs::read(&plan_path).unwrap()).unwrap();
     let journal = std::fs::read_to_string(base.join("p.gturbo.partial.journal")).unwrap();
+    // Line 1 is the head, line 2 the plan's facts; then one line per read.
     let journaled: Vec<usize> = journal
         .lines()
-        .skip(1)
+        .skip(2)
         .map(|l| {
             serde_json::from_str::<Value>(l).unwrap()["read"]
                 .as_u64()

@@ -3,6 +3,7 @@
 mod dry_run;
 mod flash_next;
 mod flash_next_run;
+mod hostile_install;
 mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
