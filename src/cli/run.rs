@@ -16,11 +16,34 @@ use crate::runtime::model::Model;
 use crate::runtime::sample::{Sampler, SamplerConfig};
 use crate::runtime::text::{TextCodec, TextError};
 
+/// Where `gturbo run` computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// The GPU when a hardware adapter exists and the model loads into its memory,
+    /// else the CPU (software adapters such as llvmpipe are not picked).
+    Auto,
+    /// The CPU kernels.
+    Cpu,
+    /// The GPU (wgpu: Metal, Vulkan, DX12); an error when there is none.
+    Gpu,
+}
+
 /// Flags of `gturbo run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The `.gturbo` directory.
-    pub dir: PathBuf,
+    #[arg(required_unless_present = "list_adapters")]
+    pub dir: Option<PathBuf>,
+    /// List the GPU adapters wgpu sees (best first, as `--adapter` numbers them) and exit.
+    #[arg(long)]
+    pub list_adapters: bool,
+    /// Where to compute.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// The GPU adapter: its number in `--list-adapters` or part of its name
+    /// (default: the first).
+    #[arg(long)]
+    pub adapter: Option<String>,
     /// Plain prompt text (no chat template).
     #[arg(long, conflicts_with_all = ["chat", "prompt_ids"])]
     pub prompt: Option<String>,
@@ -112,21 +135,128 @@ fn text_failure(e: TextError) -> Failure {
 
 /// `gturbo run`.
 pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
+    if args.list_adapters {
+        return list_adapters();
+    }
+    let Some(dir) = args.dir.clone() else {
+        return Err(Failure::usage("give the install directory"));
+    };
     let experts = if args.resident_experts {
         ExpertMode::Resident
     } else {
         ExpertMode::Slots(args.expert_cache_slots as usize)
     };
-    let install = open(&args.dir, experts)?;
+    let install = open(&dir, experts)?;
     // The one place that names a backend; everything after it is generic.
-    let cpu = Cpu::new(threads(args.threads));
-    run_on(&args, &install, &cpu)
+    let on_cpu = || -> Result<(), Failure> {
+        let cpu = Cpu::new(threads(args.threads));
+        run_on(&args, &dir, &install, &Model::new(&install, &cpu)?)
+    };
+    let auto = match args.backend {
+        BackendChoice::Cpu => return on_cpu(),
+        BackendChoice::Gpu => false,
+        BackendChoice::Auto => true,
+    };
+    #[cfg(feature = "gpu")]
+    {
+        if let Some(gpu) = gpu_backend(&args, auto)? {
+            // wgpu reports no memory size: whether the model fits is learnt by
+            // uploading it (an allocation failure surfaces at `finish`).
+            let model = Model::new(&install, &gpu)
+                .map_err(|e| e.to_string())
+                .and_then(|m| gpu.finish().map(|()| m).map_err(|e| e.to_string()));
+            match model {
+                Ok(m) => return run_on(&args, &dir, &install, &m),
+                Err(e) => {
+                    let why = format!("the model does not load on {}: {e}", gpu.adapter().name);
+                    gpu_unusable(auto, why)?;
+                }
+            }
+        }
+        on_cpu()
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        gpu_unusable(
+            auto,
+            "this gturbo was built without the `gpu` feature".into(),
+        )?;
+        on_cpu()
+    }
 }
 
-/// Generate with `install` on `backend`, streaming the text, then print the footer.
-fn run_on<B: Backend>(args: &RunArgs, install: &Install, backend: &B) -> Result<(), Failure> {
-    let model = Model::new(install, backend)?;
-    let (prompt, codec) = prompt_ids(args, &args.dir)?;
+/// With `--backend auto`, a log line (the CPU takes over); with `--backend gpu`, the
+/// error.
+fn gpu_unusable(auto: bool, why: String) -> Result<(), Failure> {
+    if auto {
+        tracing::info!("backend auto: the CPU, since {why}");
+        Ok(())
+    } else {
+        Err(Failure {
+            code: 2,
+            message: format!("--backend gpu: {why}"),
+        })
+    }
+}
+
+/// The GPU `--adapter` names (with `auto` and no `--adapter`, the first hardware
+/// one: a software adapter such as llvmpipe is far slower than the CPU kernels), or
+/// `None` where `auto` falls back to the CPU.
+#[cfg(feature = "gpu")]
+fn gpu_backend(
+    args: &RunArgs,
+    auto: bool,
+) -> Result<Option<crate::runtime::kernels::gpu::Gpu>, Failure> {
+    use crate::runtime::kernels::gpu::{Gpu, GpuOptions, list_adapters};
+    let mut opts = GpuOptions {
+        adapter: args.adapter.clone(),
+    };
+    if auto && opts.adapter.is_none() {
+        match list_adapters().into_iter().find(|a| a.device_type != "Cpu") {
+            Some(a) => opts.adapter = Some(a.index.to_string()),
+            None => {
+                gpu_unusable(auto, "there is no hardware GPU adapter".into())?;
+                return Ok(None);
+            }
+        }
+    }
+    match Gpu::new(&opts) {
+        Ok(g) => Ok(Some(g)),
+        Err(e) => {
+            gpu_unusable(auto, e.to_string())?;
+            Ok(None)
+        }
+    }
+}
+
+/// `gturbo run --list-adapters`.
+fn list_adapters() -> Result<(), Failure> {
+    #[cfg(feature = "gpu")]
+    {
+        let all = crate::runtime::kernels::gpu::list_adapters();
+        if all.is_empty() {
+            println!("no GPU adapters (wgpu looked for Vulkan, Metal and DX12 devices)");
+        }
+        for a in all {
+            println!("{a}");
+        }
+        Ok(())
+    }
+    #[cfg(not(feature = "gpu"))]
+    Err(Failure::usage(
+        "this gturbo was built without the `gpu` feature",
+    ))
+}
+
+/// Generate with `model`, streaming the text, then print the footer.
+fn run_on<B: Backend>(
+    args: &RunArgs,
+    dir: &Path,
+    install: &Install,
+    model: &Model<'_, B>,
+) -> Result<(), Failure> {
+    let backend = model.backend();
+    let (prompt, codec) = prompt_ids(args, dir)?;
     let stop_ids: Vec<u32> = codec
         .as_ref()
         .map(|c| c.stop_ids().to_vec())
@@ -143,7 +273,7 @@ fn run_on<B: Backend>(args: &RunArgs, install: &Install, backend: &B) -> Result<
     let mut stream = codec.as_ref().map(|c| c.stream_decoder(true));
     let mut text = String::new();
     let g = generate::generate(
-        &model,
+        model,
         &prompt,
         args.max_tokens,
         &stop_ids,
@@ -171,7 +301,7 @@ fn run_on<B: Backend>(args: &RunArgs, install: &Install, backend: &B) -> Result<
     if !json {
         let _ = writeln!(out);
     }
-    footer(install, backend.name(), &g, json, &prompt, &text, &mut out);
+    footer(install, backend, &g, json, &prompt, &text, &mut out);
     Ok(())
 }
 
@@ -260,9 +390,9 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-fn footer(
+fn footer<B: Backend>(
     install: &Install,
-    backend: &str,
+    backend: &B,
     g: &Generation,
     json: bool,
     prompt: &[u32],
@@ -272,11 +402,20 @@ fn footer(
     let stats = install.experts.stats();
     let rss = generate::peak_rss_bytes();
     let hit = stats.hit_rate();
+    let device = backend.device_memory_bytes();
+    let on = match device {
+        Some(b) => format!(
+            "{}, device memory {:.1} MiB",
+            backend.name(),
+            b as f64 / (1 << 20) as f64
+        ),
+        None => backend.name().to_string(),
+    };
     eprintln!(
         "[{} via {} on {}] stop: {}; prompt {} tokens, generated {}; prefill {:.1} tok/s, decode {:.1} tok/s; peak RSS {}; expert cache {}",
         install.manifest.family,
         install.runner.name,
-        backend,
+        on,
         g.stop.label(),
         g.prompt_tokens,
         g.tokens.len(),
@@ -300,6 +439,8 @@ fn footer(
         let doc = serde_json::json!({
             "family": install.manifest.family,
             "runner": install.runner.name,
+            "backend": backend.name(),
+            "device_memory_bytes": device,
             "prompt_ids": prompt,
             "tokens": g.tokens,
             "text": text,

@@ -1,6 +1,8 @@
 //! One integration-test binary; each module covers one user-facing concern.
 
 mod dry_run;
+#[cfg(feature = "gpu")]
+mod gpu;
 mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
