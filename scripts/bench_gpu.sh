@@ -16,7 +16,8 @@
 # Environment: PROMPT (128 tokens), TOKENS (64 decoded), RUNS (3), PEAK_GBS (4800),
 # WORK (target/bench-gpu), RESULTS (a file the summary is appended to).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+HERE="$(cd "$(dirname "$0")" && pwd)"
+cd "$HERE/.."
 PROMPT="${PROMPT:-128}"
 TOKENS="${TOKENS:-64}"
 RUNS="${RUNS:-3}"
@@ -46,7 +47,7 @@ say "## adapters"
 say "## CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 
 say "## INT4 g64 matvec"
-"$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 | tee -a "$RESULTS"
+"$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 2>&1 | tee -a "$RESULTS" || true
 
 rm -rf "$WORK" && mkdir -p "$WORK"
 ids=$(seq 0 $((PROMPT - 1)) | awk '{ printf "%s%d", (NR > 1 ? "," : ""), (7 * $1 + 5) % 30000 }')
@@ -63,8 +64,11 @@ for spec in "smollm2 llama smollm2" "moe qwen3_moe moe"; do
   for backend in gpu cpu; do
     pre=() dec=() mem=""
     for _ in $(seq "$RUNS"); do
-      "$G" run "$WORK/$name.gturbo" --backend "$backend" --resident-experts --json \
-        --prompt-ids "$ids" --max-tokens "$TOKENS" > "$WORK/run.json" 2> "$WORK/footer"
+      if ! "$G" run "$WORK/$name.gturbo" --backend "$backend" --resident-experts --json \
+        --prompt-ids "$ids" --max-tokens "$TOKENS" > "$WORK/run.json" 2> "$WORK/footer"; then
+        say "gturbo --backend $backend failed: $(tail -3 "$WORK/footer")"
+        continue 2
+      fi
       pre+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["prefill_tok_s"])' "$WORK/run.json")")
       dec+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode_tok_s"])' "$WORK/run.json")")
       mem=$(python3 -c 'import json,sys; b=json.load(open(sys.argv[1]))["device_memory_bytes"]; print("-" if b is None else round(b/2**20))' "$WORK/run.json")
@@ -75,7 +79,7 @@ for spec in "smollm2 llama smollm2" "moe qwen3_moe moe"; do
     say "    $(tail -1 "$WORK/footer")"
   done
   if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    peer=$(python3 scripts/bench_gpu_peer.py "$WORK/$name-snap" "$PROMPT" "$TOKENS" "$RUNS" 2> "$WORK/peer.err" | tail -1) || { tail -5 "$WORK/peer.err"; peer=""; }
+    peer=$(python3 "$HERE/bench_gpu_peer.py" "$WORK/$name-snap" "$PROMPT" "$TOKENS" "$RUNS" 2> "$WORK/peer.err" | tail -1) || { tail -5 "$WORK/peer.err"; peer=""; }
     if [ -n "$peer" ]; then
       say "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print("%-34s %12.1f %12.1f %14s" % ("transformers bf16 generate", d["prefill_tok_s"], d["decode_tok_s"], "-")); print("    " + d["engine"] + " on " + d["device"])' "$peer")"
     fi
