@@ -22,6 +22,9 @@ use crate::runtime::kernels::backend::{
     Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing,
 };
 
+/// An expert's gate, up and down on the device, shared by the uses of one blob.
+type ExpertMats = Arc<[GpuMatrix; 3]>;
+
 /// Free buffers of each byte size a [`GpuBuf`] had.
 type FreeList = Arc<Mutex<HashMap<u64, Vec<Arc<wgpu::Buffer>>>>>;
 
@@ -102,7 +105,7 @@ pub struct GpuSlots {
     mirrors: Mutex<Vec<Mirror>>,
     /// Blobs of mapped pools (`slot` is `None`), uploaded on first use and kept: the
     /// map's bytes of a `(layer, expert)` never change.
-    mapped: Mutex<HashMap<(usize, usize), Arc<[GpuMatrix; 3]>>>,
+    mapped: Mutex<HashMap<(usize, usize), ExpertMats>>,
 }
 
 struct Mirror {
@@ -113,7 +116,7 @@ struct Mirror {
 
 /// One expert's gate, up and down on the device.
 pub struct GpuExpert {
-    mats: Arc<[GpuMatrix; 3]>,
+    mats: ExpertMats,
 }
 
 /// The blob layout that decides whether two pools can share a slot buffer.
