@@ -199,6 +199,24 @@ fn gpu_unusable(auto: bool, why: String) -> Result<(), Failure> {
     }
 }
 
+/// Whether a hardware GPU may be present. On Linux a GPU driver exposes a device node
+/// (`/dev/dri/renderD*`, `/dev/nvidia*`); without one `auto` does not start Vulkan at
+/// all, which keeps a CPU-only run as fast and as quiet as before (a software Vulkan
+/// driver costs start-up time and may print to stderr). Elsewhere wgpu is asked.
+#[cfg(feature = "gpu")]
+fn may_have_gpu() -> bool {
+    if !cfg!(target_os = "linux") {
+        return true;
+    }
+    let has = |dir: &str, prefix: &str| {
+        std::fs::read_dir(dir).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        })
+    };
+    has("/dev/dri", "renderD") || has("/dev", "nvidia")
+}
+
 /// The GPU `--adapter` names (with `auto` and no `--adapter`, the first hardware
 /// one: a software adapter such as llvmpipe is far slower than the CPU kernels), or
 /// `None` where `auto` falls back to the CPU.
@@ -212,6 +230,10 @@ fn gpu_backend(
         adapter: args.adapter.clone(),
     };
     if auto && opts.adapter.is_none() {
+        if !may_have_gpu() {
+            gpu_unusable(auto, "there is no GPU device node".into())?;
+            return Ok(None);
+        }
         match list_adapters().into_iter().find(|a| a.device_type != "Cpu") {
             Some(a) => opts.adapter = Some(a.index.to_string()),
             None => {
