@@ -21,11 +21,34 @@ use crate::runtime::sample::{Sampler, SamplerConfig};
 use crate::runtime::text::{TextCodec, TextError};
 use crate::verify::{self, VerifyFailure};
 
+/// Where `gturbo run` computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// The GPU when a hardware adapter exists and the model loads into its memory,
+    /// else the CPU (software adapters such as llvmpipe are not picked).
+    Auto,
+    /// The CPU kernels.
+    Cpu,
+    /// The GPU (wgpu: Metal, Vulkan, DX12); an error when there is none.
+    Gpu,
+}
+
 /// Flags of `gturbo run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The `.gturbo` directory.
-    pub dir: PathBuf,
+    #[arg(required_unless_present = "list_adapters")]
+    pub dir: Option<PathBuf>,
+    /// List the GPU adapters wgpu sees (best first, as `--adapter` numbers them) and exit.
+    #[arg(long)]
+    pub list_adapters: bool,
+    /// Where to compute.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// The GPU adapter: its number in `--list-adapters` or part of its name
+    /// (default: the first).
+    #[arg(long)]
+    pub adapter: Option<String>,
     /// Plain prompt text (no chat template).
     #[arg(long, conflicts_with_all = ["chat", "prompt_ids"])]
     pub prompt: Option<String>,
@@ -125,26 +148,91 @@ fn text_failure(e: TextError) -> Failure {
 
 /// `gturbo run`.
 pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
+    if args.list_adapters {
+        return list_adapters();
+    }
+    let Some(dir) = args.dir.clone() else {
+        return Err(Failure::usage("give the install directory"));
+    };
     let experts = if args.resident_experts {
         ExpertMode::Resident
     } else {
         ExpertMode::Slots(args.expert_cache_slots as usize)
     };
-    let install = open(&args.dir, experts)?;
+    let install = open(&dir, experts)?;
     let quality = quality_gate(&install, args.allow_unmeasured)?;
     // The one place that names a backend; everything after it is generic.
-    let cpu = Cpu::new(threads(args.threads));
+    let on_cpu = |install: Install| -> Result<(), Failure> {
+        let cpu = Cpu::new(threads(args.threads));
+        let on = OnBackend::of(&cpu);
+        if install.runner.name == FLASH_NEXT {
+            let fi = FlashInstall::new(install, args.row_cache_rows as usize)?;
+            let model = FlashModel::new(&fi, &cpu)?;
+            run_on(&args, &dir, &fi, &model, &on, &quality, |g| {
+                flash_footer(&fi, &model, g)
+            })
+        } else {
+            let model = Model::new(&install, &cpu)?;
+            run_on(&args, &dir, &install, &model, &on, &quality, |_| Vec::new())
+        }
+    };
+    let auto = match args.backend {
+        BackendChoice::Cpu => return on_cpu(install),
+        BackendChoice::Gpu => false,
+        BackendChoice::Auto => true,
+    };
     if install.runner.name == FLASH_NEXT {
-        let fi = FlashInstall::new(install, args.row_cache_rows as usize)?;
-        let model = FlashModel::new(&fi, &cpu)?;
-        run_on(&args, &fi, &model, cpu.name(), &quality, |g| {
-            flash_footer(&fi, &model, g)
-        })
-    } else {
-        let model = Model::new(&install, &cpu)?;
-        run_on(&args, &install, &model, cpu.name(), &quality, |_| {
-            Vec::new()
-        })
+        // Flash-Next's own operations (FlashOps) have a CPU implementation only.
+        gpu_unusable(
+            auto,
+            "the flash-next runner has no GPU implementation of its operations yet".into(),
+        )?;
+        return on_cpu(install);
+    }
+    #[cfg(feature = "gpu")]
+    {
+        if let Some(gpu) = gpu_backend(&args, auto)? {
+            // wgpu reports no memory size: whether the model fits is learnt by
+            // uploading it (an allocation failure surfaces at `finish`).
+            let model = Model::new(&install, &gpu)
+                .map_err(|e| e.to_string())
+                .and_then(|m| gpu.finish().map(|()| m).map_err(|e| e.to_string()));
+            match model {
+                Ok(m) => {
+                    let on = OnBackend::of(&gpu);
+                    return run_on(&args, &dir, &install, &m, &on, &quality, |_| Vec::new());
+                }
+                Err(e) => {
+                    let why = format!("the model does not load on {}: {e}", gpu.adapter().name);
+                    gpu_unusable(auto, why)?;
+                }
+            }
+        }
+        on_cpu(install)
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        gpu_unusable(
+            auto,
+            "this gturbo was built without the `gpu` feature".into(),
+        )?;
+        on_cpu(install)
+    }
+}
+
+/// What the footer says of the backend a run used: its name (with the adapter and its
+/// API for a GPU) and the device memory it holds.
+struct OnBackend {
+    name: String,
+    device_memory_bytes: Option<u64>,
+}
+
+impl OnBackend {
+    fn of<B: Backend>(backend: &B) -> OnBackend {
+        OnBackend {
+            name: backend.name().to_string(),
+            device_memory_bytes: backend.device_memory_bytes(),
+        }
     }
 }
 
@@ -265,16 +353,103 @@ fn flash_footer(fi: &FlashInstall, model: &FlashModel<'_, Cpu>, g: &Generation) 
     ]
 }
 
+/// With `--backend auto`, a log line (the CPU takes over); with `--backend gpu`, the
+/// error.
+fn gpu_unusable(auto: bool, why: String) -> Result<(), Failure> {
+    if auto {
+        tracing::info!("backend auto: the CPU, since {why}");
+        Ok(())
+    } else {
+        Err(Failure {
+            code: 2,
+            message: format!("--backend gpu: {why}"),
+        })
+    }
+}
+
+/// Whether a hardware GPU may be present. On Linux a GPU driver exposes a device node
+/// (`/dev/dri/renderD*`, `/dev/nvidia*`); without one `auto` does not start Vulkan at
+/// all, which keeps a CPU-only run as fast and as quiet as before (a software Vulkan
+/// driver costs start-up time and may print to stderr). Elsewhere wgpu is asked.
+#[cfg(feature = "gpu")]
+fn may_have_gpu() -> bool {
+    if !cfg!(target_os = "linux") {
+        return true;
+    }
+    let has = |dir: &str, prefix: &str| {
+        std::fs::read_dir(dir).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        })
+    };
+    has("/dev/dri", "renderD") || has("/dev", "nvidia")
+}
+
+/// The GPU `--adapter` names (with `auto` and no `--adapter`, the first hardware
+/// one: a software adapter such as llvmpipe is far slower than the CPU kernels), or
+/// `None` where `auto` falls back to the CPU.
+#[cfg(feature = "gpu")]
+fn gpu_backend(
+    args: &RunArgs,
+    auto: bool,
+) -> Result<Option<crate::runtime::kernels::gpu::Gpu>, Failure> {
+    use crate::runtime::kernels::gpu::{Gpu, GpuOptions, list_adapters};
+    let mut opts = GpuOptions {
+        adapter: args.adapter.clone(),
+    };
+    if auto && opts.adapter.is_none() {
+        if !may_have_gpu() {
+            gpu_unusable(auto, "there is no GPU device node".into())?;
+            return Ok(None);
+        }
+        match list_adapters().into_iter().find(|a| a.device_type != "Cpu") {
+            Some(a) => opts.adapter = Some(a.index.to_string()),
+            None => {
+                gpu_unusable(auto, "there is no hardware GPU adapter".into())?;
+                return Ok(None);
+            }
+        }
+    }
+    match Gpu::new(&opts) {
+        Ok(g) => Ok(Some(g)),
+        Err(e) => {
+            gpu_unusable(auto, e.to_string())?;
+            Ok(None)
+        }
+    }
+}
+
+/// `gturbo run --list-adapters`.
+fn list_adapters() -> Result<(), Failure> {
+    #[cfg(feature = "gpu")]
+    {
+        let all = crate::runtime::kernels::gpu::list_adapters();
+        if all.is_empty() {
+            println!("no GPU adapters (wgpu looked for Vulkan, Metal and DX12 devices)");
+        }
+        for a in all {
+            println!("{a}");
+        }
+        Ok(())
+    }
+    #[cfg(not(feature = "gpu"))]
+    Err(Failure::usage(
+        "this gturbo was built without the `gpu` feature",
+    ))
+}
+
 /// Generate with `model` (over `install`), streaming the text, then print the footer.
+#[allow(clippy::too_many_arguments)]
 fn run_on<M: LanguageModel>(
     args: &RunArgs,
+    dir: &Path,
     install: &Install,
     model: &M,
-    backend: &str,
+    backend: &OnBackend,
     quality: &QualityNote,
     extra: impl FnOnce(&Generation) -> Vec<FooterPart>,
 ) -> Result<(), Failure> {
-    let (prompt, codec) = prompt_ids(args, &args.dir)?;
+    let (prompt, codec) = prompt_ids(args, dir)?;
     let stop_ids: Vec<u32> = codec
         .as_ref()
         .map(|c| c.stop_ids().to_vec())
@@ -465,7 +640,7 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
 #[allow(clippy::too_many_arguments)]
 fn footer(
     install: &Install,
-    backend: &str,
+    backend: &OnBackend,
     g: &Generation,
     json: bool,
     prompt: &[u32],
@@ -476,11 +651,20 @@ fn footer(
     let stats = install.experts.stats();
     let rss = generate::peak_rss_bytes();
     let hit = stats.hit_rate();
+    let device = backend.device_memory_bytes;
+    let on = match device {
+        Some(b) => format!(
+            "{}, device memory {:.1} MiB",
+            backend.name,
+            b as f64 / (1 << 20) as f64
+        ),
+        None => backend.name.to_string(),
+    };
     let mut line = format!(
         "[{} via {} on {}] stop: {}; prompt {} tokens, generated {}; prefill {:.1} tok/s, decode {:.1} tok/s; peak RSS {}; expert cache {}",
         install.manifest.family,
         install.runner.name,
-        backend,
+        on,
         g.stop.label(),
         g.prompt_tokens,
         g.tokens.len(),
@@ -501,6 +685,8 @@ fn footer(
         let doc = serde_json::json!({
             "family": install.manifest.family,
             "runner": install.runner.name,
+            "backend": backend.name,
+            "device_memory_bytes": device,
             "prompt_ids": prompt,
             "tokens": g.tokens,
             "text": text,

@@ -3,6 +3,8 @@
 mod dry_run;
 mod flash_next;
 mod flash_next_run;
+#[cfg(feature = "gpu")]
+mod gpu;
 mod hostile_install;
 mod hostile_net;
 mod hub_protocol;

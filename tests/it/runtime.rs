@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use crate::support::{gturbo_bin, rewrite_as_manifest_1_0, sha256_hex, temp_dir};
 
-fn text(o: &Output) -> String {
+pub(crate) fn text(o: &Output) -> String {
     format!(
         "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
         o.status.code(),
@@ -26,7 +26,7 @@ fn text(o: &Output) -> String {
 }
 
 /// `gturbo install --family FAMILY local/x --from SNAP --out OUT`, asserting success.
-fn install(family: &str, snap: &Path, out: &Path, extra: &[&str]) {
+pub(crate) fn install(family: &str, snap: &Path, out: &Path, extra: &[&str]) {
     let o = Command::new(gturbo_bin())
         .args(["-q", "install", "--family", family, "local/x", "--from"])
         .arg(snap)
@@ -377,7 +377,7 @@ fn experts_stream_through_2_or_16_slots_with_the_tokens_of_resident_mode() {
 /// (GTURBO_SMOLLM2_SNAPSHOT overrides `target/smollm2/snapshot`), made once per test
 /// run; `None` after recording the skip when the snapshot is absent (a failure in a
 /// strict run: CI, GTURBO_REQUIRE_PY=1).
-fn smollm2(test: &str) -> Option<&'static (PathBuf, PathBuf, PathBuf)> {
+pub(crate) fn smollm2(test: &str) -> Option<&'static (PathBuf, PathBuf, PathBuf)> {
     static INSTALLS: std::sync::OnceLock<Option<(PathBuf, PathBuf, PathBuf)>> =
         std::sync::OnceLock::new();
     let snap = std::env::var_os("GTURBO_SMOLLM2_SNAPSHOT")

@@ -151,6 +151,12 @@ pub trait Backend {
     /// Short name for logs and the footer (`"cpu-avx2"`, an adapter's name).
     fn name(&self) -> &str;
 
+    /// Device memory the backend holds apart from the process's own (weights, caches,
+    /// activations on a GPU), for the footer; `None` on the CPU.
+    fn device_memory_bytes(&self) -> Option<u64> {
+        None
+    }
+
     // ---------------------------------------------------------------- data
 
     /// Make `m` computable. Called once per tensor when a runner loads.

@@ -43,6 +43,8 @@ mod backend;
 #[cfg(test)]
 mod conformance;
 mod cpu;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 mod portable;
 #[cfg(test)]
 mod tests;

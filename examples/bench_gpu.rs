@@ -1,0 +1,202 @@
+//! INT4 g64 matrix-vector bandwidth of the GPU kernels (`runtime::kernels::gpu`).
+//!
+//! For each shape it uploads enough distinct random INT4 matrices that one pass
+//! over them reads at least 256 MiB (more than any GPU's last-level cache, so the
+//! figure is memory bandwidth, not cache), records `--batch` products cycling over
+//! them, and times the wall clock from submitting the batch to the device going idle. Each run gives
+//! `weight bytes read / time`; the median of `--runs` runs is printed, with the
+//! fraction of `--peak-gbs` when given (the H200's HBM is about 4800 GB/s).
+//!
+//! ```text
+//! cargo run --release --example bench_gpu -- [--adapter NAME|INDEX] [--runs 15]
+//!     [--batch 64] [--peak-gbs 4800] [--shapes 4096x4096,8192x8192,16384x8192]
+//! ```
+
+use std::time::Instant;
+
+use gturbo::runtime::kernels::Matrix;
+use gturbo::runtime::kernels::gpu::{DType, GpuContext, GpuMatrix, GpuOptions, list_adapters};
+
+/// One pass over the matrix set reads at least this much.
+const MIN_SET_BYTES: usize = 256 << 20;
+
+struct Args {
+    adapter: Option<String>,
+    runs: usize,
+    batch: usize,
+    peak_gbs: Option<f64>,
+    shapes: Vec<(usize, usize)>,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        adapter: None,
+        runs: 15,
+        batch: 64,
+        peak_gbs: None,
+        shapes: vec![(4096, 4096), (8192, 8192), (16384, 8192)],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--adapter" => a.adapter = Some(val()?),
+            "--runs" => a.runs = val()?.parse().map_err(|e| format!("--runs: {e}"))?,
+            "--batch" => a.batch = val()?.parse().map_err(|e| format!("--batch: {e}"))?,
+            "--peak-gbs" => {
+                a.peak_gbs = Some(val()?.parse().map_err(|e| format!("--peak-gbs: {e}"))?)
+            }
+            "--shapes" => {
+                a.shapes = val()?
+                    .split(',')
+                    .map(|s| {
+                        let (r, c) = s.split_once('x').ok_or(format!("shape {s}: want RxC"))?;
+                        Ok((
+                            r.parse().map_err(|e| format!("shape {s}: {e}"))?,
+                            c.parse().map_err(|e| format!("shape {s}: {e}"))?,
+                        ))
+                    })
+                    .collect::<Result<_, String>>()?
+            }
+            "--list" => {
+                for a in list_adapters() {
+                    println!("{a}");
+                }
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    if a.runs == 0 || a.batch == 0 {
+        return Err("--runs and --batch must be positive".into());
+    }
+    Ok(a)
+}
+
+/// xorshift64: random codes, and scales/biases in a realistic small range.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn bf16_bytes(rng: &mut Rng, n: usize, scale: f32) -> Vec<u8> {
+    (0..n)
+        .flat_map(|_| {
+            let v = ((rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale;
+            ((v.to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("bench_gpu: {e}");
+            std::process::exit(2);
+        }
+    };
+    let ctx = match GpuContext::new(&GpuOptions {
+        adapter: args.adapter.clone(),
+    }) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("bench_gpu: {e}");
+            std::process::exit(1);
+        }
+    };
+    println!("adapter: {}", ctx.adapter());
+    println!(
+        "INT4 g64 matvec, median of {} runs of {} products each",
+        args.runs, args.batch
+    );
+    let mut rng = Rng(0x853c_49e6_748f_ea9b);
+    for &(rows, cols) in &args.shapes {
+        if cols % 64 != 0 {
+            eprintln!("bench_gpu: {rows}x{cols}: columns must be a multiple of 64");
+            std::process::exit(2);
+        }
+        let one = rows * cols / 2 + 2 * 2 * rows * cols / 64;
+        let copies = MIN_SET_BYTES.div_ceil(one).max(1);
+        let mut mats = Vec::with_capacity(copies);
+        for c in 0..copies {
+            let weights: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+            let scales = bf16_bytes(&mut rng, rows * cols / 64, 0.02);
+            let biases = bf16_bytes(&mut rng, rows * cols / 64, 0.2);
+            let m = Matrix::Quant {
+                bits: 4,
+                weights: &weights,
+                scales: &scales,
+                biases: &biases,
+                rows,
+                cols,
+            };
+            match GpuMatrix::upload(&ctx, &m, &format!("bench {c}")) {
+                Ok(g) => mats.push(g),
+                Err(e) => {
+                    eprintln!("bench_gpu: {rows}x{cols}: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        let x: Vec<f32> = (0..cols)
+            .map(|_| (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect();
+        let run = || -> Result<f64, String> {
+            let gx = ctx.upload_f32(&[1, cols], &x).map_err(|e| e.to_string())?;
+            let y = ctx
+                .zeros(&[1, rows], DType::F32)
+                .map_err(|e| e.to_string())?;
+            ctx.flush().map_err(|e| e.to_string())?;
+            // Recording is host work; the clock covers submit to idle.
+            for i in 0..args.batch {
+                ctx.matmul(&mats[i % mats.len()], &gx, &y)
+                    .map_err(|e| e.to_string())?;
+            }
+            let t = Instant::now();
+            ctx.flush().map_err(|e| e.to_string())?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        // One untimed run compiles the pipeline and faults the buffers in.
+        if let Err(e) = run() {
+            eprintln!("bench_gpu: {rows}x{cols}: {e}");
+            std::process::exit(1);
+        }
+        let mut gbs = Vec::with_capacity(args.runs);
+        let mut us = Vec::with_capacity(args.runs);
+        for _ in 0..args.runs {
+            match run() {
+                Ok(secs) => {
+                    let per = secs / args.batch as f64;
+                    us.push(per * 1e6);
+                    gbs.push(one as f64 / per / 1e9);
+                }
+                Err(e) => {
+                    eprintln!("bench_gpu: {rows}x{cols}: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        let g = median(gbs);
+        let frac = args
+            .peak_gbs
+            .map(|p| format!(", {:.1}% of {p} GB/s", 100.0 * g / p))
+            .unwrap_or_default();
+        println!(
+            "[{rows} x {cols}] {:.1} MiB/product over {copies} matrices: median {:.1} us, {g:.2} GB/s{frac}",
+            one as f64 / (1 << 20) as f64,
+            median(us)
+        );
+    }
+}

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU backend benchmark (issue 11), for a machine with a GPU (the figures in the README
+# were taken on an H200 through Vulkan):
+#  1. INT4 g64 matrix-vector GB/s at [4096×4096], [8192×8192], [16384×8192] against
+#     PEAK_GBS (the H200's HBM: ~4800 GB/s), from examples/bench_gpu.rs;
+#  2. prefill and decode tok/s of `gturbo run` on the GPU and on the CPU backend, for
+#     SmolLM2-135M's shapes and a 1.69 B qwen3_moe (random BF16 snapshots from
+#     examples/bench_snapshots.rs, installed at INT4; experts resident);
+#  3. the same prompts through transformers + torch `generate` in bf16 on the same GPU
+#     (scripts/bench_gpu_peer.py), when torch sees a GPU.
+#
+# Binaries: BIN (a folder with gturbo, bench_gpu, bench_snapshots built elsewhere, as
+# on a machine without a Rust toolchain), else built here in release.
+# Vulkan: when the loader is missing, the .debs in GL_DEBS (default .gl) are unpacked;
+# VK_DRIVER_FILES defaults to NVIDIA's ICD file where it exists.
+# Environment: PROMPT (128 tokens), TOKENS (64 decoded), RUNS (3), PEAK_GBS (4800),
+# WORK (target/bench-gpu), RESULTS (a file the summary is appended to).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+cd "$HERE/.."
+PROMPT="${PROMPT:-128}"
+TOKENS="${TOKENS:-64}"
+RUNS="${RUNS:-3}"
+PEAK_GBS="${PEAK_GBS:-4800}"
+WORK="${WORK:-target/bench-gpu}"
+RESULTS="${RESULTS:-/dev/null}"
+GL_DEBS="${GL_DEBS:-.gl}"
+
+if [ -z "${BIN:-}" ]; then
+  cargo build -q --release --bin gturbo --example bench_gpu --example bench_snapshots
+  BIN=target/release
+  cp target/release/examples/bench_gpu target/release/examples/bench_snapshots "$BIN/"
+fi
+if ! ldconfig -p | grep -q libvulkan.so.1 && ls "$GL_DEBS"/*.deb >/dev/null 2>&1; then
+  for f in "$GL_DEBS"/*.deb; do dpkg -x "$f" /; done
+  ldconfig
+fi
+nv_icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$nv_icd" ]; then
+  export VK_DRIVER_FILES="$nv_icd"
+fi
+G="$BIN/gturbo"
+say() { echo "$*" | tee -a "$RESULTS"; }
+
+say "## adapters"
+"$G" run --list-adapters | tee -a "$RESULTS"
+say "## CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+
+say "## INT4 g64 matvec"
+"$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 2>&1 | tee -a "$RESULTS" || true
+
+rm -rf "$WORK" && mkdir -p "$WORK"
+ids=$(seq 0 $((PROMPT - 1)) | awk '{ printf "%s%d", (NR > 1 ? "," : ""), (7 * $1 + 5) % 30000 }')
+median() { sort -g | awk '{ a[NR] = $1 } END { if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
+
+# model family snapshot-kind
+for spec in "smollm2 llama smollm2" "moe qwen3_moe moe"; do
+  read -r name family kind <<< "$spec"
+  t0=$(date +%s)
+  "$BIN/bench_snapshots" "$kind" "$WORK/$name-snap" > /dev/null
+  "$G" -q install --family "$family" "local/$name" --from "$WORK/$name-snap" --out "$WORK/$name.gturbo" > /dev/null 2>&1
+  say "## $name: $(du -sh "$WORK/$name-snap" | cut -f1) BF16 snapshot, $(du -sh "$WORK/$name.gturbo" | cut -f1) INT4 install (made in $(( $(date +%s) - t0 )) s)"
+  say "$(printf '%-34s %12s %12s %14s' engine 'prefill t/s' 'decode t/s' 'device MiB')"
+  for backend in gpu cpu; do
+    pre=() dec=() mem=""
+    for _ in $(seq "$RUNS"); do
+      if ! "$G" run "$WORK/$name.gturbo" --backend "$backend" --resident-experts --json \
+        --prompt-ids "$ids" --max-tokens "$TOKENS" > "$WORK/run.json" 2> "$WORK/footer"; then
+        say "gturbo --backend $backend failed: $(tail -3 "$WORK/footer")"
+        continue 2
+      fi
+      pre+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["prefill_tok_s"])' "$WORK/run.json")")
+      dec+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode_tok_s"])' "$WORK/run.json")")
+      mem=$(python3 -c 'import json,sys; b=json.load(open(sys.argv[1]))["device_memory_bytes"]; print("-" if b is None else round(b/2**20))' "$WORK/run.json")
+    done
+    label="gturbo --backend $backend"
+    [ "$backend" = cpu ] && label="gturbo --backend cpu ($(nproc) thr)"
+    say "$(printf '%-34s %12.1f %12.1f %14s' "$label" "$(printf '%s\n' "${pre[@]}" | median)" "$(printf '%s\n' "${dec[@]}" | median)" "$mem")"
+    say "    $(tail -1 "$WORK/footer")"
+  done
+  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    peer=$(python3 "$HERE/bench_gpu_peer.py" "$WORK/$name-snap" "$PROMPT" "$TOKENS" "$RUNS" 2> "$WORK/peer.err" | tail -1) || { tail -5 "$WORK/peer.err"; peer=""; }
+    if [ -n "$peer" ]; then
+      say "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print("%-34s %12.1f %12.1f %14s" % ("transformers bf16 generate", d["prefill_tok_s"], d["decode_tok_s"], "-")); print("    " + d["engine"] + " on " + d["device"])' "$peer")"
+    fi
+  fi
+  rm -rf "$WORK/$name-snap" "$WORK/$name.gturbo"
+done

@@ -1,0 +1,152 @@
+//! The GPU backend's kernels: wgpu with WGSL compute shaders, which run as Metal on
+//! macOS, Vulkan on Linux and DX12 on Windows from one source.
+//!
+//! # Shape of the API
+//! A [`GpuContext`] owns one adapter's device and queue, the compiled pipelines and a
+//! batch of recorded work. Weights are uploaded once into device buffers
+//! ([`GpuMatrix`], from the same [`Matrix`](super::Matrix) views the CPU backend
+//! multiplies); activations live in [`GpuTensor`]s; the KV cache
+//! ([`KvCache`]), the RoPE table ([`RopeTable`]) and the expert slot buffer
+//! ([`ExpertSlots`]) are device buffers too. Operations ([`GpuContext::matmul`],
+//! [`GpuContext::rms_norm`], [`GpuContext::attention`], …) only *record* dispatches;
+//! the batch is submitted when something is read back ([`GpuContext::download_f32`],
+//! for sampling or routing) or on [`GpuContext::flush`]. Host writes
+//! ([`GpuContext::write_f32`], [`ExpertSlots::fill`]) are recorded in the same
+//! order as the dispatches, so filling a slot between two expert products is safe.
+//!
+//! Outputs are written through `&GpuTensor` (device memory is not Rust memory); an
+//! operation refuses an output that is also one of its inputs.
+//!
+//! [`Gpu`] (`backend.rs`) is the runner's [`Backend`](super::Backend) over these: the
+//! seam's tensors are device buffers, reused between tokens; `docs/GPU.md` is the
+//! user's view (backend choice, numerics contract, what has run where).
+//!
+//! # Numerics contract
+//! - **Accumulation is f32** everywhere; there are no f16 arithmetic paths. 16-bit
+//!   data (BF16 weights, scales and biases, F16 weights) is widened to f32 on load,
+//!   exactly (BF16 by a shift, F16 by integer bit surgery, which needs no capability).
+//! - **Quantized products use the CPU path's formula**: each group of 64 adds
+//!   `s·Σ q·x + b·Σ x` (`# Arithmetic` in [`super`]). The GPU forms the partial sums
+//!   per u32 word (8 codes at INT4, 4 at INT8) and adds the words of a row in a tree of
+//!   32 lanes; the CPU adds them in its own order. So results differ from the CPU
+//!   backend by **reduction order only**, bounded like the CPU's own test bound:
+//!   `|gpu − cpu| ≤ 2e-5 · Σ (|s·q| + |b|)·|x|` per output (float matrices:
+//!   `Σ |w·x|`), plus the same for the products feeding later ops.
+//! - **Embedding rows** are `s·q + b` per element, as [`Backend::row`](super::Backend)
+//!   computes them; the GPU compiler may fuse that into one `fma`, so they agree to 1
+//!   ulp (tests hold `1e-6` relative to `|s·q| + |b|`).
+//! - **RMSNorm** is `x · (1/sqrt(mean(x²) + eps)) · w` (or `· (1 + w)`); the sum of
+//!   squares is a tree sum. Tests hold `1e-5` relative to `max |x·w|·inv`.
+//! - **RoPE** angles and their cos/sin are computed on the host, exactly as the CPU
+//!   runner computes them (`pos as f32 · inv_freq`, Rust's `sin_cos`), into a
+//!   [`RopeTable`]: WGSL's `sin`/`cos` are only specified to 2^-11 absolute inside
+//!   [-π, π]. The rotation itself may be fused into `fma`: tests hold `1e-6` relative
+//!   to the head's largest value.
+//! - **Attention** uses an online softmax (running maximum and sum over blocks of 64
+//!   keys), the CPU a two-pass one; both subtract the maximum first. Tests hold
+//!   `1e-5` relative to `max |v|`.
+//! - **Softmax, SwiGLU, the router** use the GPU's `exp`, which WGSL specifies to
+//!   `3 + 2·|x|` ulp (the CPU uses libm's), and the softmax sum is a tree sum where the
+//!   CPU adds sequentially. Tests hold a softmax output `p_i` of a `d`-wide row to
+//!   `(8 + 2·|x_i − max| + 4·√d) · 2^-23 · p_i` (router weights the same, plus the
+//!   top-k renormalisation's share), SwiGLU to `1e-5 · (|g·u| + 1e-6)`. The router
+//!   picks the same experts as the CPU path whenever the k-th and (k+1)-th
+//!   probabilities differ by more than that; exact ties go to the lower id on both.
+//! - Masked entries are written as `-3e38` or lower, not `-inf`: wgpu compiles Metal
+//!   shaders with Metal's default fast math, where infinities are not guaranteed.
+//!
+//! # Portability ("Metal honesty")
+//! The kernels use only what WebGPU guarantees on every backend: u32/f32 storage,
+//! 16 KiB of workgroup memory, 256 invocations per workgroup, `override` constants.
+//! They use neither `shader-f16` nor subgroups (a shared-memory tree sum instead), so
+//! no feature check is needed; those are the speed-ups left for later, each behind
+//! [`wgpu::Features`] with this path as the fallback. The unit tests translate every
+//! kernel variant to MSL and HLSL with naga (no GPU needed), so a kernel that cannot
+//! become Metal source fails the tests. What has run: Vulkan on Mesa llvmpipe (the
+//! parity tests). What has not: any Metal or DX12 device.
+//!
+//! # Widths and groups
+//! Bits and group size are WGSL `override` constants of one source per kernel
+//! family (`shaders/qmatvec.wgsl`, `shaders/embed.wgsl`). Any width dividing 32 (2,
+//! 4, 8) with any group that is a multiple of `32/bits` and at most 128 compiles
+//! (the shader check translates 2-bit and g32/g128 variants too); the host accepts 4
+//! and 8 bits at g64, the encodings [`Matrix`](super::Matrix) carries and the CPU
+//! backend tests. 3-, 5- and 6-bit rows are dense bit streams across words and need
+//! their own code fetch.
+
+mod backend;
+mod context;
+mod ops;
+mod shaders;
+mod tensor;
+#[cfg(test)]
+mod tests;
+
+pub use backend::{Gpu, GpuBuf, GpuExpert, GpuKv, GpuRope, GpuSlots};
+pub use context::{AdapterSummary, GpuContext, GpuOptions, list_adapters};
+pub use ops::RouterOutput;
+pub use tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
+
+use super::KernelError;
+
+/// Why a GPU operation could not run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GpuError {
+    /// wgpu found no adapter on any backend.
+    #[error(
+        "no GPU adapter found (wgpu looked for Vulkan, Metal and DX12 devices; on Linux \
+         install a Vulkan driver, e.g. Mesa's mesa-vulkan-drivers for a software device)"
+    )]
+    NoAdapter,
+    /// The adapter asked for by name or index is not there.
+    #[error("no GPU adapter matches {wanted:?}; wgpu sees: {available}")]
+    AdapterNotFound {
+        /// What was asked for.
+        wanted: String,
+        /// The adapters that exist, one `index: name (backend)` each.
+        available: String,
+    },
+    /// The adapter refused to open a device.
+    #[error("GPU adapter {adapter} could not open a device: {message}")]
+    Device {
+        /// Adapter name.
+        adapter: String,
+        /// wgpu's message.
+        message: String,
+    },
+    /// A kernel failed to compile or a dispatch failed validation.
+    #[error("GPU kernel {kernel}: {message}")]
+    Kernel {
+        /// `file:entry` of the kernel.
+        kernel: String,
+        /// wgpu's message.
+        message: String,
+    },
+    /// The device reported an error while running recorded work.
+    #[error("GPU device error: {0}")]
+    Runtime(String),
+    /// A buffer larger than the adapter allows.
+    #[error("{what} needs {bytes} bytes; the adapter allows at most {limit} per buffer")]
+    TooLarge {
+        /// What the buffer holds.
+        what: String,
+        /// Bytes needed.
+        bytes: u64,
+        /// The adapter's limit.
+        limit: u64,
+    },
+    /// Operands whose shapes do not fit the operation.
+    #[error("{op}: {message}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// What does not fit.
+        message: String,
+    },
+    /// A weight matrix whose bytes do not agree with its shape.
+    #[error(transparent)]
+    Matrix(#[from] KernelError),
+}
+
+/// Results of GPU operations.
+pub type Result<T> = std::result::Result<T, GpuError>;

@@ -1,0 +1,630 @@
+//! The operations a runner calls, each recorded as one or a few dispatches. Shapes are
+//! checked here, before anything is recorded, so a mismatch is an error and never an
+//! out-of-bounds access on the device.
+
+use std::sync::Arc;
+
+use wgpu::util::DeviceExt;
+
+use super::context::GpuContext;
+use super::shaders::{
+    AttnParams, ElementwiseParams, EmbedParams, FmatvecParams, Kernel, NormParams, QmatvecParams,
+    RopeParams, Shader, SoftmaxParams,
+};
+use super::tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
+use super::{GpuError, Result};
+
+/// Rows one matrix-vector workgroup computes (`ROWS` in the shaders).
+const MATVEC_ROWS: usize = 8;
+/// Rows × tokens of one tiled matrix-matrix workgroup (`TR`, `TN`).
+const TILE: usize = 8;
+/// Invocations per workgroup of the one-thread-per-element kernels.
+const ELEMENTWISE_WG: usize = 256;
+/// Largest head the attention kernel holds in workgroup memory (`MAX_HEAD_DIM`).
+pub(crate) const MAX_HEAD_DIM: usize = 256;
+
+/// Whether a product over `n` tokens takes the tiled kernel: one place for the
+/// choice, so tests cover both sides (n = 1 and n > 1).
+pub(crate) fn use_tiled(n: usize) -> bool {
+    n > 1
+}
+
+/// Whether the matrix-vector product of `w` takes the 16-byte-load kernel
+/// (`qmatvec4`): its codes start on a 16-byte boundary, a row is a whole number of
+/// 16-byte words, and a code word holds a multiple of 4 codes. The one place the
+/// choice is made; tests run both sides.
+pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
+    match w.encoding {
+        Encoding::Affine { bits, .. } => {
+            let per_word = (32 / bits) as usize;
+            w.w_off.is_multiple_of(4)
+                && per_word.is_multiple_of(4)
+                && (w.cols / per_word).is_multiple_of(4)
+        }
+        _ => false,
+    }
+}
+
+/// The experts a router chose: `[n, k]` ids (best first) and their weights.
+#[derive(Debug, Clone)]
+pub struct RouterOutput {
+    /// Expert ids, u32.
+    pub ids: GpuTensor,
+    /// Routing weights, f32 (renormalised when asked).
+    pub weights: GpuTensor,
+}
+
+fn shape_err(op: &'static str, message: String) -> GpuError {
+    GpuError::Shape { op, message }
+}
+
+fn u32_of(op: &'static str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| shape_err(op, format!("{v} does not fit 32 bits")))
+}
+
+fn f32_tensor(op: &'static str, name: &str, t: &GpuTensor) -> Result<()> {
+    if t.dtype() == DType::F32 {
+        Ok(())
+    } else {
+        Err(shape_err(op, format!("{name} is {:?}, not F32", t.dtype())))
+    }
+}
+
+fn distinct(op: &'static str, out: &GpuTensor, inputs: &[&GpuTensor]) -> Result<()> {
+    if inputs.iter().any(|t| t.aliases(out)) {
+        Err(shape_err(op, "the output is also an input".into()))
+    } else {
+        Ok(())
+    }
+}
+
+/// `n` such that `len == n · width`, `n ≥ 1`.
+fn rows_of(op: &'static str, name: &str, len: usize, width: usize) -> Result<usize> {
+    if width == 0 || len == 0 || !len.is_multiple_of(width) {
+        return Err(shape_err(
+            op,
+            format!("{name} has {len} elements, not a positive multiple of {width}"),
+        ));
+    }
+    Ok(len / width)
+}
+
+impl GpuContext {
+    /// `y = W·x` for each of the `n` rows of `x` (`x` is `[n, cols]`, `y` `[n,
+    /// rows]`): the matrix-vector kernel for one token, the tiled one for more.
+    pub fn matmul(&self, w: &GpuMatrix, x: &GpuTensor, y: &GpuTensor) -> Result<()> {
+        const OP: &str = "matmul";
+        f32_tensor(OP, "x", x)?;
+        f32_tensor(OP, "y", y)?;
+        distinct(OP, y, &[x])?;
+        let n = rows_of(OP, "x", x.len(), w.cols)?;
+        if y.len() != n * w.rows {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "y has {} elements; {n} rows of a {}x{} product need {}",
+                    y.len(),
+                    w.rows,
+                    w.cols,
+                    n * w.rows
+                ),
+            ));
+        }
+        self.matmul_raw(w, &x.buf, &y.buf, n)
+    }
+
+    /// [`GpuContext::matmul`] over raw buffers holding at least `n` rows (shapes
+    /// checked by the caller).
+    pub(crate) fn matmul_raw(
+        &self,
+        w: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let tiled = use_tiled(n);
+        let groups = if tiled {
+            w.rows.div_ceil(TILE) * n.div_ceil(TILE)
+        } else {
+            w.rows.div_ceil(MATVEC_ROWS) * n
+        };
+        let (rows, cols, n32) = (u32_of(OP, w.rows)?, u32_of(OP, w.cols)?, u32_of(OP, n)?);
+        match w.encoding {
+            Encoding::Affine { bits, group } => {
+                let p = QmatvecParams {
+                    rows,
+                    cols,
+                    n: n32,
+                    w_off: w.w_off,
+                    s_off: w.s_off,
+                    b_off: w.b_off,
+                    x_off: 0,
+                    y_off: 0,
+                };
+                if !tiled && qmatvec_fast_path(w) {
+                    // Codes and scales are the same buffer at two bindings (u32 and
+                    // vec4 views), as are x's.
+                    self.dispatch_at(
+                        &Kernel::qmat(bits, group, false, true),
+                        &p.bytes(),
+                        &[(1, &w.buf), (3, y), (4, &w.buf), (5, x)],
+                        groups,
+                    )
+                } else {
+                    self.dispatch(
+                        &Kernel::qmat(bits, group, tiled, false),
+                        &p.bytes(),
+                        &[&w.buf, x, y],
+                        groups,
+                    )
+                }
+            }
+            e => {
+                let p = FmatvecParams {
+                    rows,
+                    cols,
+                    n: n32,
+                    d_off: w.w_off,
+                    x_off: 0,
+                    y_off: 0,
+                };
+                self.dispatch(
+                    &Kernel::fmat(e.code(), tiled),
+                    &p.bytes(),
+                    &[&w.buf, x, y],
+                    groups,
+                )
+            }
+        }
+    }
+
+    /// RMSNorm of each `w.len()`-wide row of `x` into `out`:
+    /// `x / sqrt(mean(x²) + eps) · w`, or `· (1 + w)` when `plus_one`.
+    pub fn rms_norm(
+        &self,
+        x: &GpuTensor,
+        w: &GpuTensor,
+        eps: f32,
+        plus_one: bool,
+        out: &GpuTensor,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        for (name, t) in [("x", x), ("w", w), ("out", out)] {
+            f32_tensor(OP, name, t)?;
+        }
+        distinct(OP, out, &[x, w])?;
+        let d = w.len();
+        let n = rows_of(OP, "x", x.len(), d)?;
+        if out.len() != x.len() {
+            return Err(shape_err(
+                OP,
+                format!("out has {} elements, x {}", out.len(), x.len()),
+            ));
+        }
+        let p = NormParams {
+            n: u32_of(OP, n)?,
+            d: u32_of(OP, d)?,
+            x_off: 0,
+            out_off: 0,
+            eps,
+            add_one: u32::from(plus_one),
+        };
+        self.dispatch(
+            &Kernel::plain(Shader::Norm, "rms_norm"),
+            &p.bytes(),
+            &[&x.buf, &w.buf, &out.buf],
+            n,
+        )
+    }
+
+    /// RoPE in place on `x` `[n, heads, head_dim]` at positions `pos0..pos0 + n`:
+    /// the first `table.rot()` dims of each head rotated in the rotate-half layout.
+    pub fn rope(
+        &self,
+        table: &RopeTable,
+        x: &GpuTensor,
+        heads: usize,
+        head_dim: usize,
+        pos0: usize,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        f32_tensor(OP, "x", x)?;
+        let n = rows_of(OP, "x", x.len(), heads * head_dim)?;
+        if table.rot > head_dim {
+            return Err(shape_err(
+                OP,
+                format!("rotary width {} exceeds head width {head_dim}", table.rot),
+            ));
+        }
+        if pos0 + n > table.positions() {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "positions up to {} but the table covers {}",
+                    pos0 + n,
+                    table.positions()
+                ),
+            ));
+        }
+        let p = RopeParams {
+            n: u32_of(OP, n)?,
+            heads: u32_of(OP, heads)?,
+            head_dim: u32_of(OP, head_dim)?,
+            rot: u32_of(OP, table.rot)?,
+            pos0: u32_of(OP, pos0)?,
+            x_off: 0,
+        };
+        let threads = n * heads * table.rot / 2;
+        self.dispatch(
+            &Kernel::plain(Shader::Rope, "rope"),
+            &p.bytes(),
+            &[&x.buf, &table.table.buf],
+            threads.div_ceil(64),
+        )
+    }
+
+    /// Store the keys and values of `n` new tokens (`[n, kv_heads·head_dim]` each) at
+    /// positions `pos0..pos0 + n` of the cache.
+    pub fn kv_append(
+        &self,
+        cache: &KvCache,
+        k: &GpuTensor,
+        v: &GpuTensor,
+        pos0: usize,
+    ) -> Result<()> {
+        const OP: &str = "kv_append";
+        f32_tensor(OP, "k", k)?;
+        f32_tensor(OP, "v", v)?;
+        let kvw = cache.kv_heads * cache.head_dim;
+        let n = rows_of(OP, "k", k.len(), kvw)?;
+        if v.len() != k.len() {
+            return Err(shape_err(
+                OP,
+                format!("v has {} elements, k {}", v.len(), k.len()),
+            ));
+        }
+        if pos0 + n > cache.capacity {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "positions up to {} exceed the cache's {}",
+                    pos0 + n,
+                    cache.capacity
+                ),
+            ));
+        }
+        let (at, bytes) = ((pos0 * kvw * 4) as u64, (n * kvw * 4) as u64);
+        self.copy(&k.buf, 0, &cache.k.buf, at, bytes);
+        self.copy(&v.buf, 0, &cache.v.buf, at, bytes);
+        Ok(())
+    }
+
+    /// Causal attention of `q` `[n, heads·head_dim]` (tokens at `pos0..pos0 + n`,
+    /// already appended to `cache`) over cache rows `0..=pos0 + i`, scores scaled by
+    /// `scale` (`1/sqrt(head_dim)` for the decoder); query head `h` reads KV head
+    /// `h / (heads / kv_heads)`.
+    pub fn attention(
+        &self,
+        q: &GpuTensor,
+        cache: &KvCache,
+        heads: usize,
+        pos0: usize,
+        scale: f32,
+        out: &GpuTensor,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        f32_tensor(OP, "q", q)?;
+        f32_tensor(OP, "out", out)?;
+        distinct(OP, out, &[q, &cache.k, &cache.v])?;
+        let hd = cache.head_dim;
+        if hd == 0 || hd > MAX_HEAD_DIM {
+            return Err(shape_err(
+                OP,
+                format!("head width {hd} is not in 1..={MAX_HEAD_DIM}"),
+            ));
+        }
+        if cache.kv_heads == 0 || !heads.is_multiple_of(cache.kv_heads) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{} KV heads do not divide {heads} query heads",
+                    cache.kv_heads
+                ),
+            ));
+        }
+        let n = rows_of(OP, "q", q.len(), heads * hd)?;
+        if out.len() != q.len() || pos0 + n > cache.capacity {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "out of {} elements for q of {}, positions up to {} in a cache of {}",
+                    out.len(),
+                    q.len(),
+                    pos0 + n,
+                    cache.capacity
+                ),
+            ));
+        }
+        let p = AttnParams {
+            n: u32_of(OP, n)?,
+            heads: u32_of(OP, heads)?,
+            kv_heads: u32_of(OP, cache.kv_heads)?,
+            head_dim: u32_of(OP, hd)?,
+            pos0: u32_of(OP, pos0)?,
+            q_off: 0,
+            out_off: 0,
+            scale,
+        };
+        self.dispatch(
+            &Kernel::plain(Shader::Attn, "attention"),
+            &p.bytes(),
+            &[&q.buf, &cache.k.buf, &cache.v.buf, &out.buf],
+            n * heads,
+        )
+    }
+
+    fn elementwise(
+        &self,
+        op: &'static str,
+        entry: &'static str,
+        a: &GpuTensor,
+        b: &GpuTensor,
+    ) -> Result<()> {
+        f32_tensor(op, "a", a)?;
+        f32_tensor(op, "b", b)?;
+        distinct(op, a, &[b])?;
+        if a.len() != b.len() {
+            return Err(shape_err(
+                op,
+                format!("lengths differ: {} and {}", a.len(), b.len()),
+            ));
+        }
+        let p = ElementwiseParams {
+            n: u32_of(op, a.len())?,
+            d: 0,
+            a_off: 0,
+            b_off: 0,
+        };
+        self.dispatch(
+            &Kernel::plain(Shader::Elementwise, entry),
+            &p.bytes(),
+            &[&a.buf, &b.buf],
+            a.len().div_ceil(ELEMENTWISE_WG),
+        )
+    }
+
+    /// SwiGLU's gating in place: `gate = silu(gate) · up`.
+    pub fn swiglu(&self, gate: &GpuTensor, up: &GpuTensor) -> Result<()> {
+        self.elementwise("swiglu", "swiglu", gate, up)
+    }
+
+    /// `x += y` (residual connections).
+    pub fn add(&self, x: &GpuTensor, y: &GpuTensor) -> Result<()> {
+        self.elementwise("add", "add", x, y)
+    }
+
+    fn softmax_params(&self, op: &'static str, x: &GpuTensor, d: usize) -> Result<SoftmaxParams> {
+        f32_tensor(op, "x", x)?;
+        let n = rows_of(op, "x", x.len(), d)?;
+        Ok(SoftmaxParams {
+            n: u32_of(op, n)?,
+            d: u32_of(op, d)?,
+            off: 0,
+            k: 0,
+            renorm: 0,
+        })
+    }
+
+    /// Softmax in place over each `d`-wide row of `x`. Entries at or below `-3e38`
+    /// count as masked (they become 0); a fully masked row is left alone.
+    pub fn softmax(&self, x: &GpuTensor, d: usize) -> Result<()> {
+        let p = self.softmax_params("softmax", x, d)?;
+        self.dispatch(
+            &Kernel::plain(Shader::Softmax, "softmax"),
+            &p.bytes(),
+            &[&x.buf],
+            p.n as usize,
+        )
+    }
+
+    /// MoE routing of `logits` `[n, experts]`: softmax, the `k` most probable
+    /// experts (ties to the lower id), weights renormalised to sum 1 when `renorm`.
+    /// `logits` is overwritten (probabilities, chosen entries marked).
+    pub fn router_topk(
+        &self,
+        logits: &GpuTensor,
+        experts: usize,
+        k: usize,
+        renorm: bool,
+    ) -> Result<RouterOutput> {
+        const OP: &str = "router_topk";
+        let mut p = self.softmax_params(OP, logits, experts)?;
+        if k == 0 || k > experts {
+            return Err(shape_err(
+                OP,
+                format!("top-{k} of {experts} experts is not defined"),
+            ));
+        }
+        p.k = u32_of(OP, k)?;
+        p.renorm = u32::from(renorm);
+        let n = p.n as usize;
+        let out = RouterOutput {
+            ids: self.zeros(&[n, k], DType::U32)?,
+            weights: self.zeros(&[n, k], DType::F32)?,
+        };
+        self.dispatch(
+            &Kernel::plain(Shader::Softmax, "router_topk"),
+            &p.bytes(),
+            &[&logits.buf, &out.ids.buf, &out.weights.buf],
+            n,
+        )?;
+        Ok(out)
+    }
+
+    /// A small read-only storage buffer made from `data` (routing lists, token ids).
+    fn small_u32(&self, data: &[u32]) -> Arc<wgpu::Buffer> {
+        let mut bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        bytes.resize(bytes.len().max(16), 0);
+        Arc::new(
+            self.device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("indices"),
+                    contents: &bytes,
+                    usage: wgpu::BufferUsages::STORAGE,
+                }),
+        )
+    }
+
+    /// Embedding rows of `tokens` from `table` into `out` `[tokens.len(), cols]`
+    /// (ids are checked against the table's rows here).
+    pub fn embed(&self, table: &GpuMatrix, tokens: &[u32], out: &GpuTensor) -> Result<()> {
+        const OP: &str = "embed";
+        f32_tensor(OP, "out", out)?;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= table.rows) {
+            return Err(shape_err(
+                OP,
+                format!("token id {t} is outside the table's {} rows", table.rows),
+            ));
+        }
+        if tokens.is_empty() || out.len() != tokens.len() * table.cols {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "out has {} elements for {} tokens of width {}",
+                    out.len(),
+                    tokens.len(),
+                    table.cols
+                ),
+            ));
+        }
+        let (bits, group) = match table.encoding {
+            Encoding::Affine { bits, group } => (bits, group),
+            _ => (4, 64),
+        };
+        let p = EmbedParams {
+            n: u32_of(OP, tokens.len())?,
+            cols: u32_of(OP, table.cols)?,
+            w_off: table.w_off,
+            s_off: table.s_off,
+            b_off: table.b_off,
+            out_off: 0,
+        };
+        let ids = self.small_u32(tokens);
+        self.dispatch(
+            &Kernel::embed(table.encoding.code(), bits, group),
+            &p.bytes(),
+            &[&table.buf, &ids, &out.buf],
+            out.len().div_ceil(ELEMENTWISE_WG),
+        )
+    }
+
+    /// One routed expert over the tokens that chose it: `out[t] += weight ·
+    /// down(silu(gate x_t) · up x_t)` for each `(tokens[r], weights[r])`, with the
+    /// expert's blob in `slot` of `slots`. `x` and `out` are `[n, hidden]`; `tokens`
+    /// must be distinct rows of them.
+    pub fn expert_ffn(
+        &self,
+        slots: &ExpertSlots,
+        slot: usize,
+        x: &GpuTensor,
+        tokens: &[u32],
+        weights: &[f32],
+        out: &GpuTensor,
+    ) -> Result<()> {
+        const OP: &str = "expert_ffn";
+        f32_tensor(OP, "x", x)?;
+        f32_tensor(OP, "out", out)?;
+        distinct(OP, out, &[x])?;
+        let h = slots.hidden;
+        let n = rows_of(OP, "x", x.len(), h)?;
+        let m = tokens.len();
+        let mut seen = vec![false; n];
+        for &t in tokens {
+            let t = t as usize;
+            if t >= n || std::mem::replace(&mut seen[t], true) {
+                return Err(shape_err(
+                    OP,
+                    format!("token rows {tokens:?} are not distinct rows below {n}"),
+                ));
+            }
+        }
+        if m == 0 || weights.len() != m || out.len() != x.len() {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{m} tokens with {} weights; out of {} for x of {}",
+                    weights.len(),
+                    out.len(),
+                    x.len()
+                ),
+            ));
+        }
+        let mats = slots.matrices(slot)?;
+        let scratch = slots.scratch(self, m)?;
+        self.expert_ffn_with(&mats, &scratch, x, tokens, weights, out)
+    }
+
+    /// [`GpuContext::expert_ffn`] over the matrices of one expert, with `scratch` for
+    /// at least `tokens.len()` rows (operands checked by the caller).
+    pub(crate) fn expert_ffn_with(
+        &self,
+        mats: &[GpuMatrix; 3],
+        scratch: &Scratch,
+        x: &GpuTensor,
+        tokens: &[u32],
+        weights: &[f32],
+        out: &GpuTensor,
+    ) -> Result<()> {
+        const OP: &str = "expert_ffn";
+        let [gate, up, down] = mats;
+        let (h, inter) = (gate.cols, gate.rows);
+        let m = tokens.len();
+        let rows = self.small_u32(tokens);
+        let wts = self.small_u32(&weights.iter().map(|w| w.to_bits()).collect::<Vec<_>>());
+        let move_params = ElementwiseParams {
+            n: u32_of(OP, m)?,
+            d: u32_of(OP, h)?,
+            a_off: 0,
+            b_off: 0,
+        };
+        let groups = (m * h).div_ceil(ELEMENTWISE_WG);
+        self.dispatch(
+            &Kernel::plain(Shader::Elementwise, "gather_rows"),
+            &move_params.bytes(),
+            &[&scratch.xs, &x.buf, &rows],
+            groups,
+        )?;
+        self.matmul_raw(gate, &scratch.xs, &scratch.g, m)?;
+        self.matmul_raw(up, &scratch.xs, &scratch.u, m)?;
+        let glu = ElementwiseParams {
+            n: u32_of(OP, m * inter)?,
+            d: 0,
+            a_off: 0,
+            b_off: 0,
+        };
+        self.dispatch(
+            &Kernel::plain(Shader::Elementwise, "swiglu"),
+            &glu.bytes(),
+            &[&scratch.g, &scratch.u],
+            (m * inter).div_ceil(ELEMENTWISE_WG),
+        )?;
+        self.matmul_raw(down, &scratch.g, &scratch.d, m)?;
+        self.dispatch(
+            &Kernel::plain(Shader::Elementwise, "scatter_add"),
+            &move_params.bytes(),
+            &[&out.buf, &scratch.d, &rows, &wts],
+            groups,
+        )
+    }
+}
+
+/// Device scratch for [`GpuContext::expert_ffn`] over up to `tokens` rows.
+#[derive(Debug, Clone)]
+pub(crate) struct Scratch {
+    pub(crate) tokens: usize,
+    pub(crate) xs: Arc<wgpu::Buffer>,
+    pub(crate) g: Arc<wgpu::Buffer>,
+    pub(crate) u: Arc<wgpu::Buffer>,
+    pub(crate) d: Arc<wgpu::Buffer>,
+}

@@ -1,0 +1,262 @@
+//! The WGSL sources, their parameter blocks and the kernel variants the host builds.
+//!
+//! Each shader file declares one `struct Params` of 4-byte scalars, bound as the
+//! uniform at `@group(0) @binding(0)`. Its host twin is declared once here with
+//! [`params!`], which records the field names; the shader check in `tests.rs` reads
+//! the WGSL struct with naga and fails unless names, order and offsets agree.
+
+/// One WGSL source file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Shader {
+    Qmatvec,
+    Fmatvec,
+    Norm,
+    Rope,
+    Attn,
+    Softmax,
+    Elementwise,
+    Embed,
+}
+
+impl Shader {
+    #[cfg(test)]
+    pub(crate) const ALL: [Shader; 8] = [
+        Shader::Qmatvec,
+        Shader::Fmatvec,
+        Shader::Norm,
+        Shader::Rope,
+        Shader::Attn,
+        Shader::Softmax,
+        Shader::Elementwise,
+        Shader::Embed,
+    ];
+
+    pub(crate) fn file(self) -> &'static str {
+        match self {
+            Shader::Qmatvec => "qmatvec.wgsl",
+            Shader::Fmatvec => "fmatvec.wgsl",
+            Shader::Norm => "norm.wgsl",
+            Shader::Rope => "rope.wgsl",
+            Shader::Attn => "attn.wgsl",
+            Shader::Softmax => "softmax.wgsl",
+            Shader::Elementwise => "elementwise.wgsl",
+            Shader::Embed => "embed.wgsl",
+        }
+    }
+
+    pub(crate) fn source(self) -> &'static str {
+        match self {
+            Shader::Qmatvec => include_str!("shaders/qmatvec.wgsl"),
+            Shader::Fmatvec => include_str!("shaders/fmatvec.wgsl"),
+            Shader::Norm => include_str!("shaders/norm.wgsl"),
+            Shader::Rope => include_str!("shaders/rope.wgsl"),
+            Shader::Attn => include_str!("shaders/attn.wgsl"),
+            Shader::Softmax => include_str!("shaders/softmax.wgsl"),
+            Shader::Elementwise => include_str!("shaders/elementwise.wgsl"),
+            Shader::Embed => include_str!("shaders/embed.wgsl"),
+        }
+    }
+
+    /// The field names of the shader's `Params`, in order.
+    #[cfg(test)]
+    pub(crate) fn params_fields(self) -> &'static [&'static str] {
+        match self {
+            Shader::Qmatvec => QmatvecParams::FIELDS,
+            Shader::Fmatvec => FmatvecParams::FIELDS,
+            Shader::Norm => NormParams::FIELDS,
+            Shader::Rope => RopeParams::FIELDS,
+            Shader::Attn => AttnParams::FIELDS,
+            Shader::Softmax => SoftmaxParams::FIELDS,
+            Shader::Elementwise => ElementwiseParams::FIELDS,
+            Shader::Embed => EmbedParams::FIELDS,
+        }
+    }
+}
+
+/// One pipeline: a shader's entry point with its `override` constants.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Kernel {
+    pub(crate) shader: Shader,
+    pub(crate) entry: &'static str,
+    pub(crate) constants: Vec<(&'static str, f64)>,
+}
+
+/// The key a compiled pipeline is cached under.
+pub(crate) type KernelKey = (Shader, &'static str, Vec<(&'static str, u64)>);
+
+impl Kernel {
+    fn new(shader: Shader, entry: &'static str) -> Kernel {
+        Kernel {
+            shader,
+            entry,
+            constants: Vec::new(),
+        }
+    }
+
+    fn with(mut self, name: &'static str, v: u32) -> Kernel {
+        self.constants.push((name, f64::from(v)));
+        self
+    }
+
+    pub(crate) fn key(&self) -> KernelKey {
+        (
+            self.shader,
+            self.entry,
+            self.constants
+                .iter()
+                .map(|&(n, v)| (n, v.to_bits()))
+                .collect(),
+        )
+    }
+
+    /// `file:entry[NAME=v,…]`, for errors.
+    pub(crate) fn label(&self) -> String {
+        let mut s = format!("{}:{}", self.shader.file(), self.entry);
+        if !self.constants.is_empty() {
+            let c: Vec<String> = self
+                .constants
+                .iter()
+                .map(|(n, v)| format!("{n}={v}"))
+                .collect();
+            s.push_str(&format!("[{}]", c.join(",")));
+        }
+        s
+    }
+
+    /// Quantized matrix-vector product (`vec4`: the 16-byte-load variant), or the
+    /// tiled matrix-matrix product when `tiled`.
+    pub(crate) fn qmat(bits: u32, group: u32, tiled: bool, vec4: bool) -> Kernel {
+        let entry = match (tiled, vec4) {
+            (true, _) => "qmatmul",
+            (false, true) => "qmatvec4",
+            (false, false) => "qmatvec",
+        };
+        Kernel::new(Shader::Qmatvec, entry)
+            .with("BITS", bits)
+            .with("GROUP", group)
+    }
+
+    /// Float matrix product; `dtype` 0 f32, 1 BF16, 2 F16.
+    pub(crate) fn fmat(dtype: u32, tiled: bool) -> Kernel {
+        let entry = if tiled { "fmatmul" } else { "fmatvec" };
+        Kernel::new(Shader::Fmatvec, entry).with("DTYPE", dtype)
+    }
+
+    /// Embedding gather; `encoding` 0 f32, 1 BF16, 2 F16, 3 affine.
+    pub(crate) fn embed(encoding: u32, bits: u32, group: u32) -> Kernel {
+        Kernel::new(Shader::Embed, "embed")
+            .with("ENCODING", encoding)
+            .with("BITS", bits)
+            .with("GROUP", group)
+    }
+
+    pub(crate) fn plain(shader: Shader, entry: &'static str) -> Kernel {
+        Kernel::new(shader, entry)
+    }
+
+    /// Every variant the shader check translates: what the host builds, plus the
+    /// widths and groups the sources are written for but the host does not yet accept.
+    #[cfg(test)]
+    pub(crate) fn all_variants() -> Vec<Kernel> {
+        let mut v = Vec::new();
+        for bits in [2, 4, 8] {
+            for group in [32, 64, 128] {
+                v.push(Kernel::qmat(bits, group, false, false));
+                v.push(Kernel::qmat(bits, group, false, true));
+                v.push(Kernel::qmat(bits, group, true, false));
+                v.push(Kernel::embed(3, bits, group));
+            }
+        }
+        for dtype in 0..3 {
+            v.push(Kernel::fmat(dtype, false));
+            v.push(Kernel::fmat(dtype, true));
+            v.push(Kernel::embed(dtype, 4, 64));
+        }
+        v.push(Kernel::plain(Shader::Norm, "rms_norm"));
+        v.push(Kernel::plain(Shader::Rope, "rope"));
+        v.push(Kernel::plain(Shader::Attn, "attention"));
+        v.push(Kernel::plain(Shader::Softmax, "softmax"));
+        v.push(Kernel::plain(Shader::Softmax, "router_topk"));
+        for e in ["swiglu", "add", "gather_rows", "scatter_add"] {
+            v.push(Kernel::plain(Shader::Elementwise, e));
+        }
+        v
+    }
+}
+
+/// A value of a `Params` field: every field is one 4-byte word.
+pub(crate) trait Word {
+    fn word(self) -> u32;
+}
+
+impl Word for u32 {
+    fn word(self) -> u32 {
+        self
+    }
+}
+
+impl Word for f32 {
+    fn word(self) -> u32 {
+        self.to_bits()
+    }
+}
+
+/// Bytes reserved per dispatch for its parameters: the largest uniform-offset
+/// alignment WebGPU allows an adapter to require.
+pub(crate) const PARAMS_SLOT: usize = 256;
+
+/// Declare a shader's parameter block: the struct, its field names in order, and
+/// its bytes (one little-endian word per field).
+macro_rules! params {
+    ($(#[$m:meta])* $name:ident { $($field:ident : $ty:ty),* $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, Default)]
+        pub(crate) struct $name {
+            $(pub(crate) $field: $ty),*
+        }
+
+        impl $name {
+            #[cfg(test)]
+            pub(crate) const FIELDS: &'static [&'static str] = &[$(stringify!($field)),*];
+
+            pub(crate) fn bytes(&self) -> Vec<u8> {
+                let words: &[u32] = &[$(Word::word(self.$field)),*];
+                words.iter().flat_map(|w| w.to_le_bytes()).collect()
+            }
+        }
+    };
+}
+
+params! {
+    /// `qmatvec.wgsl`: offsets are words (`w_off`), half-words (`s_off`, `b_off`) and
+    /// f32 elements (`x_off`, `y_off`).
+    QmatvecParams { rows: u32, cols: u32, n: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32 }
+}
+params! {
+    /// `fmatvec.wgsl`: `d_off` counts matrix elements.
+    FmatvecParams { rows: u32, cols: u32, n: u32, d_off: u32, x_off: u32, y_off: u32 }
+}
+params! {
+    /// `norm.wgsl`.
+    NormParams { n: u32, d: u32, x_off: u32, out_off: u32, eps: f32, add_one: u32 }
+}
+params! {
+    /// `rope.wgsl`.
+    RopeParams { n: u32, heads: u32, head_dim: u32, rot: u32, pos0: u32, x_off: u32 }
+}
+params! {
+    /// `attn.wgsl`.
+    AttnParams { n: u32, heads: u32, kv_heads: u32, head_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32 }
+}
+params! {
+    /// `softmax.wgsl`.
+    SoftmaxParams { n: u32, d: u32, off: u32, k: u32, renorm: u32 }
+}
+params! {
+    /// `elementwise.wgsl`.
+    ElementwiseParams { n: u32, d: u32, a_off: u32, b_off: u32 }
+}
+params! {
+    /// `embed.wgsl`.
+    EmbedParams { n: u32, cols: u32, w_off: u32, s_off: u32, b_off: u32, out_off: u32 }
+}

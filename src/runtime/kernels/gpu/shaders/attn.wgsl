@@ -1,0 +1,112 @@
+// Causal grouped-query attention over a GPU-side KV cache. Token i of the n new tokens
+// sits at position pos0 + i and attends to cache rows 0..=pos0 + i; query head h reads
+// KV head h / (heads / kv_heads). One workgroup per (token, head) walks the keys in
+// blocks of WG with an online softmax (running max and sum, f32), so any context
+// length fits in workgroup memory. Scores are q·k · scale.
+
+struct Params {
+    n: u32,
+    heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    pos0: u32,
+    q_off: u32,
+    out_off: u32,
+    scale: f32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+// `[capacity, kv_heads·head_dim]` each.
+@group(0) @binding(2) var<storage, read> kc: array<f32>;
+@group(0) @binding(3) var<storage, read> vc: array<f32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+const WG: u32 = 64u;
+const MAX_HEAD_DIM: u32 = 256u;
+const PER_LANE: u32 = 4u; // MAX_HEAD_DIM / WG
+// A finite stand-in for -inf: Metal may compile with fast math, where infinities are
+// not guaranteed to compare or propagate.
+const NEG_BIG: f32 = -3.0e38;
+
+var<workgroup> qs: array<f32, 256>;
+var<workgroup> pr: array<f32, 64>;
+var<workgroup> red: array<f32, 64>;
+
+fn reduce_max(li: u32, v: f32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s) { red[li] = max(red[li], red[li + s]); }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn reduce_sum(li: u32, v: f32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s) { red[li] += red[li + s]; }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+@compute @workgroup_size(64)
+fn attention(@builtin(workgroup_id) wid: vec3<u32>,
+             @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) li: u32) {
+    let lin = wid.x + wid.y * nwg.x;
+    if (lin >= p.n * p.heads) { return; }
+    let tok = lin / p.heads;
+    let h = lin % p.heads;
+    let kvh = h / (p.heads / p.kv_heads);
+    let hd = p.head_dim;
+    let kvw = p.kv_heads * hd;
+    let qbase = p.q_off + (tok * p.heads + h) * hd;
+    for (var d = li; d < hd; d += WG) { qs[d] = q[qbase + d]; }
+    workgroupBarrier();
+    let upto = p.pos0 + tok + 1u;
+    var m = NEG_BIG;
+    var l = 0.0;
+    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+    for (var j0 = 0u; j0 < upto; j0 += WG) {
+        let j = j0 + li;
+        var sc = NEG_BIG;
+        if (j < upto) {
+            let kb = j * kvw + kvh * hd;
+            var dotv = 0.0;
+            for (var d = 0u; d < hd; d++) { dotv += qs[d] * kc[kb + d]; }
+            sc = dotv * p.scale;
+        }
+        let m_new = max(m, reduce_max(li, sc));
+        let corr = exp(m - m_new);
+        let pj = select(0.0, exp(sc - m_new), j < upto);
+        pr[li] = pj;
+        l = l * corr + reduce_sum(li, pj);
+        let cnt = min(WG, upto - j0);
+        for (var t = 0u; t < PER_LANE; t++) {
+            let d = li + t * WG;
+            if (d < hd) {
+                var a = acc[t] * corr;
+                for (var jj = 0u; jj < cnt; jj++) {
+                    a += pr[jj] * vc[(j0 + jj) * kvw + kvh * hd + d];
+                }
+                acc[t] = a;
+            }
+        }
+        m = m_new;
+        workgroupBarrier();
+    }
+    let obase = p.out_off + (tok * p.heads + h) * hd;
+    let inv = 1.0 / l;
+    for (var t = 0u; t < PER_LANE; t++) {
+        let d = li + t * WG;
+        if (d < hd) { out[obase + d] = acc[t] * inv; }
+    }
+}
