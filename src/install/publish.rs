@@ -249,14 +249,31 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
             required_axes: plan.arch.required_axes.clone(),
         },
         plan_fingerprint: fingerprint.to_string(),
-        quantized_at_install: QuantizedAtInstall {
-            scheme,
-            bits,
-            group_size: 64,
-            overrides,
-            parity_gate: "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)"
-                .into(),
-            quality_gate: None,
+        quantized_at_install: match &plan.source_quant {
+            // A pre-quantized source: nothing was quantized here; the record is the
+            // source's own block, every module's bytes copied unchanged.
+            Some(q) => QuantizedAtInstall {
+                scheme: q.scheme,
+                bits: q.scheme.bits().unwrap_or(0),
+                group_size: q.scheme.group().unwrap_or(0),
+                overrides: q.modules.clone(),
+                parity_gate: format!(
+                    "pre-quantized source ({}): packed weights, scales and biases copied \
+                     unchanged",
+                    q.format
+                ),
+                quality_gate: None,
+            },
+            None => QuantizedAtInstall {
+                scheme,
+                bits,
+                group_size: 64,
+                overrides,
+                parity_gate:
+                    "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)"
+                        .into(),
+                quality_gate: None,
+            },
         },
         files,
         resident: ManifestResident {

@@ -119,6 +119,7 @@ impl Fixture {
         match self.kind {
             "quant" => Matrix::Quant {
                 bits: self.bits,
+                group: 64,
                 weights: data,
                 scales: self.parts[1].get(),
                 biases: self.parts[2].get(),
@@ -281,6 +282,7 @@ fn check_refuses_shapes_the_bytes_do_not_hold() {
     let b = [0u8; 64];
     let quant = |bits, w: &'static [u8], rows, cols| Matrix::Quant {
         bits,
+        group: 64,
         weights: w,
         scales: &[0; 4],
         biases: &[0; 4],
@@ -290,16 +292,19 @@ fn check_refuses_shapes_the_bytes_do_not_hold() {
     static W64: [u8; 64] = [0; 64];
     assert_eq!(quant(4, &W64[..64], 2, 64).check(), Ok(()));
     assert_eq!(
-        quant(3, &W64, 2, 64).check(),
-        Err(KernelError::Bits { bits: 3 })
+        quant(7, &W64, 2, 64).check(),
+        Err(KernelError::Bits { bits: 7, group: 64 })
     );
     assert_eq!(
         quant(4, &W64, 2, 96).check(),
-        Err(KernelError::Cols { cols: 96 })
+        Err(KernelError::Cols {
+            cols: 96,
+            group: 64
+        })
     );
     assert_eq!(
         quant(4, &W64, 0, 0).check(),
-        Err(KernelError::Cols { cols: 0 })
+        Err(KernelError::Cols { cols: 0, group: 64 })
     );
     let err = quant(8, &W64, 2, 64).check().unwrap_err();
     assert_eq!(
