@@ -420,3 +420,167 @@ pub(super) fn sources(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::header::TensorHeader;
+    use serde_json::json;
+
+    /// One shard holding `tensors` (name, dtype, shape), packed back to back.
+    fn shard(tensors: &[(&str, Dtype, &[u64])]) -> Vec<ShardHeader> {
+        let mut at = 0u64;
+        let tensors = tensors
+            .iter()
+            .map(|&(name, dtype, shape)| {
+                let len = shape.iter().product::<u64>() * dtype.size();
+                let t = TensorHeader {
+                    name: name.into(),
+                    dtype,
+                    shape: shape.to_vec(),
+                    data: at..at + len,
+                };
+                at += len;
+                t
+            })
+            .collect();
+        vec![ShardHeader {
+            shard: "model.safetensors".into(),
+            file_size: 8 + 64 + at,
+            header_len: 64,
+            tensors,
+            metadata: BTreeMap::new(),
+        }]
+    }
+
+    fn module(words: u64, groups: u64) -> Vec<ShardHeader> {
+        shard(&[
+            ("m.q.weight", Dtype::U32, &[8, words]),
+            ("m.q.scales", Dtype::BF16, &[8, groups]),
+            ("m.q.biases", Dtype::BF16, &[8, groups]),
+            ("m.norm.weight", Dtype::BF16, &[64]),
+        ])
+    }
+
+    fn err(config: serde_json::Value, headers: &[ShardHeader]) -> String {
+        let q = match read_quant(&config) {
+            Ok(q) => q,
+            Err(e) => return e.to_string(),
+        };
+        sources(headers, q.as_ref()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_module_is_one_logical_matrix_at_its_width() {
+        let cfg = json!({"quantization": {"bits": 4, "group_size": 64, "mode": "affine",
+            "m.q": {"bits": 8, "group_size": 32}}});
+        let q = read_quant(&cfg).unwrap().unwrap();
+        // 128 columns at 8 bits: 32 words; groups of 32: 4 scales per row.
+        let s = sources(&module(32, 4), Some(&q)).unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            (s[0].name.as_str(), s[0].dtype),
+            ("m.q.weight", Dtype::BF16)
+        );
+        assert_eq!(s[0].shape, vec![8, 128]);
+        let p = s[0].packed.as_ref().unwrap();
+        assert_eq!(p.affine, Affine::new(8, 32).unwrap());
+        assert_eq!(
+            p.parts.each_ref().map(|p| p.name.as_str()),
+            ["m.q.weight", "m.q.scales", "m.q.biases"]
+        );
+        assert!(s[1].packed.is_none());
+        assert_eq!(
+            q.record().modules,
+            vec![(
+                "m.q".to_string(),
+                Scheme::Affine(Affine::new(8, 32).unwrap())
+            )]
+        );
+        // mlx-lm 0.32's mixed predicates write a null group: MLX's affine default, 64.
+        let cfg = json!({"quantization": {"bits": 4, "group_size": 128,
+            "m.q": {"bits": 6, "group_size": null, "mode": "affine"}}});
+        let q = read_quant(&cfg).unwrap().unwrap();
+        let s = sources(&module(24, 2), Some(&q)).unwrap();
+        assert_eq!(
+            s[0].packed.as_ref().unwrap().affine,
+            Affine::new(6, 64).unwrap()
+        );
+        // No block: not pre-quantized.
+        assert_eq!(read_quant(&json!({"model_type": "llama"})).unwrap(), None);
+    }
+
+    #[test]
+    fn hostile_blocks_name_the_file_and_the_key() {
+        let ok = module(8, 1);
+        assert_eq!(
+            err(json!({"quantization": {"bits": 7, "group_size": 64}}), &ok),
+            "config.json: field `quantization.bits`: 7 is not a width MLX writes (one of [2, 3, 4, 5, 6, 8])"
+        );
+        assert_eq!(
+            err(json!({"quantization": {"bits": 4, "group_size": 48}}), &ok),
+            "config.json: field `quantization.group_size`: 48 is not a group size MLX writes (one of [32, 64, 128])"
+        );
+        assert_eq!(
+            err(
+                json!({"quantization": {"bits": 4, "group_size": 64, "m.q": {"bits": 7, "group_size": 64}}}),
+                &ok
+            ),
+            "config.json: field `quantization.m.q.bits`: 7 is not a width MLX writes (one of [2, 3, 4, 5, 6, 8])"
+        );
+        assert!(
+            err(json!({"quantization": {"bits": 4, "group_size": 32, "mode": "mxfp4"}}), &ok)
+                .starts_with("config.json: field `quantization.mode`: \"mxfp4\"; gturbo installs MLX's `affine` mode only")
+        );
+        assert_eq!(
+            err(json!({"quantization": {"group_size": 64}}), &ok),
+            "config.json: field `quantization.bits`: missing"
+        );
+        // The block says 4 bits g64: 8 words are 64 columns, but there are 2 groups.
+        let e = err(
+            json!({"quantization": {"bits": 4, "group_size": 64}}),
+            &module(8, 2),
+        );
+        assert!(e.starts_with("model.safetensors: tensor `m.q.scales`: field `shape`: 2 groups of 64 per row, but `m.q.weight` packs 64 columns at 4 bits: config.json `quantization.bits/group_size` (int4_g64) disagrees with the tensors' shapes"), "{e}");
+        // A per-module entry is named as the key.
+        let e = err(
+            json!({"quantization": {"bits": 4, "group_size": 64, "m.q": {"bits": 8, "group_size": 64}}}),
+            &ok,
+        );
+        assert!(
+            e.contains("config.json `quantization.m.q` (int8_g64) disagrees"),
+            "{e}"
+        );
+        // 1 word per row is 32 bits: not a whole number of 3-bit codes.
+        let e = err(
+            json!({"quantization": {"bits": 3, "group_size": 32}}),
+            &module(1, 1),
+        );
+        assert_eq!(
+            e,
+            "model.safetensors: tensor `m.q.weight`: field `shape`: 1 u32 words per row are 32 bits, not a whole number of 3-bit codes (config.json `quantization.bits/group_size`): the packed width is inconsistent with the bits"
+        );
+        // Packed weights that are not U32, scales without biases.
+        let h = shard(&[
+            ("m.q.weight", Dtype::BF16, &[8, 8]),
+            ("m.q.scales", Dtype::BF16, &[8, 1]),
+            ("m.q.biases", Dtype::BF16, &[8, 1]),
+        ]);
+        let e = err(json!({"quantization": {"bits": 4, "group_size": 64}}), &h);
+        assert!(e.contains("tensor `m.q.weight`: field `dtype`: BF16; a quantized module's packed weights are U32"), "{e}");
+        let h = shard(&[
+            ("m.q.weight", Dtype::U32, &[8, 8]),
+            ("m.q.scales", Dtype::BF16, &[8, 1]),
+        ]);
+        let e = err(json!({"quantization": {"bits": 4, "group_size": 64}}), &h);
+        assert!(
+            e.contains("tensor `m.q.scales`: field `name`: a quantized module has"),
+            "{e}"
+        );
+        let e = err(
+            json!({"quantization": {"bits": 4, "group_size": 64, "m.q": false}}),
+            &ok,
+        );
+        assert!(e.contains("`quantization.m.q` is false"), "{e}");
+    }
+}
