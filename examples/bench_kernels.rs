@@ -83,6 +83,7 @@ impl Owned {
         } else {
             Matrix::Quant {
                 bits: self.bits,
+                group: 64,
                 weights: &self.parts[0],
                 scales: &self.parts[1],
                 biases: &self.parts[2],

@@ -120,7 +120,7 @@ impl DryRunReport {
                     experts: pool.experts,
                     blob_bytes: pool.blob_bytes,
                     stride: pool.stride,
-                    scheme: pool.scheme.label().into(),
+                    scheme: pool.scheme.label(),
                     bytes: pool.file_bytes,
                 }),
             }
@@ -136,7 +136,7 @@ impl DryRunReport {
                 width: r.width,
                 row_bytes: r.row_bytes,
                 rows_per_block: r.rows_per_block,
-                scheme: r.scheme.label().into(),
+                scheme: r.scheme.label(),
                 bytes: r.file_bytes,
             })
             .collect();
@@ -299,11 +299,15 @@ impl DryRunReport {
             c.excluded.tensors,
             bytes(c.excluded.bytes)
         );
+        let others = c.other.iter().map(|(l, r)| (l.as_str(), r));
         for (label, row) in [
             ("int4_g64", &c.int4),
             ("int8_g64", &c.int8),
             ("passthrough", &c.passthrough),
-        ] {
+        ]
+        .into_iter()
+        .chain(others)
+        {
             let _ = writeln!(
                 s,
                 "  census {label:<12} {:>6} tensors {:>20} params -> {}",

@@ -91,6 +91,10 @@ pub enum Role {
     ExpertsFused,
     /// One routed expert's projection (needs `{layer}`, `{expert}` and `{part}`).
     Expert,
+    /// One projection of every routed expert of a layer, stacked as MLX stores them:
+    /// `gate_proj`/`up_proj [E, I, H]`, `down_proj [E, H, I]` (needs `{layer}` and
+    /// `{part}`).
+    ExpertsStacked,
     /// One shard of a row-lookup table `[rows, width]` (needs `{layer}`; `{shard}` optional).
     Rows,
     /// Not installed (e.g. a vision tower); counted in the plan.
@@ -360,7 +364,7 @@ impl Family {
             let field = format!("tensors[{i}].match");
             let p = Pattern::compile(&rule.pattern).map_err(|e| invalid(&field, e))?;
             let needs: &[&str] = match rule.role {
-                Role::ExpertsFused => &["{layer}", "{part:"],
+                Role::ExpertsFused | Role::ExpertsStacked => &["{layer}", "{part:"],
                 Role::Expert => &["{layer}", "{expert}", "{part:"],
                 Role::Rows => &["{layer}"],
                 Role::Resident | Role::Excluded => &[],
@@ -444,6 +448,19 @@ impl Family {
         &self.file.id
     }
 
+    /// The first rule matching `name`, else the first matching its normalised form
+    /// ([`normalise_prefix`]), with the name the tensor is installed under.
+    pub fn classify_normalised<'n>(
+        &self,
+        name: &'n str,
+    ) -> Option<(RuleMatch<'_>, std::borrow::Cow<'n, str>)> {
+        if let Some(m) = self.classify(name) {
+            return Some((m, name.into()));
+        }
+        let alt = normalise_prefix(name)?;
+        self.classify(&alt).map(|m| (m, alt.into()))
+    }
+
     /// The first rule matching `name`.
     pub fn classify(&self, name: &str) -> Option<RuleMatch<'_>> {
         self.rules.iter().enumerate().find_map(|(index, p)| {
@@ -472,6 +489,22 @@ impl Family {
             .iter()
             .any(|s| name.contains(s.as_str()))
     }
+}
+
+/// The text model's name for a tensor a multimodal wrapper prefixes:
+/// `language_model.model.X` and `model.language_model.X` are `model.X`, and
+/// `language_model.lm_head.weight` is `lm_head.weight` (mlx-lm and transformers write
+/// both forms). `None` when `name` has neither prefix. Families name the text model's
+/// tensors; a rule for a prefixed name (Flash-Next's) matches before this is tried.
+pub fn normalise_prefix(name: &str) -> Option<String> {
+    for prefix in ["language_model.model.", "model.language_model."] {
+        if let Some(rest) = name.strip_prefix(prefix) {
+            return Some(format!("model.{rest}"));
+        }
+    }
+    name.strip_prefix("language_model.")
+        .filter(|rest| rest.starts_with("lm_head."))
+        .map(str::to_string)
 }
 
 /// Ids of the embedded families.

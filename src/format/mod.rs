@@ -107,16 +107,25 @@ pub fn align_up(n: u64, align: u64) -> Option<u64> {
     }
 }
 
-/// How one slot's bytes are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+/// How one slot's bytes are stored: MLX affine quantization at one of the widths and
+/// groups MLX writes ([`Affine`]), or the source bytes unchanged.
+///
+/// Written as its label: `int{bits}_g{group}` (`int4_g64`, `int3_g128`) or
+/// `passthrough`; a reader refuses any other name, naming the accepted ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Scheme {
-    /// Affine INT4, group 64, MLX layout (U32 words, BF16 scales and biases).
-    Int4G64,
-    /// Affine INT8, group 64, MLX layout.
-    Int8G64,
+    /// Affine quantization in MLX's layout (U32 words, BF16 scales and biases).
+    Affine(Affine),
     /// Source bytes unchanged, at the source dtype.
     Passthrough,
+}
+
+#[allow(non_upper_case_globals)]
+impl Scheme {
+    /// Affine INT4, group 64: the family default.
+    pub const Int4G64: Scheme = Scheme::Affine(Affine::INT4_G64);
+    /// Affine INT8, group 64: the routers' default.
+    pub const Int8G64: Scheme = Scheme::Affine(Affine::INT8_G64);
 }
 
 impl Scheme {
@@ -124,17 +133,14 @@ impl Scheme {
     /// follows from it (see [`sizes`]).
     pub const fn affine(self) -> Option<Affine> {
         match self {
-            Scheme::Int4G64 => Affine::new(4, 64),
-            Scheme::Int8G64 => Affine::new(8, 64),
+            Scheme::Affine(a) => Some(a),
             Scheme::Passthrough => None,
         }
     }
 
-    /// The scheme that stores `affine`, if an install may hold it today.
+    /// The scheme that stores `affine` (every layout [`Affine`] admits).
     pub fn from_affine(affine: Affine) -> Option<Scheme> {
-        [Scheme::Int4G64, Scheme::Int8G64]
-            .into_iter()
-            .find(|s| s.affine() == Some(affine))
+        Some(Scheme::Affine(affine))
     }
 
     /// Bits per quantized element, `None` for passthrough.
@@ -147,13 +153,54 @@ impl Scheme {
         self.affine().map(Affine::group)
     }
 
-    /// Short label for humans.
-    pub fn label(self) -> &'static str {
+    /// The name it is written under: `int4_g64`, `int3_g128`, `passthrough`.
+    pub fn label(self) -> String {
         match self {
-            Scheme::Int4G64 => "int4_g64",
-            Scheme::Int8G64 => "int8_g64",
-            Scheme::Passthrough => "passthrough",
+            Scheme::Affine(a) => a.label(),
+            Scheme::Passthrough => "passthrough".into(),
         }
+    }
+
+    /// The scheme named `name` ([`Scheme::label`]'s inverse); the error lists what
+    /// is accepted.
+    pub fn parse(name: &str) -> Result<Scheme, String> {
+        if name == "passthrough" {
+            return Ok(Scheme::Passthrough);
+        }
+        let affine = name
+            .strip_prefix("int")
+            .and_then(|r| r.split_once("_g"))
+            .and_then(|(b, g)| Some((b.parse::<u32>().ok()?, g.parse::<u32>().ok()?)))
+            .filter(|(b, g)| name == format!("int{b}_g{g}"));
+        match affine {
+            Some((b, g)) => Affine::new(b, g).map(Scheme::Affine).ok_or_else(|| {
+                format!(
+                    "scheme `{name}`: {b} bits in groups of {g} is not a layout MLX writes \
+                     (bits {:?}, groups {:?})",
+                    Affine::BITS,
+                    Affine::GROUPS
+                )
+            }),
+            None => Err(format!(
+                "unknown scheme `{name}`; expected `passthrough` or `int{{bits}}_g{{group}}` \
+                 with bits {:?} and group {:?}",
+                Affine::BITS,
+                Affine::GROUPS
+            )),
+        }
+    }
+}
+
+impl Serialize for Scheme {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.label())
+    }
+}
+
+impl<'de> Deserialize<'de> for Scheme {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Scheme, D::Error> {
+        let name = std::borrow::Cow::<'de, str>::deserialize(d)?;
+        Scheme::parse(&name).map_err(serde::de::Error::custom)
     }
 }
 

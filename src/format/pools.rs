@@ -37,6 +37,10 @@ pub struct BlobPart {
     pub scales: u64,
     /// Bias bytes (0 for passthrough); biases follow the scales.
     pub biases: u64,
+    /// This part's scheme when it differs from the pool's (a mixed-precision source
+    /// keeps, say, a 6-bit `down` next to 3-bit `gate` and `up`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheme: Option<Scheme>,
 }
 
 /// One expert pool file: expert `e` at `e * stride`.
@@ -51,7 +55,7 @@ pub struct ExpertPool {
     pub sidecar: Option<String>,
     /// Experts in the pool.
     pub experts: u64,
-    /// Scheme of every projection.
+    /// Scheme of every projection whose part names none of its own.
     pub scheme: Scheme,
     /// Source dtype.
     pub dtype: Dtype,
@@ -120,6 +124,11 @@ impl BlobPart {
 }
 
 impl ExpertPool {
+    /// The scheme `part` is stored at: its own, else the pool's.
+    pub fn part_scheme(&self, part: &BlobPart) -> Scheme {
+        part.scheme.unwrap_or(self.scheme)
+    }
+
     /// Whether the pool's numbers agree with each other and with the format: parts
     /// gate, up, down contiguous from 0 with the sizes their shape and scheme give,
     /// `blob_bytes` their sum, `stride` the blob rounded up to [`PAGE`], `file_bytes`
@@ -143,8 +152,8 @@ impl ExpertPool {
         let mut cursor = 0u64;
         for (i, p) in self.parts.iter().enumerate() {
             let at = |f: &str| format!("parts[{i}].{f}");
-            let expected = self
-                .scheme
+            let scheme = self.part_scheme(p);
+            let expected = scheme
                 .sizes(p.rows, p.cols, self.dtype.size())
                 .map(|q| (q.weights, q.scales, q.biases));
             match expected {
@@ -154,8 +163,8 @@ impl ExpertPool {
                         "shape [{}, {}] has no {} layout ({}sizes must fit 64 bits)",
                         p.rows,
                         p.cols,
-                        self.scheme.label(),
-                        self.scheme.group().map_or(String::new(), |g| format!(
+                        scheme.label(),
+                        scheme.group().map_or(String::new(), |g| format!(
                             "columns must be a positive multiple of {g} for quantized parts, "
                         ))
                     ),
@@ -173,7 +182,7 @@ impl ExpertPool {
                                     "{got} bytes; shape [{}, {}] at {} gives {want}",
                                     p.rows,
                                     p.cols,
-                                    self.scheme.label()
+                                    scheme.label()
                                 ),
                             ));
                         }
@@ -370,6 +379,7 @@ mod tests {
             weights: 16384,
             scales: 1024,
             biases: 1024,
+            scheme: None,
         };
         ExpertPool {
             file: "packed_experts/layer_00.bin".into(),

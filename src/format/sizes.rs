@@ -20,9 +20,8 @@
 //! # What is accepted where
 //! [`Affine`] admits every width and group MLX writes ([`Affine::BITS`] ×
 //! [`Affine::GROUPS`]), and its arithmetic is checked: a hostile shape gives `None`,
-//! never an overflow. Which of them an install may hold today is the [`Scheme`]
-//! enum's business (INT4 and INT8, group 64): the readers refuse any other scheme name,
-//! and the quantizer and the kernels check their own supported widths.
+//! never an overflow. An install may hold every one of them ([`Scheme::Affine`]); the
+//! readers refuse any other scheme name.
 
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +51,11 @@ pub struct QuantSizes {
 }
 
 impl Affine {
+    /// INT4 in groups of 64.
+    pub const INT4_G64: Affine = Affine { bits: 4, group: 64 };
+    /// INT8 in groups of 64.
+    pub const INT8_G64: Affine = Affine { bits: 8, group: 64 };
+
     /// The code widths MLX's affine `quantize` writes.
     pub const BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
     /// The group sizes MLX's affine `quantize` writes.
@@ -323,7 +327,35 @@ mod tests {
             assert_eq!(s.affine().unwrap().label(), s.label());
             assert_eq!(Scheme::from_affine(s.affine().unwrap()), Some(s));
         }
-        assert_eq!(Scheme::from_affine(a(3, 128)), None);
+        assert_eq!(
+            Scheme::from_affine(a(3, 128)),
+            Some(Scheme::Affine(a(3, 128)))
+        );
+        for bits in Affine::BITS {
+            for group in Affine::GROUPS {
+                let s = Scheme::Affine(a(bits, group));
+                assert_eq!(Scheme::parse(&s.label()), Ok(s));
+                let json = serde_json::to_string(&s).unwrap();
+                assert_eq!(json, format!("\"int{bits}_g{group}\""));
+                assert_eq!(serde_json::from_str::<Scheme>(&json).unwrap(), s);
+            }
+        }
+        assert_eq!(Scheme::parse("passthrough"), Ok(Scheme::Passthrough));
+        for bad in [
+            "int7_g64",
+            "int4_g48",
+            "int04_g64",
+            "int4g64",
+            "int4_g64x",
+            "bf16",
+        ] {
+            assert!(Scheme::parse(bad).is_err(), "{bad}");
+        }
+        assert!(
+            Scheme::parse("int7_g64")
+                .unwrap_err()
+                .contains("not a layout MLX writes")
+        );
     }
 
     #[test]

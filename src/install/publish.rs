@@ -331,17 +331,36 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
             required_axes: plan.arch.required_axes.clone(),
         },
         plan_fingerprint: fingerprint.to_string(),
-        quantized_at_install: QuantizedAtInstall {
-            scheme,
-            bits,
-            group_size: 64,
-            overrides,
-            parity_gate: "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)"
-                .into(),
-            // FORMAT.md "quality.json": the family's requirement travels with the
-            // install (a passthrough install is its own reference and needs none).
-            quality_gate: (prepared.run_requires_recorded_quality && scheme != Scheme::Passthrough)
-                .then(|| serde_json::json!({ "required_for_run": true })),
+        quantized_at_install: match &plan.source_quant {
+            // A pre-quantized source: nothing was quantized here; the record is the
+            // source's own block, every module's bytes copied unchanged.
+            Some(q) => QuantizedAtInstall {
+                scheme: q.scheme,
+                bits: q.scheme.bits().unwrap_or(0),
+                group_size: q.scheme.group().unwrap_or(0),
+                overrides: q.modules.clone(),
+                parity_gate: format!(
+                    "pre-quantized source ({}): packed weights, scales and biases copied \
+                     unchanged",
+                    q.format
+                ),
+                quality_gate: (prepared.run_requires_recorded_quality
+                    && q.scheme != Scheme::Passthrough)
+                    .then(|| serde_json::json!({ "required_for_run": true })),
+            },
+            None => QuantizedAtInstall {
+                scheme,
+                bits,
+                group_size: 64,
+                overrides,
+                parity_gate:
+                    "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)"
+                        .into(),
+                // FORMAT.md "quality.json": the family's requirement travels with the
+                // install (a passthrough install is its own reference and needs none).
+                quality_gate: (prepared.run_requires_recorded_quality && scheme != Scheme::Passthrough)
+                    .then(|| serde_json::json!({ "required_for_run": true })),
+            },
         },
         files,
         resident: ManifestResident {

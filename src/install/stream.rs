@@ -22,7 +22,7 @@ use crate::plan::{Plan, RangeRead};
 use futures_util::StreamExt;
 
 use crate::source::{RangeSource, SourceError};
-use crate::transform::quant::{self, Bits};
+use crate::transform::quant::{self, Spec};
 
 use super::execute::{ExecuteOptions, InstallReporter};
 use super::journal::Journal;
@@ -149,6 +149,12 @@ impl<'a> ReadWriter<'a> {
         let n = self.tile_rows;
         let (ow, os, ob) = p.out_row;
         match p.scheme {
+            // A pre-quantized part: its bytes are its stream's, unchanged.
+            _ if p.stream.is_some() => {
+                let k = p.stream.unwrap_or(0);
+                self.out[k].clear();
+                self.out[k].extend_from_slice(&self.tile);
+            }
             Scheme::Passthrough => {
                 if let Some(i) = crate::transform::first_non_finite(&self.tile, t.dtype) {
                     let per_row = p.src_row_bytes / t.dtype.size();
@@ -161,18 +167,14 @@ impl<'a> ReadWriter<'a> {
                 self.out[0].clear();
                 self.out[0].extend_from_slice(&self.tile);
             }
-            scheme => {
-                let bits = if scheme == Scheme::Int4G64 {
-                    Bits::Four
-                } else {
-                    Bits::Eight
-                };
+            Scheme::Affine(affine) => {
+                let spec = Spec::from_affine(affine);
                 for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
                     buf.clear();
                     buf.resize((per * n) as usize, 0);
                 }
                 let [w, s, b] = &mut self.out;
-                quant::quantize_rows_le_bytes(&self.tile, p.cols as usize, bits, w, s, b).map_err(
+                quant::quantize_rows_le_bytes(&self.tile, p.cols as usize, spec, w, s, b).map_err(
                     |e| match e {
                         quant::QuantError::NonFinite { index } => InstallError::NonFinite {
                             shard: self.plan.shards[t.shard].path.clone(),
@@ -187,7 +189,7 @@ impl<'a> ReadWriter<'a> {
                 )?;
             }
         }
-        for stream in 0..3 {
+        for stream in (0..3).filter(|&k| p.writes(k)) {
             let per = [ow, os, ob][stream];
             for (file, off, len, first) in runs(p, self.tile_row0, self.tile_row0 + n, stream) {
                 let at = ((first - self.tile_row0) * per) as usize;
@@ -240,7 +242,13 @@ pub(super) fn digest_on_disk(
         };
         for stream in 0..3 {
             let mut h = Sha256::new();
-            for (file, off, len, _) in runs(p, seg.row0, seg.row1, stream) {
+            // A stream the tensor does not write hashes as empty, as the writer's does.
+            let runs = if p.writes(stream) {
+                runs(p, seg.row0, seg.row1, stream)
+            } else {
+                Vec::new()
+            };
+            for (file, off, len, _) in runs {
                 buf.resize(len as usize, 0);
                 files[file]
                     .read_exact_at(&mut buf, off)

@@ -13,6 +13,7 @@ use crate::format::Scheme;
 use crate::format::pools::ExpertPart;
 use crate::header::{Dtype, ShardHeader};
 
+use super::mlx::{Packed, Source};
 use super::{PlanError, PlanOptions, QuantMode};
 
 /// An expert pool: the sidecar it belongs to (`None` for the main model) and its layer.
@@ -41,6 +42,9 @@ pub(super) struct Draft {
     pub layer: Option<u64>,
     /// The sidecar its rule belongs to, if any.
     pub sidecar: Option<String>,
+    /// The module's source parts, for a pre-quantized tensor (its bytes are copied,
+    /// never quantized again).
+    pub packed: Option<Packed>,
 }
 
 /// Which stage places a tensor.
@@ -74,37 +78,45 @@ pub(super) enum DraftRole {
     },
 }
 
-/// Classify every tensor of `headers`, in (shard, offset) order.
+/// Classify every source tensor (see [`super::mlx::sources`]), in (shard, offset)
+/// order. `prequantized` says the source is an MLX quantized checkpoint: its
+/// quantized modules keep their own widths and everything else stays at its dtype.
 pub(super) fn classify(
     family: &Family,
     options: &PlanOptions,
     headers: &[ShardHeader],
+    sources: Vec<Source>,
+    prequantized: bool,
 ) -> Result<Vec<Draft>, PlanError> {
-    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     let mut drafts = Vec::new();
-    for (si, h) in headers.iter().enumerate() {
-        for t in &h.tensors {
-            if let Some(&prev) = seen.get(t.name.as_str()) {
+    for t in sources {
+        let (si, h) = (t.shard, &headers[t.shard]);
+        {
+            let (m, name) =
+                family
+                    .classify_normalised(&t.name)
+                    .ok_or_else(|| PlanError::Unmatched {
+                        shard: h.shard.clone(),
+                        tensor: t.name.clone(),
+                        family_file: family.origin.clone(),
+                    })?;
+            let name = name.into_owned();
+            // Two source names (one prefixed) for one installed name are duplicates too.
+            if let Some(&prev) = seen.get(&name) {
                 return Err(PlanError::Duplicate {
-                    tensor: t.name.clone(),
+                    tensor: name,
                     first: headers[prev].shard.clone(),
                     second: h.shard.clone(),
                 });
             }
-            seen.insert(&t.name, si);
+            seen.insert(name.clone(), si);
             let tensor_err = |field: &str, detail: String| PlanError::Tensor {
                 shard: h.shard.clone(),
                 tensor: t.name.clone(),
                 field: field.to_string(),
                 detail,
             };
-            let m = family
-                .classify(&t.name)
-                .ok_or_else(|| PlanError::Unmatched {
-                    shard: h.shard.clone(),
-                    tensor: t.name.clone(),
-                    family_file: family.origin.clone(),
-                })?;
             let skipped = m
                 .rule
                 .sidecar
@@ -124,10 +136,17 @@ pub(super) fn classify(
                             .unwrap_or_else(|| "excluded by the family".into()),
                     },
                     Role::Resident => DraftRole::Resident {
-                        scheme: resident_scheme(family, options, &t.name, t.dtype, &t.shape),
+                        scheme: match &t.packed {
+                            Some(p) => Scheme::Affine(p.affine),
+                            None if prequantized => Scheme::Passthrough,
+                            None => resident_scheme(family, options, &name, t.dtype, &t.shape),
+                        },
                     },
-                    Role::ExpertsFused | Role::Expert => {
+                    Role::ExpertsFused | Role::Expert | Role::ExpertsStacked => {
                         let part = match (m.rule.role, m.captures.part.as_deref()) {
+                            (Role::ExpertsStacked, Some("gate_proj")) => ExpertPart::Gate,
+                            (Role::ExpertsStacked, Some("up_proj")) => ExpertPart::Up,
+                            (Role::ExpertsStacked, Some("down_proj")) => ExpertPart::Down,
                             (Role::ExpertsFused, Some("gate_up_proj")) => ExpertPart::GateUp,
                             (Role::ExpertsFused, Some("down_proj")) => ExpertPart::Down,
                             (Role::Expert, Some("gate_proj")) => ExpertPart::Gate,
@@ -142,11 +161,7 @@ pub(super) fn classify(
                                 ));
                             }
                         };
-                        let want_dims = if m.rule.role == Role::ExpertsFused {
-                            3
-                        } else {
-                            2
-                        };
+                        let want_dims = if m.rule.role == Role::Expert { 2 } else { 3 };
                         if t.shape.len() != want_dims || t.shape.contains(&0) {
                             return Err(tensor_err(
                                 "shape",
@@ -163,6 +178,14 @@ pub(super) fn classify(
                         }
                     }
                     Role::Rows => {
+                        if t.packed.is_some() {
+                            return Err(tensor_err(
+                                "dtype",
+                                "a row table is installed from unquantized rows; this one is \
+                                 pre-quantized"
+                                    .into(),
+                            ));
+                        }
                         if t.shape.len() != 2 || t.shape[1] == 0 {
                             return Err(tensor_err(
                                 "shape",
@@ -184,14 +207,15 @@ pub(super) fn classify(
                 }
             };
             drafts.push(Draft {
-                name: t.name.clone(),
+                name,
                 shard: si,
                 dtype: t.dtype,
-                shape: t.shape.clone(),
-                src: [h.data_start() + t.data.start, h.data_start() + t.data.end],
+                shape: t.shape,
+                src: t.src,
                 role,
                 layer: m.captures.layer,
                 sidecar: m.rule.sidecar.clone(),
+                packed: t.packed,
             });
         }
     }

@@ -146,6 +146,7 @@ mod tests {
             shape: vec![(end - start) / 8, 4],
             src: [start, end],
             scheme: Scheme::Passthrough,
+            packed: None,
             dest: if excluded {
                 Dest::Excluded { why: "x".into() }
             } else {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use crate::family::Family;
 use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
-use crate::format::{PAGE, align_up};
+use crate::format::{PAGE, Scheme, align_up};
 use crate::header::Dtype;
 
 use super::classify::{Draft, DraftRole, PoolKey};
@@ -24,6 +24,7 @@ type Member = (usize, ExpertPart, Option<u64>);
 pub(super) fn place(
     family: &Family,
     options: &PlanOptions,
+    prequantized: bool,
     drafts: &[Draft],
 ) -> Result<(Vec<ExpertPool>, Placed), PlanError> {
     let mut groups: BTreeMap<PoolKey, Vec<Member>> = BTreeMap::new();
@@ -38,8 +39,15 @@ pub(super) fn place(
     let mut pools = Vec::new();
     let mut placed = Placed::new();
     for (key, members) in groups {
-        let (pool, members_placed) =
-            place_pool(family, options, drafts, key, &members, pools.len())?;
+        let (pool, members_placed) = place_pool(
+            family,
+            options,
+            prequantized,
+            drafts,
+            key,
+            &members,
+            pools.len(),
+        )?;
         pools.push(pool);
         placed.extend(members_placed);
     }
@@ -50,6 +58,7 @@ pub(super) fn place(
 fn place_pool(
     family: &Family,
     options: &PlanOptions,
+    prequantized: bool,
     tensors: &[Draft],
     (sidecar, layer): PoolKey,
     members: &[Member],
@@ -80,8 +89,21 @@ fn place_pool(
     } else {
         unfused_shape(tensors, members, pi).map_err(pool_err)?
     };
-    let scheme = pool_scheme(family, options, dtype, &[shape.hidden, shape.inter]);
-    let (parts, blob_bytes) = blob_parts(&shape, dtype, scheme)
+    let schemes = match part_schemes(tensors, members).map_err(pool_err)? {
+        Some(s) => s,
+        None => {
+            let s = pool_scheme(
+                family,
+                options,
+                prequantized,
+                dtype,
+                &[shape.hidden, shape.inter],
+            );
+            [s; 3]
+        }
+    };
+    let scheme = schemes[0];
+    let (parts, blob_bytes) = blob_parts(&shape, dtype, schemes)
         .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
     let stride =
         align_up(blob_bytes, PAGE).ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
@@ -91,7 +113,15 @@ fn place_pool(
         .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
     let placed = dests
         .into_iter()
-        .map(|(ti, dest)| (ti, scheme, dest))
+        .map(|(ti, dest)| {
+            let s = match &dest {
+                Dest::ExpertsFused { part, .. } | Dest::Expert { part, .. } => {
+                    schemes[part_index(*part)]
+                }
+                _ => scheme,
+            };
+            (ti, s, dest)
+        })
         .collect();
     let pool = ExpertPool {
         file,
@@ -106,6 +136,54 @@ fn place_pool(
         file_bytes,
     };
     Ok((pool, placed))
+}
+
+/// Index of a part's scheme in blob order (a fused gate_up is at the gate's).
+fn part_index(part: ExpertPart) -> usize {
+    match part {
+        ExpertPart::Gate | ExpertPart::GateUp => 0,
+        ExpertPart::Up => 1,
+        ExpertPart::Down => 2,
+    }
+}
+
+/// The gate, up and down schemes of a pool of pre-quantized members (each part keeps
+/// its source's width and group, an unquantized one stays at its dtype); `None` when
+/// no member is pre-quantized. One part at two layouts is refused.
+fn part_schemes(tensors: &[Draft], members: &[Member]) -> Result<Option<[Scheme; 3]>, String> {
+    if members.iter().all(|m| tensors[m.0].packed.is_none()) {
+        return Ok(None);
+    }
+    let mut schemes: [Option<(Scheme, &str)>; 3] = [None; 3];
+    for &(ti, part, _) in members {
+        let t = &tensors[ti];
+        // mlx-lm leaves a projection whose rows are not whole groups unquantized.
+        let s = t
+            .packed
+            .as_ref()
+            .map_or(Scheme::Passthrough, |p| Scheme::Affine(p.affine));
+        let idx: &[usize] = if part == ExpertPart::GateUp {
+            &[0, 1]
+        } else {
+            &[part_index(part)]
+        };
+        for &i in idx {
+            match schemes[i] {
+                Some((prev, other)) if prev != s => {
+                    return Err(format!(
+                        "`{}` is {} but `{other}` of the same projection is {}",
+                        t.name,
+                        s.label(),
+                        prev.label()
+                    ));
+                }
+                _ => schemes[i] = Some((s, &t.name)),
+            }
+        }
+    }
+    Ok(Some(
+        schemes.map(|s| s.map_or(Scheme::Passthrough, |s| s.0)),
+    ))
 }
 
 /// A pool's axes: experts `E`, intermediate `I`, hidden `H`.
@@ -129,6 +207,9 @@ fn fused_shape(
             .collect::<Vec<_>>()
     };
     let (gu, dn) = (find(ExpertPart::GateUp), find(ExpertPart::Down));
+    if gu.is_empty() {
+        return stacked_shape(tensors, members, pi);
+    }
     if gu.len() != 1 || dn.len() != 1 || members.len() != 2 {
         return Err(format!(
             "needs exactly one fused gate_up_proj and one down_proj tensor, found {} and {}",
@@ -160,6 +241,57 @@ fn fused_shape(
         vec![
             (gu[0], dest(ExpertPart::GateUp)),
             (dn[0], dest(ExpertPart::Down)),
+        ],
+    ))
+}
+
+/// The axes of a stacked pool (MLX's `switch_mlp`: one `gate_proj` and one `up_proj`
+/// `[E, I, H]`, one `down_proj [E, H, I]`) and its three tensors' destinations.
+fn stacked_shape(
+    tensors: &[Draft],
+    members: &[Member],
+    pi: usize,
+) -> Result<(PoolShape, Vec<(usize, Dest)>), String> {
+    let mut by_part: BTreeMap<ExpertPart, usize> = BTreeMap::new();
+    for &(ti, part, _) in members {
+        if by_part.insert(part, ti).is_some() {
+            return Err(format!(
+                "two stacked `{part:?}` tensors, the second `{}`",
+                tensors[ti].name
+            ));
+        }
+    }
+    let get = |p: ExpertPart, what: &str| {
+        by_part.get(&p).copied().ok_or_else(|| {
+            format!("needs stacked gate_proj, up_proj and down_proj; {what} is missing")
+        })
+    };
+    let (g, u, d) = (
+        get(ExpertPart::Gate, "gate_proj")?,
+        get(ExpertPart::Up, "up_proj")?,
+        get(ExpertPart::Down, "down_proj")?,
+    );
+    let gs = &tensors[g].shape;
+    let (experts, inter, hidden) = (gs[0], gs[1], gs[2]);
+    for (ti, want) in [(u, [experts, inter, hidden]), (d, [experts, hidden, inter])] {
+        if tensors[ti].shape[..] != want {
+            return Err(format!(
+                "`{}` shape {:?} does not match `{}` {:?} (expected {want:?})",
+                tensors[ti].name, tensors[ti].shape, tensors[g].name, gs
+            ));
+        }
+    }
+    let dest = |part| Dest::ExpertsFused { pool: pi, part };
+    Ok((
+        PoolShape {
+            experts,
+            inter,
+            hidden,
+        },
+        vec![
+            (g, dest(ExpertPart::Gate)),
+            (u, dest(ExpertPart::Up)),
+            (d, dest(ExpertPart::Down)),
         ],
     ))
 }
@@ -242,20 +374,25 @@ fn unfused_shape(
     ))
 }
 
-/// The blob's parts (gate, up, down, contiguous) and its unpadded length.
+/// The blob's parts (gate, up, down, contiguous, at `schemes` in that order; a part
+/// records its scheme only where it differs from the gate's, the pool's) and its
+/// unpadded length.
 fn blob_parts(
     shape: &PoolShape,
     dtype: Dtype,
-    scheme: crate::format::Scheme,
+    schemes: [Scheme; 3],
 ) -> Option<(Vec<BlobPart>, u64)> {
     let (inter, hidden) = (shape.inter, shape.hidden);
     let mut parts = Vec::new();
     let mut offset = 0u64;
-    for (part, r, c) in [
+    for ((part, r, c), scheme) in [
         (ExpertPart::Gate, inter, hidden),
         (ExpertPart::Up, inter, hidden),
         (ExpertPart::Down, hidden, inter),
-    ] {
+    ]
+    .into_iter()
+    .zip(schemes)
+    {
         let (w, s, b) = scheme
             .sizes(r, c, dtype.size())
             .map(|q| (q.weights, q.scales, q.biases))?;
@@ -267,8 +404,9 @@ fn blob_parts(
             weights: w,
             scales: s,
             biases: b,
+            scheme: (scheme != schemes[0]).then_some(scheme),
         });
-        offset += w + s + b;
+        offset = offset.checked_add(w.checked_add(s)?.checked_add(b)?)?;
     }
     Some((parts, offset))
 }

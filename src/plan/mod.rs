@@ -25,6 +25,7 @@ use crate::header::{Dtype, ShardHeader};
 mod classify;
 pub mod coalesce;
 mod experts;
+pub mod mlx;
 pub mod placement;
 mod rows;
 
@@ -174,6 +175,19 @@ pub struct PlannedTensor {
     pub scheme: Scheme,
     /// Destination.
     pub dest: Dest,
+    /// For one of the three tensors of a pre-quantized module: which stream of the
+    /// stored matrix its bytes are copied into, unchanged. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packed: Option<PackedPart>,
+}
+
+/// Which part of a stored quantized matrix a pre-quantized source tensor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PackedPart {
+    /// 0 weights, 1 scales, 2 biases.
+    pub stream: u8,
+    /// Columns of the logical matrix (`in`).
+    pub cols: u64,
 }
 
 /// A file copied verbatim.
@@ -231,6 +245,10 @@ pub struct Census {
     pub int8: CensusRow,
     /// Source dtype kept.
     pub passthrough: CensusRow,
+    /// Every other width and group (pre-quantized sources), by scheme label
+    /// (`int3_g128`); absent from the plan's JSON when empty.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub other: BTreeMap<String, CensusRow>,
     /// Not installed (bytes are source bytes).
     pub excluded: CensusRow,
 }
@@ -269,6 +287,10 @@ pub struct Plan {
     pub outputs: Outputs,
     /// Census.
     pub census: Census,
+    /// How a pre-quantized source was quantized (its `config.json` block); absent for
+    /// a source gturbo quantizes itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_quant: Option<mlx::SourceQuant>,
 }
 
 /// Why a plan cannot be made. Each names the tensor, file or field.
@@ -490,9 +512,17 @@ fn elems(shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
 }
 
-/// Scheme for matrices that are always eligible (experts, row tables).
-fn pool_scheme(family: &Family, options: &PlanOptions, dtype: Dtype, cols: &[u64]) -> Scheme {
-    if options.quant == QuantMode::Bf16
+/// Scheme for matrices that are always eligible (experts, row tables) of a source
+/// gturbo quantizes itself; a pre-quantized source's other matrices stay as they are.
+fn pool_scheme(
+    family: &Family,
+    options: &PlanOptions,
+    prequantized: bool,
+    dtype: Dtype,
+    cols: &[u64],
+) -> Scheme {
+    if prequantized
+        || options.quant == QuantMode::Bf16
         || dtype != Dtype::BF16
         || cols.iter().any(|c| *c == 0 || c % 64 != 0)
     {
@@ -511,11 +541,24 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     let (family, options) = (input.family, input.options);
     let (arch, fields) = read_arch(family, input.config)?;
     let shards = planned_shards(input);
-    let drafts = classify::classify(family, options, input.headers)?;
+    let quant = mlx::read_quant(input.config)?;
+    if quant.is_some() && options.quant == QuantMode::Bf16 {
+        return Err(PlanError::Config {
+            field: quant
+                .as_ref()
+                .map_or("quantization".into(), |q| q.key.clone()),
+            detail: "the source is pre-quantized (MLX); it is installed with its own widths, \
+                     not at --quant bf16 (quantizing twice loses quality)"
+                .into(),
+        });
+    }
+    let sources = mlx::sources(input.headers, quant.as_ref())?;
+    let pre = quant.is_some();
+    let drafts = classify::classify(family, options, input.headers, sources, pre)?;
     let (resident, resident_placed) = place_resident(&drafts)?;
-    let (expert_pools, experts_placed) = experts::place(family, options, &drafts)?;
+    let (expert_pools, experts_placed) = experts::place(family, options, pre, &drafts)?;
     check_axes_against_tensors(&arch, &fields, &drafts, &expert_pools)?;
-    let (row_pools, rows_placed) = rows::place(family, options, &drafts)?;
+    let (row_pools, rows_placed) = rows::place(family, options, pre, &drafts)?;
     let tensors = assemble(drafts, [resident_placed, experts_placed, rows_placed]);
     let outputs = Outputs {
         resident,
@@ -536,6 +579,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         reads,
         outputs,
         census,
+        source_quant: quant.map(|q| q.record()),
     })
 }
 
@@ -603,15 +647,14 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
     for (ti, scheme, dest) in stages.into_iter().flatten() {
         placed[ti] = Some((scheme, dest));
     }
-    drafts
-        .into_iter()
-        .zip(placed)
-        .map(|(d, p)| {
-            let (scheme, dest) = p.expect(
-                "each stage places every draft of its role or fails: the resident stage takes \
-                 all, a pool stage refuses a pool with a member it has no slot for",
-            );
-            PlannedTensor {
+    let mut out = Vec::with_capacity(drafts.len());
+    for (d, p) in drafts.into_iter().zip(placed) {
+        let (scheme, dest) = p.expect(
+            "each stage places every draft of its role or fails: the resident stage takes \
+             all, a pool stage refuses a pool with a member it has no slot for",
+        );
+        let Some(packed) = d.packed else {
+            out.push(PlannedTensor {
                 name: d.name,
                 shard: d.shard,
                 dtype: d.dtype,
@@ -619,9 +662,42 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 src: d.src,
                 scheme,
                 dest,
-            }
-        })
-        .collect()
+                packed: None,
+            });
+            continue;
+        };
+        // A pre-quantized module is three source tensors, each copied into its
+        // stream of the one stored matrix.
+        let cols = d.shape.last().copied().unwrap_or(0);
+        let stem = d
+            .name
+            .strip_suffix(".weight")
+            .unwrap_or(&d.name)
+            .to_string();
+        for (stream, (part, suffix)) in packed
+            .parts
+            .into_iter()
+            .zip(["weight", "scales", "biases"])
+            .enumerate()
+        {
+            out.push(PlannedTensor {
+                name: format!("{stem}.{suffix}"),
+                shard: part.shard,
+                dtype: part.dtype,
+                shape: part.shape,
+                src: part.src,
+                scheme,
+                dest: dest.clone(),
+                packed: Some(PackedPart {
+                    stream: stream as u8,
+                    cols,
+                }),
+            });
+        }
+    }
+    // Reads and segments go in (shard, offset) order.
+    out.sort_by_key(|t| (t.shard, t.src[0]));
+    out
 }
 
 /// The *copied files* stage: the tokenizer and config files the repo has. Their sizes
@@ -652,7 +728,16 @@ impl Census {
     fn count(tensors: &[PlannedTensor], outputs: &Outputs) -> Census {
         let mut census = Census::default();
         for t in tensors {
-            let n = elems(&t.shape).unwrap_or(0);
+            // A pre-quantized module counts once, as its logical matrix.
+            if t.packed.is_some_and(|p| p.stream != 0) {
+                continue;
+            }
+            let n = match t.packed {
+                Some(p) => elems(&t.shape).map_or(0, |e| {
+                    e / t.shape.last().copied().unwrap_or(1).max(1) * p.cols
+                }),
+                None => elems(&t.shape).unwrap_or(0),
+            };
             let out = match &t.dest {
                 Dest::Excluded { .. } => t.src[1] - t.src[0],
                 Dest::Resident { entry } => outputs.resident.index.tensors[*entry].stored_bytes(),
@@ -663,7 +748,7 @@ impl Census {
                         .iter()
                         .filter(|bp| match part {
                             ExpertPart::GateUp => bp.part != ExpertPart::Down,
-                            _ => bp.part == ExpertPart::Down,
+                            other => bp.part == *other,
                         })
                         .map(|bp| bp.weights + bp.scales + bp.biases)
                         .sum();
@@ -683,6 +768,7 @@ impl Census {
                 (_, Scheme::Int4G64) => &mut census.int4,
                 (_, Scheme::Int8G64) => &mut census.int8,
                 (_, Scheme::Passthrough) => &mut census.passthrough,
+                (_, other) => census.other.entry(other.label()).or_default(),
             };
             row.tensors += 1;
             row.params += n;

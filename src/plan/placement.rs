@@ -45,6 +45,10 @@ pub struct TensorPlacement {
     pub rows: u64,
     /// Output bytes per row: weights (or passthrough bytes), scales, biases.
     pub out_row: (u64, u64, u64),
+    /// For a pre-quantized source tensor, the one stream (0 weights, 1 scales,
+    /// 2 biases) its rows are copied into; `None` when every stream is written from
+    /// the tensor (quantized or passed through).
+    pub stream: Option<usize>,
     kind: Kind,
 }
 
@@ -74,12 +78,29 @@ impl TensorPlacement {
     /// Placement of `t` in `plan`; `None` for excluded tensors, and for a row the
     /// format has no layout for under the tensor's scheme (the planner never plans one).
     pub fn new(plan: &Plan, t: &PlannedTensor) -> Option<TensorPlacement> {
-        let cols = t.shape.last().copied().unwrap_or(1).max(1);
+        let src_cols = t.shape.last().copied().unwrap_or(1).max(1);
         let elems: u64 = t.shape.iter().product();
-        let rows = if t.shape.is_empty() { 1 } else { elems / cols };
+        let rows = if t.shape.is_empty() {
+            1
+        } else {
+            elems / src_cols
+        };
         let elem = t.dtype.size();
+        let src_row_bytes = src_cols * elem;
+        // A pre-quantized part: the logical matrix's columns, and its stream's bytes
+        // per row must be the source's.
+        let (cols, stream) = match t.packed {
+            Some(p) => (p.cols, Some(p.stream as usize)),
+            None => (src_cols, None),
+        };
         let row = t.scheme.row_sizes(cols, elem)?;
         let out_row = (row.weights, row.scales, row.biases);
+        if let Some(k) = stream {
+            let per = [out_row.0, out_row.1, out_row.2];
+            if per.get(k) != Some(&src_row_bytes) {
+                return None;
+            }
+        }
         let n_pools = plan.outputs.expert_pools.len();
         let kind = match &t.dest {
             Dest::Excluded { .. } => return None,
@@ -146,12 +167,18 @@ impl TensorPlacement {
         };
         Some(TensorPlacement {
             scheme: t.scheme,
-            src_row_bytes: cols * elem,
+            src_row_bytes,
             cols,
             rows,
             out_row,
+            stream,
             kind,
         })
+    }
+
+    /// Whether stream `k` (0 weights, 1 scales, 2 biases) is written from this tensor.
+    pub fn writes(&self, k: usize) -> bool {
+        self.stream.is_none_or(|s| s == k)
     }
 
     /// Destination of source row `row`.

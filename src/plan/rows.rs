@@ -17,6 +17,7 @@ use super::{Dest, Placed, PlanError, PlanOptions, pool_scheme};
 pub(super) fn place(
     family: &Family,
     options: &PlanOptions,
+    prequantized: bool,
     drafts: &[Draft],
 ) -> Result<(Vec<RowPool>, Placed), PlanError> {
     // (shard index, tensor index) per table.
@@ -30,8 +31,15 @@ pub(super) fn place(
     let mut placed = Placed::new();
     for (key, mut members) in tables {
         members.sort();
-        let (pool, members_placed) =
-            place_table(family, options, drafts, key, &members, pools.len())?;
+        let (pool, members_placed) = place_table(
+            family,
+            options,
+            prequantized,
+            drafts,
+            key,
+            &members,
+            pools.len(),
+        )?;
         pools.push(pool);
         placed.extend(members_placed);
     }
@@ -43,6 +51,7 @@ pub(super) fn place(
 fn place_table(
     family: &Family,
     options: &PlanOptions,
+    prequantized: bool,
     tensors: &[Draft],
     (layer, name): TableKey,
     members: &[(u64, usize)],
@@ -78,7 +87,7 @@ fn place_table(
             first.shape
         )));
     }
-    let scheme = pool_scheme(family, options, dtype, &[width]);
+    let scheme = pool_scheme(family, options, prequantized, dtype, &[width]);
     let rb = row_bytes(width, dtype.size(), scheme)
         .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
     let mut offset = 0u64;

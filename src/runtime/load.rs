@@ -320,20 +320,15 @@ fn matrix_view<'a>(
             weights,
             scales,
             biases,
-        } => {
-            // The kernels compute groups of their own size only.
-            if affine.group() as usize != crate::transform::quant::GROUP {
-                return Err(bad(format!("{} cannot be computed with", affine.label())));
-            }
-            Ok(Matrix::Quant {
-                bits: affine.bits(),
-                weights: span(weights),
-                scales: span(scales),
-                biases: span(biases),
-                rows,
-                cols,
-            })
-        }
+        } => Ok(Matrix::Quant {
+            bits: affine.bits(),
+            group: affine.group() as usize,
+            weights: span(weights),
+            scales: span(scales),
+            biases: span(biases),
+            rows,
+            cols,
+        }),
         Storage::Dense { data } => {
             let data = span(data);
             let dtype = e.dtype;

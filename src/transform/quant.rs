@@ -132,11 +132,7 @@ impl Bits {
 
     /// The bit width for a quantizing scheme; `None` for passthrough.
     pub fn from_scheme(scheme: Scheme) -> Option<Bits> {
-        match scheme {
-            Scheme::Int4G64 => Some(Bits::Four),
-            Scheme::Int8G64 => Some(Bits::Eight),
-            Scheme::Passthrough => None,
-        }
+        scheme.bits().and_then(Bits::from_bits)
     }
 
     /// Bytes of packed codes for one group of [`GROUP`] (64) elements.
@@ -226,6 +222,17 @@ impl Spec {
     /// words because every group holds a multiple of 32 codes.
     pub fn group_weight_bytes(self) -> usize {
         self.group.size() * self.bits.bits() as usize / 8
+    }
+
+    /// The spec of a format layout (every [`crate::format::Affine`] is one).
+    pub fn from_affine(a: crate::format::Affine) -> Spec {
+        Spec::from_numbers(a.bits() as u64, a.group() as u64)
+            .expect("the format admits only the MLX layouts a Spec names")
+    }
+
+    /// The spec of a quantizing scheme; `None` for passthrough.
+    pub fn from_scheme(scheme: Scheme) -> Option<Spec> {
+        scheme.affine().map(Spec::from_affine)
     }
 
     /// This layout as the format names it (the one size rule lives there).

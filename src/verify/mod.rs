@@ -195,11 +195,15 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
         ));
     }
     let q = &m.quantized_at_install;
-    if q.bits != q.scheme.bits().unwrap_or(0) || q.group_size != 64 {
+    // The record's numbers are its scheme's (a passthrough record, `--quant bf16`,
+    // keeps gturbo's group of 64, or 0 from a pre-quantized source's).
+    let want_group = q.scheme.group().unwrap_or(64);
+    let group_ok = q.group_size == want_group || (q.scheme.group().is_none() && q.group_size == 0);
+    if q.bits != q.scheme.bits().unwrap_or(0) || !group_ok {
         out.push(fail(
             m.quantized_at_install_key().into(),
             format!(
-                "scheme {} with bits {} and group_size {}; expected bits {} and group_size 64",
+                "scheme {} with bits {} and group_size {}; expected bits {} and group_size {want_group}",
                 q.scheme.label(),
                 q.bits,
                 q.group_size,

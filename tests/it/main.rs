@@ -11,6 +11,7 @@ mod hub_protocol;
 mod install_e2e;
 mod install_lock;
 mod mlx_lm_parity;
+mod mlx_source;
 mod progress;
 mod quant_parity;
 mod runtime;

@@ -126,6 +126,7 @@ impl Weights {
         match self.enc {
             Enc::Int4 | Enc::Int8 => Matrix::Quant {
                 bits: self.bits().map_or(0, Bits::bits),
+                group: GROUP,
                 weights: data,
                 scales: &self.parts[1],
                 biases: &self.parts[2],
@@ -146,7 +147,7 @@ impl Weights {
         let mut bias = vec![0f32; c];
         match self.bits() {
             Some(bits) => {
-                let (wr, sr) = quant_row_bytes(bits.bits(), c);
+                let (wr, sr) = quant_row_bytes(bits.bits(), GROUP, c);
                 let b = &self.parts[2][r * sr..(r + 1) * sr];
                 dequantize_rows(
                     &self.parts[0][r * wr..(r + 1) * wr],
@@ -647,7 +648,7 @@ fn pool(
         let (weights, scales) = match enc {
             Enc::Int4 | Enc::Int8 => {
                 let bits = if enc == Enc::Int4 { 4 } else { 8 };
-                let (wr, sr) = quant_row_bytes(bits, cols);
+                let (wr, sr) = quant_row_bytes(bits, GROUP, cols);
                 ((rows * wr) as u64, (rows * sr) as u64)
             }
             _ => ((rows * cols * 2) as u64, 0),
@@ -660,6 +661,7 @@ fn pool(
             weights,
             scales,
             biases: scales,
+            scheme: None,
         });
         offset += weights + 2 * scales;
     }

@@ -58,11 +58,16 @@ mod x86;
 /// quantized weights).
 #[derive(Debug, Clone, Copy)]
 pub enum Matrix<'a> {
-    /// Affine g64 with `bits` 4 or 8: `weights` holds packed little-endian u32 words
-    /// `[rows, cols*bits/32]`, `scales` and `biases` little-endian BF16 `[rows, cols/64]`.
+    /// Affine with `bits` per code (2, 3, 4, 5, 6 or 8) in groups of `group` (32, 64
+    /// or 128): `weights` holds packed little-endian u32 words `[rows, cols*bits/32]`
+    /// (each row a dense little-endian bit stream), `scales` and `biases`
+    /// little-endian BF16 `[rows, cols/group]`. INT4 and INT8 in groups of 64 have
+    /// their own fast loops; every other layout runs a general one.
     Quant {
-        /// Bits per code: 4 or 8.
+        /// Bits per code.
         bits: u32,
+        /// Elements per group.
+        group: usize,
         /// Packed codes.
         weights: &'a [u8],
         /// BF16 scale per group.
@@ -71,7 +76,7 @@ pub enum Matrix<'a> {
         biases: &'a [u8],
         /// Output features.
         rows: usize,
-        /// Input features, a multiple of 64.
+        /// Input features, a multiple of `group`.
         cols: usize,
     },
     /// Little-endian BF16 `[rows, cols]`.
@@ -106,17 +111,25 @@ pub enum Matrix<'a> {
 /// A matrix whose bytes do not agree with its declared shape.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
-    /// A quantized matrix with a bit width other than 4 or 8.
-    #[error("quantized matrix has {bits} bits per code; only 4 and 8 are supported")]
+    /// A quantized matrix whose width or group is not one MLX writes.
+    #[error(
+        "quantized matrix has {bits} bits per code in groups of {group}; MLX's layouts are 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or 128"
+    )]
     Bits {
         /// The bit width given.
         bits: u32,
+        /// The group size given.
+        group: usize,
     },
-    /// A quantized matrix whose row width is not a positive multiple of 64.
-    #[error("quantized matrix row width {cols} is not a positive multiple of the group size 64")]
+    /// A quantized matrix whose row width is not a positive multiple of its group.
+    #[error(
+        "quantized matrix row width {cols} is not a positive multiple of the group size {group}"
+    )]
     Cols {
         /// The row width given.
         cols: usize,
+        /// The group size.
+        group: usize,
     },
     /// `rows × cols` overflows the address space.
     #[error("matrix shape {rows}x{cols} is too large")]
@@ -206,17 +219,18 @@ impl Matrix<'_> {
         match *self {
             Matrix::Quant {
                 bits,
+                group,
                 weights,
                 scales,
                 biases,
                 ..
             } => {
-                let affine = match Affine::new(bits, GROUP as u32) {
-                    Some(a) if bits == 4 || bits == 8 => a,
-                    _ => return Err(KernelError::Bits { bits }),
-                };
+                let affine = u32::try_from(group)
+                    .ok()
+                    .and_then(|g| Affine::new(bits, g))
+                    .ok_or(KernelError::Bits { bits, group })?;
                 if !affine.fits(cols as u64) {
-                    return Err(KernelError::Cols { cols });
+                    return Err(KernelError::Cols { cols, group });
                 }
                 let too_large = KernelError::TooLarge { rows, cols };
                 let q = affine
@@ -245,6 +259,12 @@ impl Matrix<'_> {
         }
     }
 
+    /// Whether this is a quantized matrix outside the INT4/INT8 g64 fast loops (it then
+    /// runs the general loop, whatever the CPU).
+    fn general_quant(&self) -> bool {
+        matches!(*self, Matrix::Quant { bits, group, .. } if !(group == GROUP && (bits == 4 || bits == 8)))
+    }
+
     /// Row `r` widened to f32 into `out` (`out.len() == cols`). A plain conversion of
     /// host bytes that needs no backend: norm weights are read once at load with it,
     /// and [`Cpu::row`] and the CPU's [`Backend::embed`] are this. Panics (never reads out of bounds) when
@@ -263,15 +283,17 @@ impl Matrix<'_> {
         match *self {
             Matrix::Quant {
                 bits,
+                group,
                 weights,
                 scales,
                 biases,
                 cols,
                 ..
             } => {
-                let (wr, sr) = quant_row_bytes(bits, cols);
+                let (wr, sr) = quant_row_bytes(bits, group, cols);
                 Matrix::Quant {
                     bits,
+                    group,
                     weights: &weights[r0 * wr..r1 * wr],
                     scales: &scales[r0 * sr..r1 * sr],
                     biases: &biases[r0 * sr..r1 * sr],
@@ -439,6 +461,9 @@ impl Cpu {
 
     /// `y = W x` for the rows of `w` (one task's share), single-threaded.
     fn matvec_rows(&self, w: &Matrix, prep: &Prepared, y: &mut [f32]) {
+        if w.general_quant() {
+            return portable::matvec_general(w, prep, y);
+        }
         match (*w, self.isa) {
             #[cfg(target_arch = "x86_64")]
             (_, Isa::Avx2) => x86::matvec(w, prep, y),
@@ -449,6 +474,10 @@ impl Cpu {
     /// Row 0 of the one-row matrix `w` into `out`, in the order [`Prepared`] puts
     /// the input in.
     fn row_prepared(&self, w: &Matrix, out: &mut [f32]) {
+        if w.general_quant() {
+            // The general loop reads the input in natural order.
+            return portable::row(w, out);
+        }
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86::row_prepared(w, out),
@@ -534,11 +563,16 @@ impl Prepared {
             q8: Vec::new(),
             q8_scale: Vec::new(),
         };
-        let Matrix::Quant { bits, .. } = *w else {
+        let Matrix::Quant { bits, group, .. } = *w else {
             prep.x = x.to_vec();
             return prep;
         };
-        prep.group_sums = x.chunks_exact(GROUP).map(sum8).collect();
+        prep.group_sums = x.chunks_exact(group).map(sum8).collect();
+        if w.general_quant() {
+            // The general loop unpacks a group's codes in order: no permutation.
+            prep.x = x.to_vec();
+            return prep;
+        }
         if bits == 4 && activations == Activations::Int8 {
             prep.q8 = vec![0u8; x.len()];
             for (src, dst) in x.chunks_exact(GROUP).zip(prep.q8.chunks_exact_mut(GROUP)) {
@@ -612,8 +646,15 @@ impl Cpu {
         // block of a transposed result, transposed back at the end. Each row is
         // dequantized once (in the permuted order the prepared inputs share) and
         // dotted with all `n` inputs.
-        let int8 =
-            self.activations == Activations::Int8 && matches!(*w, Matrix::Quant { bits: 4, .. });
+        let int8 = self.activations == Activations::Int8
+            && matches!(
+                *w,
+                Matrix::Quant {
+                    bits: 4,
+                    group: GROUP,
+                    ..
+                }
+            );
         let mut yt = vec![0.0f32; rows * n];
         if int8 {
             // Int8 activations: the integer kernel, unpacking each group's codes once
@@ -674,23 +715,24 @@ impl Cpu {
 /// Bytes of one row of a quantized `[_, cols]` matrix: (packed weights, scales), the
 /// biases being as wide as the scales ([`Affine::row_sizes`]). A group never crosses a
 /// row, so row `r` of every part starts at `r` times these. Panics unless
-/// [`Matrix::check`] accepted `bits` and `cols`.
-pub(super) fn quant_row_bytes(bits: u32, cols: usize) -> (usize, usize) {
-    let row = Affine::new(bits, GROUP as u32)
+/// [`Matrix::check`] accepted `bits`, `group` and `cols`.
+pub(super) fn quant_row_bytes(bits: u32, group: usize, cols: usize) -> (usize, usize) {
+    let row = Affine::new(bits, group as u32)
         .and_then(|a| a.row_sizes(cols as u64))
         .expect("Matrix::check accepted this bit width and row width");
     (row.weights as usize, row.scales as usize)
 }
 
 /// The gate, up and down matrices of one expert blob of `pool` (its parts in blob
-/// order), as views of the blob's bytes.
+/// order, each at its own scheme), as views of the blob's bytes.
 pub fn expert_matrices<'a>(pool: &ExpertPool, blob: &'a [u8]) -> [Matrix<'a>; 3] {
     let view = |b: &BlobPart| -> Matrix<'a> {
         let (o, w, s) = (b.offset as usize, b.weights as usize, b.scales as usize);
         let (rows, cols) = (b.rows as usize, b.cols as usize);
-        match pool.scheme {
-            Scheme::Int4G64 | Scheme::Int8G64 => Matrix::Quant {
-                bits: pool.scheme.bits().unwrap_or(4),
+        match pool.part_scheme(b) {
+            Scheme::Affine(a) => Matrix::Quant {
+                bits: a.bits(),
+                group: a.group() as usize,
                 weights: &blob[o..o + w],
                 scales: &blob[o + w..o + w + s],
                 biases: &blob[o + w + s..o + w + 2 * s],

@@ -2,7 +2,7 @@
 //! vectorises them on any target (NEON on Apple silicon, SSE2 on baseline x86-64).
 
 use super::{Matrix, Prepared, bf16_at, quant_row_bytes};
-use crate::transform::quant::{GROUP, bf16_to_f32};
+use crate::transform::quant::{self, Bits, GROUP, MAX_GROUP, bf16_to_f32};
 
 /// `y = W x` over all rows of `w`.
 pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
@@ -15,7 +15,7 @@ pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
             cols,
             ..
         } => {
-            let (wrow, srow) = quant_row_bytes(bits, cols);
+            let (wrow, srow) = quant_row_bytes(bits, GROUP, cols);
             if !prep.q8.is_empty() {
                 for (((o, wr), sr), br) in y
                     .iter_mut()
@@ -124,7 +124,7 @@ pub(super) fn matmul_q8(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
     else {
         unreachable!("int8 matmul of a float matrix");
     };
-    let (wrow, srow) = quant_row_bytes(4, cols);
+    let (wrow, srow) = quant_row_bytes(4, GROUP, cols);
     for (((out, wr), sr), br) in yt
         .chunks_exact_mut(preps.len())
         .zip(weights.chunks_exact(wrow))
@@ -162,6 +162,9 @@ fn q4_row_q8(w: &[u8], s: &[u8], b: &[u8], prep: &Prepared) -> f32 {
 
 /// Row 0 of `w` (a one-row matrix) as f32.
 pub(super) fn row(w: &Matrix, out: &mut [f32]) {
+    if w.general_quant() {
+        return row_general(w, out);
+    }
     match *w {
         Matrix::Quant {
             bits,
@@ -255,4 +258,76 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
         sum += x * y;
     }
     sum
+}
+
+/// Run `each(codes, scale, bias, group_index)` over the groups of the one-row
+/// quantized matrix `w`, in order, with the group's codes unpacked from the row's
+/// dense little-endian bit stream (the layout of every width).
+#[inline(always)]
+fn each_group(w: &Matrix, mut each: impl FnMut(&[u8], f32, f32, usize)) {
+    let Matrix::Quant {
+        bits,
+        group,
+        weights,
+        scales,
+        biases,
+        ..
+    } = *w
+    else {
+        unreachable!("the general loop of a float matrix");
+    };
+    let b = Bits::from_bits(bits).expect("Matrix::check accepted the width");
+    let gbytes = group * bits as usize / 8;
+    let mut codes = [0u8; MAX_GROUP];
+    let codes = &mut codes[..group];
+    for (g, ((wg, sg), bg)) in weights
+        .chunks_exact(gbytes)
+        .zip(scales.chunks_exact(2))
+        .zip(biases.chunks_exact(2))
+        .enumerate()
+    {
+        quant::unpack_codes(wg, b, codes).expect("a group holds a whole number of u32 words");
+        each(codes, bf16_at(sg, 0), bf16_at(bg, 0), g);
+    }
+}
+
+/// `y = W x` for a quantized matrix of any width and group (see
+/// [`Matrix::general_quant`]): per group `s·Σ q·x + b·Σ x`, the input in natural
+/// order.
+pub(super) fn matvec_general(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
+    let Matrix::Quant {
+        bits, group, cols, ..
+    } = *w
+    else {
+        unreachable!("the general loop of a float matrix");
+    };
+    for (r, o) in y.iter_mut().enumerate() {
+        let row = w.slice_rows(r, r + 1);
+        let mut total = 0.0f32;
+        each_group(&row, |codes, scale, bias, g| {
+            let x = &prep.x[g * group..(g + 1) * group];
+            let mut acc = [0.0f32; 8];
+            for (c, xs) in codes.chunks_exact(8).zip(x.chunks_exact(8)) {
+                for i in 0..8 {
+                    acc[i] += c[i] as f32 * xs[i];
+                }
+            }
+            total += scale * acc.iter().sum::<f32>() + bias * prep.group_sums[g];
+        });
+        *o = total;
+    }
+    debug_assert_eq!(prep.x.len(), cols, "{bits}-bit input");
+}
+
+/// Row 0 of a one-row quantized matrix of any width and group as f32, in natural
+/// order: `s·q + b` per element.
+fn row_general(w: &Matrix, out: &mut [f32]) {
+    let Matrix::Quant { group, .. } = *w else {
+        unreachable!("the general loop of a float matrix");
+    };
+    each_group(w, |codes, scale, bias, g| {
+        for (o, &q) in out[g * group..(g + 1) * group].iter_mut().zip(codes) {
+            *o = scale * q as f32 + bias;
+        }
+    });
 }

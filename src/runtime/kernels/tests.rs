@@ -8,7 +8,7 @@
 //! and `b·Σx` separately). f32 accumulation over ≤ 1536 terms stays well inside that.
 
 use super::*;
-use crate::transform::quant::{Bits, dequantize_rows, f32_to_bf16, quantize_rows};
+use crate::transform::quant::{Bits, Spec, dequantize_rows, f32_to_bf16, quantize_rows};
 
 const TOL: f64 = 1e-5;
 
@@ -50,6 +50,7 @@ impl Odd {
 struct Fixture {
     kind: &'static str,
     bits: u32,
+    group: usize,
     parts: Vec<Odd>,
     rows: usize,
     cols: usize,
@@ -58,23 +59,26 @@ struct Fixture {
 }
 
 impl Fixture {
-    fn quant(bits: Bits, rows: usize, cols: usize, rng: &mut Rng) -> Fixture {
+    fn quant(spec: impl Into<Spec>, rows: usize, cols: usize, rng: &mut Rng) -> Fixture {
+        let spec = spec.into();
+        let (bits, group) = (spec.bits, spec.group.size());
         // Rows with different ranges, and one all-zero group, as real weights have.
         let mut src: Vec<u16> = (0..rows * cols)
             .map(|i| f32_to_bf16(rng.unit() * (0.02 + (i / cols % 7) as f32 * 0.05)))
             .collect();
-        src[..GROUP].fill(0);
+        src[..group].fill(0);
         let n = rows * cols;
         let mut w = vec![0u8; n * bits.bits() as usize / 8];
-        let mut s = vec![0u8; n / GROUP * 2];
-        let mut b = vec![0u8; n / GROUP * 2];
-        quantize_rows(&src, cols, bits, &mut w, &mut s, &mut b).unwrap();
+        let mut s = vec![0u8; n / group * 2];
+        let mut b = vec![0u8; n / group * 2];
+        quantize_rows(&src, cols, spec, &mut w, &mut s, &mut b).unwrap();
         let mut dense = vec![0.0f32; n];
-        dequantize_rows(&w, &s, &b, cols, bits, &mut dense).unwrap();
-        let bias = (0..n).map(|i| bf16_at(&b, i / GROUP)).collect();
+        dequantize_rows(&w, &s, &b, cols, spec, &mut dense).unwrap();
+        let bias = (0..n).map(|i| bf16_at(&b, i / group)).collect();
         Fixture {
             kind: "quant",
             bits: bits.bits(),
+            group,
             parts: vec![Odd::new(&w), Odd::new(&s), Odd::new(&b)],
             rows,
             cols,
@@ -105,6 +109,7 @@ impl Fixture {
         Fixture {
             kind,
             bits: 0,
+            group: 0,
             parts: vec![Odd::new(&bytes)],
             rows,
             cols,
@@ -119,6 +124,7 @@ impl Fixture {
         match self.kind {
             "quant" => Matrix::Quant {
                 bits: self.bits,
+                group: self.group,
                 weights: data,
                 scales: self.parts[1].get(),
                 biases: self.parts[2].get(),
@@ -176,6 +182,12 @@ fn fixtures(rng: &mut Rng) -> Vec<Fixture> {
             f.push(Fixture::quant(bits, rows, cols, rng));
         }
     }
+    // Every width and group MLX writes (the general loop, and the fast ones at g64).
+    for spec in Spec::all() {
+        for (rows, cols) in [(1, 128), (37, 384)] {
+            f.push(Fixture::quant(spec, rows, cols, rng));
+        }
+    }
     for kind in ["bf16", "f16", "f32"] {
         for (rows, cols) in [(1, 1), (5, 7), (33, 100), (70, 129), (19, 576)] {
             f.push(Fixture::float(kind, rows, cols, rng));
@@ -197,7 +209,10 @@ fn matvec_matches_the_scalar_reference_on_every_path() {
             let x = &xbuf[1..];
             let mut y = vec![f32::NAN; f.rows];
             cpu.matvec(&m, x, &mut y);
-            let what = format!("{name} {} bits={} {}x{}", f.kind, f.bits, f.rows, f.cols);
+            let what = format!(
+                "{name} {} bits={} g{} {}x{}",
+                f.kind, f.bits, f.group, f.rows, f.cols
+            );
             assert_close(&y, &f.reference(x), &what);
         }
     }
@@ -217,7 +232,8 @@ fn matmul_equals_n_matvecs_and_the_reference() {
                 for j in 0..n {
                     let x = &xs[j * f.cols..(j + 1) * f.cols];
                     let got = &ys[j * f.rows..(j + 1) * f.rows];
-                    let what = format!("{name} {} bits={} n={n} j={j}", f.kind, f.bits);
+                    let what =
+                        format!("{name} {} bits={} g{} n={n} j={j}", f.kind, f.bits, f.group);
                     let want = f.reference(x);
                     assert_close(got, &want, &what);
                     let mut y1 = vec![0.0f32; f.rows];
@@ -248,7 +264,11 @@ fn row_is_the_dequantized_row_bit_for_bit() {
                     .iter()
                     .zip(want)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{name} {} bits={} row {r}", f.kind, f.bits);
+                assert!(
+                    same,
+                    "{name} {} bits={} g{} row {r}",
+                    f.kind, f.bits, f.group
+                );
             }
         }
     }
@@ -281,6 +301,7 @@ fn check_refuses_shapes_the_bytes_do_not_hold() {
     let b = [0u8; 64];
     let quant = |bits, w: &'static [u8], rows, cols| Matrix::Quant {
         bits,
+        group: 64,
         weights: w,
         scales: &[0; 4],
         biases: &[0; 4],
@@ -290,16 +311,19 @@ fn check_refuses_shapes_the_bytes_do_not_hold() {
     static W64: [u8; 64] = [0; 64];
     assert_eq!(quant(4, &W64[..64], 2, 64).check(), Ok(()));
     assert_eq!(
-        quant(3, &W64, 2, 64).check(),
-        Err(KernelError::Bits { bits: 3 })
+        quant(7, &W64, 2, 64).check(),
+        Err(KernelError::Bits { bits: 7, group: 64 })
     );
     assert_eq!(
         quant(4, &W64, 2, 96).check(),
-        Err(KernelError::Cols { cols: 96 })
+        Err(KernelError::Cols {
+            cols: 96,
+            group: 64
+        })
     );
     assert_eq!(
         quant(4, &W64, 0, 0).check(),
-        Err(KernelError::Cols { cols: 0 })
+        Err(KernelError::Cols { cols: 0, group: 64 })
     );
     let err = quant(8, &W64, 2, 64).check().unwrap_err();
     assert_eq!(

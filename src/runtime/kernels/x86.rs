@@ -118,7 +118,7 @@ fn matvec_avx2(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
             cols,
             ..
         } => {
-            let (wrow, srow) = quant_row_bytes(bits, cols);
+            let (wrow, srow) = quant_row_bytes(bits, GROUP, cols);
             let rows = y
                 .iter_mut()
                 .zip(weights.chunks_exact(wrow))
@@ -241,7 +241,7 @@ fn matmul_q8_avx2(w: &Matrix, preps: &[Prepared], yt: &mut [f32]) {
     else {
         unreachable!("int8 matmul of a float matrix");
     };
-    let (wrow, srow) = quant_row_bytes(4, cols);
+    let (wrow, srow) = quant_row_bytes(4, GROUP, cols);
     for (((out, wr), sr), br) in yt
         .chunks_exact_mut(preps.len())
         .zip(weights.chunks_exact(wrow))
