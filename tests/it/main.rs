@@ -5,6 +5,7 @@ mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
 mod install_lock;
+mod line_rate;
 mod mlx_lm_parity;
 mod progress;
 mod quant_parity;

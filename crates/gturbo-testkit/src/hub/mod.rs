@@ -208,6 +208,8 @@ pub struct FileStats {
     pub with_auth: u64,
     /// The `Range` header of each `GET` (either route), in arrival order; `None` = no Range.
     pub ranges: Vec<Option<String>>,
+    /// When each `GET` of `ranges` arrived, so tests can check the waits between them.
+    pub arrivals: Vec<std::time::Instant>,
 }
 
 /// A running hub; stops when dropped.
@@ -1014,6 +1016,7 @@ fn count_file(
                 .get(header::RANGE)
                 .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
         );
+        f.arrivals.push(std::time::Instant::now());
     }
 }
 
