@@ -62,6 +62,7 @@ use reqwest::header::{self, HeaderMap};
 use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 
+use super::budget::{self, ResolverBudget};
 use super::pace::{Pace, ProgressLimits, Slow};
 use super::retry::{self, RetryPolicy, TransportFault};
 use super::token::HfToken;
@@ -166,6 +167,8 @@ struct Inner {
     published: Mutex<HashMap<String, (String, HashOrigin)>>,
     requests: AtomicU64,
     retries: AtomicU64,
+    /// Requests to the endpoint's own origin, against the hub's 5-minute budget.
+    resolver: ResolverBudget,
     bytes: AtomicU64,
 }
 
@@ -410,6 +413,12 @@ struct TreeLfs {
 }
 
 impl HttpSource {
+    /// Requests sent to the endpoint's own origin (API and `/resolve`), the ones the
+    /// hub's 5-minute rate limit counts; redirected CDN requests are not among them.
+    pub fn resolver_requests(&self) -> u64 {
+        self.inner.resolver.total()
+    }
+
     /// A source for `config`. Checks the endpoint URL and the repo name; sends nothing.
     pub fn new(config: HttpConfig) -> Result<Self, SourceError> {
         Ok(Self {
@@ -451,7 +460,16 @@ impl Inner {
             .read_timeout(backstop_read_timeout(&config))
             .build()
             .map_err(|e| SourceError::Config(format!("HTTP client: {}", error_text(e))))?;
+        let resolver = ResolverBudget::new(
+            if config.token.is_some() {
+                budget::TOKEN_LIMIT
+            } else {
+                budget::ANONYMOUS_LIMIT
+            },
+            budget::WINDOW,
+        );
         Ok(Self {
+            resolver,
             policy: config.policy(),
             endpoint,
             repo_segments,
@@ -591,12 +609,26 @@ impl Inner {
             {
                 req = req.bearer_auth(token.expose());
             }
+            let from_endpoint = url.origin() == self.endpoint.origin();
+            if from_endpoint {
+                // The hub's rate limits count these; a CDN location does not.
+                self.resolver.take().await;
+            }
             self.requests.fetch_add(1, Ordering::Relaxed);
             let resp = req
                 .send()
                 .await
                 .map_err(|e| self.transport_failure(&url, range.cloned(), e, "request failed"))?;
-            let from_endpoint = url.origin() == self.endpoint.origin();
+            if from_endpoint {
+                let text = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
+                if let Some(limit) = budget::parse_ratelimit(
+                    text("ratelimit"),
+                    text("ratelimit-remaining"),
+                    text("ratelimit-reset"),
+                ) {
+                    self.resolver.note(limit, Instant::now());
+                }
+            }
             if let Some(found) = published_in(resp.headers(), from_endpoint)
                 && published
                     .as_ref()
