@@ -728,7 +728,7 @@ mod tests {
                 "schema_version": 1, "event": "done", "out": "m.gturbo", "elapsed_s": 2.5,
                 "reads_total": 4, "reads_kept": 1, "reads_fetched": 3, "reads_damaged": 0,
                 "bytes_read": 300, "bytes_written": 200, "shards_verified": 1, "retries": 2,
-                "source_unverified": []
+                "connections": 3, "peak_bytes_per_s": 4.5e6, "source_unverified": []
             })
         );
     }
