@@ -15,7 +15,8 @@
 #
 # The peers (hf, mlx_lm) come from the pinned venv `scripts/venv.sh test`, under
 # target/. Knobs (environment): LAYERS, SMALL_LAYERS, RUNS, CAP_RUNS (1), CONN_RATE,
-# LATENCY_MS, AGG_RATE, SKIP_PEERS=1 (gturbo only), SKIP_CAPPED=1, SKIP_SCALING=1.
+# LATENCY_MS, AGG_RATE, SKIP_PEERS=1 (gturbo only), SKIP_CAPPED=1, SKIP_SCALING=1,
+# NO_BUILD=1 (use the release binaries already built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -28,8 +29,10 @@ conn_rate="${CONN_RATE:-50000000}"
 latency="${LATENCY_MS:-40}"
 repo="bench/qwen3-moe"
 
-echo "== build (release)" >&2
-nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2
+if [ "${NO_BUILD:-0}" != 1 ]; then
+    echo "== build (release)" >&2
+    nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2
+fi
 gturbo="$root/target/release/gturbo"
 dev="$root/target/release/gturbo-dev"
 export GTURBO_DEV="$dev"
@@ -173,7 +176,7 @@ if [ "${SKIP_CAPPED:-0}" != 1 ]; then
     {
         header "Capped link: $conn_rate B/s per connection, $latency ms to first byte, aggregate ${AGG_RATE:-uncapped}"
         for j in 1 4 16 auto; do row "capped gturbo --jobs $j" "$bytes"; done
-        [ "${SKIP_PEERS:-0}" != 1 ] && row "capped hf download" "$bytes"
+        if [ "${SKIP_PEERS:-0}" != 1 ]; then row "capped hf download" "$bytes"; fi
     } | tee "$work/capped.md"
 fi
 
