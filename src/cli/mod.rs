@@ -144,9 +144,16 @@ struct InstallArgs {
     /// (reads then skip excluded tensors and headers).
     #[arg(long)]
     no_verify_source: bool,
-    /// Source reads in flight.
-    #[arg(long, default_value_t = 4)]
-    jobs: usize,
+    /// Connections (sub-range requests in flight): `auto` grows them while the
+    /// throughput rises (2 to 16), or a fixed number.
+    #[arg(long, default_value = "auto", value_parser = parse_jobs)]
+    jobs: execute::Jobs,
+    /// Bytes per sub-range request, in KiB: the unit of the reorder window that lets
+    /// several connections feed one shard's hash in order (memory: (connections + 2) ×
+    /// this). Not part of the plan.
+    #[arg(long, value_name = "KIB", default_value_t = 4096,
+          value_parser = clap::value_parser!(u64).range(4..=1048576))]
+    sub_range_kib: u64,
     /// Source bytes per transform tile, in KiB (memory per read in flight).
     #[arg(long, default_value_t = 512)]
     tile_kib: usize,
@@ -311,6 +318,20 @@ fn parse_threads(text: &str) -> Result<usize, String> {
 }
 
 /// `--threads N` where 0 means "the available cores".
+/// `--jobs`: `auto` or a whole number of connections from 1 to 256.
+fn parse_jobs(text: &str) -> Result<execute::Jobs, String> {
+    let t = text.trim();
+    if t.eq_ignore_ascii_case("auto") {
+        return Ok(execute::Jobs::Auto);
+    }
+    match t.parse::<usize>() {
+        Ok(n @ 1..=256) => Ok(execute::Jobs::Fixed(n)),
+        _ => Err(format!(
+            "{text:?}: expected `auto` or a number of connections from 1 to 256"
+        )),
+    }
+}
+
 fn parse_threads_or_default(text: &str) -> Result<usize, String> {
     threads_in(text, cores(), true)
 }
@@ -452,7 +473,8 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
         .and_then(|v| v.parse().ok());
     let options = ExecuteOptions {
         out: out.clone(),
-        jobs: args.jobs.max(1),
+        jobs: args.jobs,
+        sub_range_bytes: args.sub_range_kib * 1024,
         tile_bytes: args.tile_kib.max(1) * 1024,
         discard_partial: args.discard_partial,
         overwrite: args.overwrite,

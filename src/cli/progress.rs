@@ -250,7 +250,7 @@ impl Done {
             );
         }
         format!(
-            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} source shards verified, {} retries",
+            "gturbo: installed {} in {:.1} s: read {} B, wrote {} B ({:.1} MB/s), {} reads fetched, {} kept from a previous run, {} damaged and redone, {} source shards verified, {} retries, {} connections, peak {:.1} MB/s",
             self.out,
             self.summary.elapsed_s,
             self.summary.bytes_read,
@@ -260,7 +260,9 @@ impl Done {
             self.summary.reads_kept,
             self.summary.reads_damaged,
             self.summary.shards_verified,
-            self.retries
+            self.retries,
+            self.summary.connections,
+            self.summary.peak_bytes_per_s / 1e6
         ) + &self
             .source_unverified
             .iter()
@@ -649,6 +651,8 @@ mod tests {
                 bytes_written: 200,
                 shards_verified: 1,
                 already_installed: false,
+                connections: 3,
+                peak_bytes_per_s: 4.5e6,
             },
             retries: 2,
             source_unverified: Vec::new(),
@@ -731,7 +735,7 @@ mod tests {
                 "schema_version": 1, "event": "done", "out": "m.gturbo", "elapsed_s": 2.5,
                 "reads_total": 4, "reads_kept": 1, "reads_fetched": 3, "reads_damaged": 0,
                 "bytes_read": 300, "bytes_written": 200, "shards_verified": 1, "retries": 2,
-                "source_unverified": []
+                "connections": 3, "peak_bytes_per_s": 4.5e6, "source_unverified": []
             })
         );
     }
@@ -754,7 +758,7 @@ mod tests {
             "gturbo: stream: 2 reads to fetch, 1 kept\n\
              gturbo: stream: 2000000 / 4000000 B (50.0%), 1.0 MB/s\n\
              gturbo: stream: 4000000 / 4000000 B (100.0%), 1.0 MB/s\n\
-             gturbo: installed m.gturbo in 2.5 s: read 300 B, wrote 200 B (0.0 MB/s), 3 reads fetched, 1 kept from a previous run, 0 damaged and redone, 1 source shards verified, 2 retries\n"
+             gturbo: installed m.gturbo in 2.5 s: read 300 B, wrote 200 B (0.0 MB/s), 3 reads fetched, 1 kept from a previous run, 0 damaged and redone, 1 source shards verified, 2 retries, 3 connections, peak 4.5 MB/s\n"
         );
     }
 

@@ -9,9 +9,11 @@
 //! then *copy*, *finalize* and *publish* ([`super::publish`]).
 //!
 //! # Memory
-//! Each read in flight holds one tile of source rows and its transformed output
-//! (`tile_bytes` each, set by `--tile-kib`), never a tensor or a shard: memory is
-//! O(jobs × tile).
+//! Each job holds one tile of source rows and its transformed output (`tile_bytes`
+//! each, set by `--tile-kib`), never a tensor or a shard; the reorder window holds at
+//! most `(connections + 2) × sub_range_bytes` of fetched source bytes, and
+//! connections are held so that this stays within 128 MiB
+//! (`stream::WINDOW_BUDGET`). Memory is O(jobs × tile + connections × sub-range).
 //!
 //! # Crash safety and resume
 //! Beside the staging directory live `<out>.partial.journal` (JSON lines: the plan
@@ -39,8 +41,11 @@ use super::{InstallError, Prepared, publish, resume};
 pub struct ExecuteOptions {
     /// The final `.gturbo` directory.
     pub out: PathBuf,
-    /// Reads in flight.
-    pub jobs: usize,
+    /// Connections (sub-range requests in flight): fixed, or grown while throughput rises.
+    pub jobs: Jobs,
+    /// Bytes per sub-range request: the unit of the reorder window (see
+    /// [`super::stream::Links`]).
+    pub sub_range_bytes: u64,
     /// Source bytes per transform tile (rounded to whole rows, at least one row).
     pub tile_bytes: usize,
     /// Throw away a partial install instead of resuming it.
@@ -50,6 +55,41 @@ pub struct ExecuteOptions {
     pub overwrite: bool,
     /// Test hook: stop (as if killed) after this many reads complete in this run.
     pub abort_after_reads: Option<u64>,
+}
+
+/// How many connections the stream stage uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Jobs {
+    /// Exactly this many (at least 1).
+    Fixed(usize),
+    /// Start at [`Jobs::AUTO_START`] and add connections while the throughput rises,
+    /// up to [`Jobs::AUTO_MAX`].
+    Auto,
+}
+
+impl Jobs {
+    /// Connections `--jobs auto` starts with.
+    pub const AUTO_START: usize = 2;
+    /// The most connections `--jobs auto` opens. With redirected (CDN) locations only
+    /// the first request of each file reaches the hub's resolver; the window's memory
+    /// (`(connections + 2) × sub-range`) is held within its budget as well.
+    pub const AUTO_MAX: usize = 16;
+
+    /// Connections at the start.
+    pub fn initial(self) -> usize {
+        match self {
+            Jobs::Fixed(n) => n.max(1),
+            Jobs::Auto => Self::AUTO_START,
+        }
+    }
+
+    /// The most connections this setting may use.
+    pub fn max(self) -> usize {
+        match self {
+            Jobs::Fixed(n) => n.max(1),
+            Jobs::Auto => Self::AUTO_MAX,
+        }
+    }
 }
 
 /// What the executor did.
@@ -76,6 +116,10 @@ pub struct ExecuteSummary {
     /// when true.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub already_installed: bool,
+    /// The most sub-range requests that were in flight at once.
+    pub connections: u64,
+    /// The best source throughput over one sampling interval, bytes per second.
+    pub peak_bytes_per_s: f64,
 }
 
 /// Progress callbacks; the CLI draws them.
@@ -153,5 +197,7 @@ pub async fn execute(
         shards_verified: streamed.shards_verified,
         elapsed_s: started.elapsed().as_secs_f64(),
         already_installed: false,
+        connections: streamed.connections,
+        peak_bytes_per_s: streamed.peak_bytes_per_s,
     })
 }

@@ -7,7 +7,12 @@
 //! journal records at each read boundary.
 
 use serde::{Deserialize, Serialize};
+use sha2::digest::block_buffer::{BlockBuffer, Eager};
+use sha2::digest::consts::U64;
 use sha2::digest::generic_array::GenericArray;
+
+/// The block buffer of SHA-256 (64-byte blocks, compressed as soon as whole).
+type Eager64 = BlockBuffer<U64, Eager>;
 
 const H0: [u32; 8] = [
     0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
@@ -66,28 +71,21 @@ impl ResumableSha256 {
     }
 
     /// Feed bytes.
-    pub fn update(&mut self, mut data: &[u8]) {
+    ///
+    /// Whole blocks go to the compression function straight from `data`, as many per
+    /// call as there are (the SHA-NI path runs them back to back): the block buffer
+    /// hands out slices of `data` itself, so nothing is copied but the < 64 bytes of
+    /// an unfinished block. (Before, every byte was copied into a freshly allocated
+    /// `Vec` of blocks first.)
+    pub fn update(&mut self, data: &[u8]) {
         self.len += data.len() as u64;
-        if !self.pending.is_empty() {
-            let take = (64 - self.pending.len()).min(data.len());
-            self.pending.extend_from_slice(&data[..take]);
-            data = &data[take..];
-            if self.pending.len() < 64 {
-                return;
-            }
-            let block = GenericArray::clone_from_slice(&self.pending);
-            sha2::compress256(&mut self.state, &[block]);
-            self.pending.clear();
-        }
-        let full = data.len() / 64 * 64;
-        if full > 0 {
-            let blocks: Vec<GenericArray<u8, _>> = data[..full]
-                .chunks_exact(64)
-                .map(GenericArray::clone_from_slice)
-                .collect();
-            sha2::compress256(&mut self.state, &blocks);
-        }
-        self.pending.extend_from_slice(&data[full..]);
+        // `pending` is shorter than a block by construction and by the journal check.
+        debug_assert!(self.pending.len() < 64);
+        let mut buf = Eager64::try_new(&self.pending).unwrap_or_default();
+        let state = &mut self.state;
+        buf.digest_blocks(data, |blocks| sha2::compress256(state, blocks));
+        self.pending.clear();
+        self.pending.extend_from_slice(buf.get_data());
     }
 
     /// The digest, lowercase hex (the state is not consumed).

@@ -20,11 +20,12 @@ use crate::format::Scheme;
 use crate::plan::placement::TensorPlacement;
 use crate::plan::{Plan, RangeRead};
 use futures_util::StreamExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::source::{RangeSource, SourceError};
 use crate::transform::quant::{self, Spec};
 
-use super::execute::{ExecuteOptions, InstallReporter};
+use super::execute::{ExecuteOptions, InstallReporter, Jobs};
 use super::journal::Journal;
 use super::source_hash::ResumableSha256;
 use super::stage::OutputFiles;
@@ -291,6 +292,10 @@ pub(super) struct Streamed {
     pub bytes_written: u64,
     /// Shards whose SHA-256 was checked end to end.
     pub shards_verified: u64,
+    /// The most sub-range requests in flight at once.
+    pub connections: u64,
+    /// The best throughput over one sampling interval, bytes per second.
+    pub peak_bytes_per_s: f64,
 }
 
 /// Everything the jobs share.
@@ -306,6 +311,8 @@ pub(super) struct JobContext {
     tile: usize,
     /// Test hook: exit after this many reads are journaled in this run.
     abort_after: Option<u64>,
+    /// The connection and reorder-window budget every job draws on.
+    pub(super) links: Arc<Links>,
 }
 
 impl JobContext {
@@ -328,6 +335,13 @@ impl JobContext {
             counters: Counters::default(),
             tile: options.tile_bytes.max(1),
             abort_after: options.abort_after_reads,
+            links: Arc::new(Links::new(
+                options
+                    .jobs
+                    .initial()
+                    .min(Links::max_connections(options.sub_range_bytes)),
+                options.sub_range_bytes.max(1),
+            )),
         }
     }
 }
@@ -345,21 +359,34 @@ impl JobContext {
 pub(super) async fn run(
     ctx: JobContext,
     jobs: Vec<Job>,
-    parallel: usize,
+    connections: Jobs,
     reporter: &dyn InstallReporter,
 ) -> Result<Streamed, InstallError> {
     let ctx = Arc::new(ctx);
-    let limit = parallel.max(1);
+    // Each job uses at least one connection: more jobs at once than connections
+    // would only wait.
+    let cap = Links::max_connections(ctx.links.sub_range);
+    let limit = connections.max().min(cap);
     let mut waiting = jobs.into_iter();
     let mut running = tokio::task::JoinSet::new();
     let mut outcome = Ok(());
+    let mut grow = Grower::new(connections, limit as u64);
+    let mut tick = tokio::time::interval(Grower::INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         while running.len() < limit {
             let Some(job) = waiting.next() else { break };
             let ctx = ctx.clone();
             running.spawn(async move { run_job(&ctx, job).await });
         }
-        let Some(joined) = running.join_next().await else {
+        let joined = tokio::select! {
+            j = running.join_next() => j,
+            _ = tick.tick() => {
+                grow.sample(&ctx);
+                continue;
+            }
+        };
+        let Some(joined) = joined else {
             break;
         };
         match joined {
@@ -383,7 +410,94 @@ pub(super) async fn run(
         bytes_read: c.bytes_read.load(Ordering::Relaxed),
         bytes_written: c.bytes_written.load(Ordering::Relaxed),
         shards_verified: c.shards_verified.load(Ordering::Relaxed),
+        connections: ctx.links.peak(),
+        peak_bytes_per_s: grow.peak_bytes_per_s(&ctx),
     })
+}
+
+/// `--jobs auto`: every [`Grower::INTERVAL`], if the connections were all busy and the
+/// throughput rose since the last step, open more (half as many again, at least one),
+/// up to [`Jobs::AUTO_MAX`] (and the window budget). Two steps that did not raise the throughput by 10 % end
+/// the growth: the link or the CPU is the bound then, and more connections would cost
+/// the hub requests and the install memory for nothing. Also tracks the peak rate.
+struct Grower {
+    auto: bool,
+    /// The most connections to grow to.
+    max: u64,
+    last_at: std::time::Instant,
+    last_bytes: u64,
+    /// The best rate seen before the last growth step.
+    before_step: f64,
+    flat_steps: u32,
+    peak: f64,
+    started: std::time::Instant,
+}
+
+impl Grower {
+    const INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
+    fn new(jobs: Jobs, max: u64) -> Grower {
+        let now = std::time::Instant::now();
+        Grower {
+            auto: jobs == Jobs::Auto,
+            max,
+            last_at: now,
+            last_bytes: 0,
+            before_step: 0.0,
+            flat_steps: 0,
+            peak: 0.0,
+            started: now,
+        }
+    }
+
+    fn sample(&mut self, ctx: &JobContext) {
+        let now = std::time::Instant::now();
+        let bytes = ctx.counters.bytes_read.load(Ordering::Relaxed);
+        let dt = now.duration_since(self.last_at).as_secs_f64();
+        if dt < 0.05 {
+            return;
+        }
+        let rate = (bytes - self.last_bytes) as f64 / dt;
+        self.last_at = now;
+        self.last_bytes = bytes;
+        self.peak = self.peak.max(rate);
+        let links = &ctx.links;
+        if !self.auto || self.flat_steps >= 2 || links.limit() >= self.max {
+            return;
+        }
+        if rate > self.before_step * 1.1 {
+            self.flat_steps = 0;
+        } else {
+            self.flat_steps += 1;
+            if self.flat_steps >= 2 {
+                tracing::debug!(
+                    connections = links.limit(),
+                    rate,
+                    "connections stop growing"
+                );
+                return;
+            }
+        }
+        // Grow only when the connections we have are the bound.
+        if links.busy.load(Ordering::Relaxed) + 1 < links.limit() {
+            return;
+        }
+        self.before_step = self.before_step.max(rate);
+        let add = (links.limit() / 2).max(1);
+        for _ in 0..add {
+            if links.limit() < self.max {
+                links.grow();
+            }
+        }
+        tracing::debug!(connections = links.limit(), rate, "more connections");
+    }
+
+    /// The peak rate, or the mean rate for a stream shorter than one interval.
+    fn peak_bytes_per_s(&self, ctx: &JobContext) -> f64 {
+        let total = ctx.counters.bytes_read.load(Ordering::Relaxed) as f64;
+        let mean = total / self.started.elapsed().as_secs_f64().max(1e-9);
+        self.peak.max(if self.peak == 0.0 { mean } else { 0.0 })
+    }
 }
 
 /// Run one job; returns the source bytes of each read it completed.
@@ -391,6 +505,14 @@ async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
     let plan = &ctx.plan;
     let mut hash = job.start_hash;
     let mut sizes = Vec::new();
+    let shard_path = &plan.shards[job.shard].path;
+    let mut window = Window::new(
+        ctx,
+        shard_path,
+        job.steps
+            .iter()
+            .map(|&(ri, _)| plan.reads[ri].start..plan.reads[ri].end),
+    );
     for (ri, hashed) in job.steps {
         let read = &plan.reads[ri];
         // One attempt: the source's retry budget already covers every request and
@@ -398,7 +520,7 @@ async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
         // Retrying the whole read here would multiply that budget and re-request at
         // once after a refusal such as a Retry-After over the limit (issue 13, item 7).
         let mut after = if hashed { hash.clone() } else { None };
-        let digest = fetch_read(ctx, ri, after.as_mut()).await?;
+        let digest = fetch_read(ctx, &mut window, ri, after.as_mut()).await?;
         if hashed {
             hash = after;
         }
@@ -444,6 +566,7 @@ async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
 /// Fetch one read, transform and write it, fsync what it touched; returns its digest.
 async fn fetch_read(
     ctx: &JobContext,
+    window: &mut Window<'_>,
     ri: usize,
     mut hash: Option<&mut ResumableSha256>,
 ) -> Result<String, InstallError> {
@@ -467,16 +590,35 @@ async fn fetch_read(
         touched: BTreeSet::new(),
         written: 0,
     };
-    let mut body = ctx.source.stream_range(shard, read.start..read.end).await?;
-    while let Some(chunk) = body.next().await {
-        let chunk = chunk?;
-        ctx.counters
-            .bytes_read
-            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
-        if let Some(h) = hash.as_deref_mut() {
-            h.update(&chunk);
-        }
-        tokio::task::block_in_place(|| w.feed(&chunk, ctx.tile))?;
+    let mut at = read.start;
+    while at < read.end {
+        let Some(piece) = window.next().await else {
+            break;
+        };
+        let piece = piece?;
+        let n: u64 = piece.chunks.iter().map(|c| c.len() as u64).sum();
+        at += n;
+        ctx.counters.bytes_read.fetch_add(n, Ordering::Relaxed);
+        let tile = ctx.tile;
+        // The hash and the transforms each see the piece, in order, on two cores at
+        // once: hashing is off the transforms' critical path, and neither copies it.
+        tokio::task::block_in_place(|| -> Result<(), InstallError> {
+            std::thread::scope(|scope| {
+                let hashing = hash.as_deref_mut().map(|h| {
+                    let chunks = &piece.chunks;
+                    scope.spawn(move || chunks.iter().for_each(|c| h.update(c)))
+                });
+                let fed = piece.chunks.iter().try_for_each(|c| w.feed(c, tile));
+                if let Some(t) = hashing {
+                    t.join().map_err(|_| {
+                        InstallError::Internal("source hash thread panicked".into())
+                    })?;
+                }
+                fed
+            })
+        })?;
+        // The piece's window place is given back only now that its bytes are consumed.
+        drop(piece);
     }
     if w.pos != read.end {
         return Err(SourceError::BadRange {
@@ -499,4 +641,206 @@ async fn fetch_read(
         .bytes_written
         .fetch_add(w.written, Ordering::Relaxed);
     Ok(hex::encode(w.digest.finalize()))
+}
+
+/// The budget every job draws on: connections (requests in flight) and places in the
+/// reorder window (sub-ranges fetched or being fetched and not yet consumed).
+///
+/// A sub-range holds a window place from before its request until its bytes have been
+/// hashed and transformed, so the window's memory is at most `places × sub_range`
+/// bytes, whatever the shard count: that is the memory the RSS budget counts
+/// ([`Links::window_bytes`]). A connection is held only while the request runs, so a
+/// job transforms one sub-range while the next ones arrive.
+pub(super) struct Links {
+    connections: Arc<Semaphore>,
+    places: Arc<Semaphore>,
+    /// Connections allowed now (grows under `--jobs auto`).
+    limit: AtomicU64,
+    /// Bytes per sub-range request.
+    sub_range: u64,
+    /// Requests in flight now, and the most seen at once.
+    busy: AtomicU64,
+    peak_busy: AtomicU64,
+}
+
+/// The reorder window's share of the install's memory budget (256 MiB of RSS at any
+/// `--jobs`, issue 9): the rest is tiles, HTTP buffers and the runtime.
+pub(super) const WINDOW_BUDGET: u64 = 128 << 20;
+
+/// Window places beyond the connections: one sub-range being consumed per job while
+/// the connections fetch the next ones.
+const EXTRA_PLACES: usize = 2;
+
+impl Links {
+    fn new(connections: usize, sub_range: u64) -> Links {
+        let connections = connections.max(1);
+        Links {
+            connections: Arc::new(Semaphore::new(connections)),
+            places: Arc::new(Semaphore::new(connections + EXTRA_PLACES)),
+            limit: AtomicU64::new(connections as u64),
+            sub_range,
+            busy: AtomicU64::new(0),
+            peak_busy: AtomicU64::new(0),
+        }
+    }
+
+    /// Allow one more connection (and one more window place).
+    pub(super) fn grow(&self) {
+        self.connections.add_permits(1);
+        self.places.add_permits(1);
+        self.limit.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connections allowed now.
+    pub(super) fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// The most requests that were in flight at once.
+    pub(super) fn peak(&self) -> u64 {
+        self.peak_busy.load(Ordering::Relaxed)
+    }
+
+    /// The most connections whose window fits [`WINDOW_BUDGET`] at `sub_range` bytes
+    /// each (at least 1): `--jobs` above it is held to it.
+    pub(super) fn max_connections(sub_range: u64) -> usize {
+        let places = (WINDOW_BUDGET / sub_range.max(1)) as usize;
+        places.saturating_sub(EXTRA_PLACES).max(1)
+    }
+}
+
+/// One fetched sub-range: its chunks as they arrived (never copied together) and the
+/// window place it holds until dropped.
+struct Piece {
+    chunks: Vec<bytes::Bytes>,
+    _place: OwnedSemaphorePermit,
+}
+
+/// The bounded reorder window of one read: its sub-ranges are fetched concurrently,
+/// each on a task of its own, and handed on strictly in order. The tasks belong to a
+/// [`tokio::task::JoinSet`], so none outlives the read (an error, a cancelled job).
+struct Window<'a> {
+    ctx: &'a JobContext,
+    path: String,
+    /// The job's reads, in order; sub-ranges never cross a read's end, and the window
+    /// runs on across reads so a job's connections stay busy at read boundaries.
+    ranges: std::collections::VecDeque<std::ops::Range<u64>>,
+    /// Index of the next sub-range to request and to hand on.
+    spawned: u64,
+    handed: u64,
+    tasks: tokio::task::JoinSet<(u64, Result<Piece, SourceError>)>,
+    /// Sub-ranges that arrived before their turn.
+    early: std::collections::BTreeMap<u64, Result<Piece, SourceError>>,
+}
+
+impl<'a> Window<'a> {
+    fn new(
+        ctx: &'a JobContext,
+        path: &str,
+        ranges: impl IntoIterator<Item = std::ops::Range<u64>>,
+    ) -> Window<'a> {
+        Window {
+            ctx,
+            path: path.to_string(),
+            ranges: ranges.into_iter().filter(|r| !r.is_empty()).collect(),
+            spawned: 0,
+            handed: 0,
+            tasks: tokio::task::JoinSet::new(),
+            early: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Request more sub-ranges while window places are free; waits for one only when
+    /// nothing of this read is in the window, so a job always makes progress and
+    /// never holds places it cannot use.
+    async fn top_up(&mut self) {
+        let links = &self.ctx.links;
+        while let Some(front) = self.ranges.front().cloned() {
+            let place = if self.spawned == self.handed {
+                match links.places.clone().acquire_owned().await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                }
+            } else {
+                match links.places.clone().try_acquire_owned() {
+                    Ok(p) => p,
+                    Err(_) => return,
+                }
+            };
+            let range = front.start..(front.start + links.sub_range).min(front.end);
+            if range.end == front.end {
+                self.ranges.pop_front();
+            } else if let Some(f) = self.ranges.front_mut() {
+                f.start = range.end;
+            }
+            let (index, source, path) = (self.spawned, self.ctx.source.clone(), self.path.clone());
+            let links = self.ctx.links.clone();
+            self.tasks.spawn(async move {
+                let got = fetch_piece(source.as_ref(), &links, &path, range, place).await;
+                (index, got)
+            });
+            self.spawned += 1;
+        }
+    }
+
+    /// The next sub-range in order; `None` after the last.
+    async fn next(&mut self) -> Option<Result<Piece, SourceError>> {
+        self.top_up().await;
+        if self.handed == self.spawned {
+            return None;
+        }
+        loop {
+            if let Some(p) = self.early.remove(&self.handed) {
+                self.handed += 1;
+                return Some(p);
+            }
+            match self.tasks.join_next().await? {
+                // A sub-range that failed for good (its retry budget spent, or an
+                // answer such as 404) fails the read at once, whatever its place: the
+                // rest of the window is cancelled with it instead of spending budgets
+                // of its own against a server that refuses.
+                Ok((_, Err(e))) => return Some(Err(e)),
+                Ok((i, got)) => {
+                    self.early.insert(i, got);
+                }
+                Err(e) => {
+                    return Some(Err(SourceError::Config(format!(
+                        "sub-range task of {} failed: {e}",
+                        self.path
+                    ))));
+                }
+            }
+        }
+    }
+}
+
+/// Fetch one sub-range under a connection permit, keeping its chunks as they came.
+async fn fetch_piece(
+    source: &dyn RangeSource,
+    links: &Links,
+    path: &str,
+    range: std::ops::Range<u64>,
+    place: OwnedSemaphorePermit,
+) -> Result<Piece, SourceError> {
+    let _conn = links
+        .connections
+        .acquire()
+        .await
+        .map_err(|_| SourceError::Config("connection budget closed".into()))?;
+    let busy = links.busy.fetch_add(1, Ordering::Relaxed) + 1;
+    links.peak_busy.fetch_max(busy, Ordering::Relaxed);
+    let result = async {
+        let mut body = source.stream_range(path, range).await?;
+        let mut chunks = Vec::new();
+        while let Some(c) = body.next().await {
+            chunks.push(c?);
+        }
+        Ok(chunks)
+    }
+    .await;
+    links.busy.fetch_sub(1, Ordering::Relaxed);
+    result.map(|chunks| Piece {
+        chunks,
+        _place: place,
+    })
 }

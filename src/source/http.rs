@@ -62,6 +62,7 @@ use reqwest::header::{self, HeaderMap};
 use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 
+use super::budget::{self, ResolverBudget};
 use super::pace::{Pace, ProgressLimits, Slow};
 use super::retry::{self, RetryPolicy, TransportFault};
 use super::token::HfToken;
@@ -166,6 +167,8 @@ struct Inner {
     published: Mutex<HashMap<String, (String, HashOrigin)>>,
     requests: AtomicU64,
     retries: AtomicU64,
+    /// Requests to the endpoint's own origin, against the hub's 5-minute budget.
+    resolver: ResolverBudget,
     bytes: AtomicU64,
 }
 
@@ -410,6 +413,12 @@ struct TreeLfs {
 }
 
 impl HttpSource {
+    /// Requests sent to the endpoint's own origin (API and `/resolve`), the ones the
+    /// hub's 5-minute rate limit counts; redirected CDN requests are not among them.
+    pub fn resolver_requests(&self) -> u64 {
+        self.inner.resolver.total()
+    }
+
     /// A source for `config`. Checks the endpoint URL and the repo name; sends nothing.
     pub fn new(config: HttpConfig) -> Result<Self, SourceError> {
         Ok(Self {
@@ -451,7 +460,16 @@ impl Inner {
             .read_timeout(backstop_read_timeout(&config))
             .build()
             .map_err(|e| SourceError::Config(format!("HTTP client: {}", error_text(e))))?;
+        let resolver = ResolverBudget::new(
+            if config.token.is_some() {
+                budget::TOKEN_LIMIT
+            } else {
+                budget::ANONYMOUS_LIMIT
+            },
+            budget::WINDOW,
+        );
         Ok(Self {
+            resolver,
             policy: config.policy(),
             endpoint,
             repo_segments,
@@ -591,12 +609,26 @@ impl Inner {
             {
                 req = req.bearer_auth(token.expose());
             }
+            let from_endpoint = url.origin() == self.endpoint.origin();
+            if from_endpoint {
+                // The hub's rate limits count these; a CDN location does not.
+                self.resolver.take().await;
+            }
             self.requests.fetch_add(1, Ordering::Relaxed);
             let resp = req
                 .send()
                 .await
                 .map_err(|e| self.transport_failure(&url, range.cloned(), e, "request failed"))?;
-            let from_endpoint = url.origin() == self.endpoint.origin();
+            if from_endpoint {
+                let text = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
+                if let Some(limit) = budget::parse_ratelimit(
+                    text("ratelimit"),
+                    text("ratelimit-remaining"),
+                    text("ratelimit-reset"),
+                ) {
+                    self.resolver.note(limit, Instant::now());
+                }
+            }
             if let Some(found) = published_in(resp.headers(), from_endpoint)
                 && published
                     .as_ref()
@@ -1008,85 +1040,6 @@ impl Inner {
             }
         }
     }
-
-    /// One attempt at `range` of `file` from `url`, the whole body in memory.
-    async fn range_attempt(
-        &self,
-        url: &Url,
-        file: &RepoFile,
-        range: &Range<u64>,
-        from_cache: bool,
-    ) -> Result<Bytes, Failure> {
-        let mut pace = Pace::new(self.config.progress);
-        let (mut resp, final_url) = self
-            .open_range(url, file, range, from_cache, &mut pace)
-            .await?;
-        let status = resp.status();
-        let len = range.end - range.start;
-        let bad = |detail: String| SourceError::BadRange {
-            path: file.path.clone(),
-            range: range.clone(),
-            detail,
-        };
-        let cap = usize::try_from(len)
-            .map_err(|_| Failure::Fatal(bad(format!("{len} bytes do not fit in memory"))))?;
-        let mut body = BytesMut::with_capacity(cap);
-        loop {
-            let chunk = match paced_chunk(&mut resp, &mut pace).await {
-                Ok(chunk) => chunk,
-                // Every byte is in; only the end of the body was slow to come.
-                Err(_) if body.len() == cap => break,
-                Err(slow) => {
-                    return Err(slow_failure(
-                        &file.path,
-                        &final_url,
-                        Some(range.clone()),
-                        slow,
-                    ));
-                }
-            };
-            match chunk {
-                Ok(Some(chunk)) => {
-                    self.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-                    if body.len() + chunk.len() > cap {
-                        return Err(Failure::Fatal(bad(format!(
-                            "body longer than the {len} bytes asked for"
-                        ))));
-                    }
-                    body.extend_from_slice(&chunk);
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    let context = format!("body failed after {} of {len} bytes", body.len());
-                    return Err(self.transport_failure(
-                        &final_url,
-                        Some(range.clone()),
-                        e,
-                        &context,
-                    ));
-                }
-            }
-        }
-        if body.len() != cap {
-            return Err(Failure::Transient {
-                error: bad(format!("body ended after {} of {len} bytes", body.len())),
-                status: Some(status.as_u16()),
-                retry_after: None,
-            });
-        }
-        Ok(body.freeze())
-    }
-
-    async fn fetch_range(
-        &self,
-        url: &Url,
-        file: &RepoFile,
-        range: &Range<u64>,
-        from_cache: bool,
-    ) -> Result<Bytes, Failure> {
-        self.with_retries(|| self.range_attempt(url, file, range, from_cache))
-            .await
-    }
 }
 
 impl Failure {
@@ -1142,28 +1095,40 @@ impl Inner {
         Ok((file.clone(), resolve_url))
     }
 
-    async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
-        let (file, resolve_url) = self.ranged_file(path, &range).await?;
-        let file = &file;
-        if range.is_empty() {
-            return Ok(Bytes::new());
-        }
-        let cached = self.lock_locations().get(path).cloned();
-        if let Some(location) = cached {
-            match self.fetch_range(&location, file, &range, true).await {
-                Err(Failure::Stale(e)) => {
-                    tracing::debug!(path, error = %e, "cached location refused; resolving again");
-                    self.lock_locations().remove(path);
+    /// [`Inner::stream_range`] collected: one read path, so one retry budget, one set of
+    /// answer checks and one redirect rule for small and large reads alike.
+    async fn read_range(
+        self: &Arc<Self>,
+        path: &str,
+        range: Range<u64>,
+    ) -> Result<Bytes, SourceError> {
+        let len = usize::try_from(range.end.saturating_sub(range.start)).map_err(|_| {
+            SourceError::BadRange {
+                path: path.to_string(),
+                range: range.clone(),
+                detail: "more bytes than fit in memory".into(),
+            }
+        })?;
+        let mut body = self.stream_range(path, range).await?;
+        let mut first: Option<Bytes> = None;
+        let mut out = BytesMut::new();
+        while let Some(chunk) = futures_util::StreamExt::next(&mut body).await {
+            let chunk = chunk?;
+            // A range that came in one chunk is handed on without a copy.
+            match first.take() {
+                None if out.is_empty() => first = Some(chunk),
+                Some(f) => {
+                    out.reserve(len);
+                    out.extend_from_slice(&f);
+                    out.extend_from_slice(&chunk);
                 }
-                other => return other.map_err(Failure::into_error),
+                None => out.extend_from_slice(&chunk),
             }
         }
-        self.fetch_range(&resolve_url, file, &range, false)
-            .await
-            .map_err(Failure::into_error)
+        Ok(first.unwrap_or_else(|| out.freeze()))
     }
 
-    async fn read_file(&self, path: &str, max_len: u64) -> Result<Bytes, SourceError> {
+    async fn read_file(self: &Arc<Self>, path: &str, max_len: u64) -> Result<Bytes, SourceError> {
         let repo = self.resolve().await?;
         let Some(file) = repo.file(path) else {
             return Err(SourceError::MissingFile {
@@ -1213,6 +1178,7 @@ impl Inner {
             attempts: 1,
             pace: Pace::new(self.config.progress),
             done: false,
+            re_resolved: false,
         };
         state.open().await?;
         Ok(Box::pin(futures_util::stream::unfold(
@@ -1248,6 +1214,8 @@ struct RangeStream {
     pace: Pace,
     /// Finished, by success or by a yielded error.
     done: bool,
+    /// An expired cached location was dropped and the file resolved again.
+    re_resolved: bool,
 }
 
 impl RangeStream {
@@ -1291,9 +1259,12 @@ impl RangeStream {
                     self.body = Some(answer);
                     return Ok(());
                 }
-                Err(Failure::Stale(e)) => {
+                // An expired location is resolved again once per read, outside the
+                // attempt budget (it is no fault of the server); a second refusal is.
+                Err(Failure::Stale(e)) if !self.re_resolved => {
                     tracing::debug!(path = %self.file.path, error = %e, "cached location refused; resolving again");
                     self.inner.lock_locations().remove(&self.file.path);
+                    self.re_resolved = true;
                     continue;
                 }
                 Err(f) => f,
@@ -1567,6 +1538,7 @@ mod tests {
             attempts: 1,
             pace: Pace::new(ProgressLimits::default()),
             done: false,
+            re_resolved: false,
         }
     }
 

@@ -14,6 +14,7 @@ use std::ops::Range;
 use async_trait::async_trait;
 use bytes::Bytes;
 
+pub mod budget;
 pub mod http;
 pub mod local;
 pub mod pace;

@@ -14,7 +14,13 @@ use backon::ExponentialBuilder;
 
 use super::SourceError;
 
-/// Attempts per request, the first included.
+/// The one retry budget: attempts per ranged read or API call, the first included.
+///
+/// A ranged read (`read_range` is `stream_range` collected) draws every request on it
+/// from this budget: the first, each retry after a refusal, each resumption after a
+/// body that broke. Nothing above the source retries a read again (the executor makes
+/// one attempt), so a server that fails every request sees exactly this many requests
+/// per read, `max_attempts - 1` waits apart, each the `Retry-After` it asked for.
 pub const DEFAULT_MAX_ATTEMPTS: usize = 6;
 /// The first backoff delay, before jitter.
 pub const DEFAULT_BASE_DELAY: Duration = Duration::from_millis(250);

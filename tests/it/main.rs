@@ -10,6 +10,7 @@ mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
 mod install_lock;
+mod line_rate;
 mod mlx_lm_parity;
 mod mlx_source;
 mod progress;

@@ -39,6 +39,7 @@
 //! of a few bytes at a time, a stall after the headers, a stall before them.
 
 mod faults;
+mod link;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
@@ -60,6 +61,7 @@ use tokio::sync::OnceCell;
 
 use faults::RequestShape;
 pub use faults::{Fault, FaultKind, Faults, RouteKind};
+pub use link::LinkShape;
 
 /// Files at least this large are served as LFS files (the hub's own rule is 10 MiB).
 pub const DEFAULT_LFS_THRESHOLD: u64 = 10 * 1024 * 1024;
@@ -119,6 +121,8 @@ pub struct HubConfig {
     pub hash_on_listing: bool,
     /// Where LFS files' SHA-256 is published (fault modes for mirrors that publish less).
     pub published_hashes: PublishedHashes,
+    /// Per-connection rate, time to first byte and aggregate cap of file answers.
+    pub link: LinkShape,
 }
 
 /// Where the hub publishes an LFS file's SHA-256. The hub itself does all three; a
@@ -149,6 +153,7 @@ impl Default for HubConfig {
             port: 0,
             hash_on_listing: true,
             published_hashes: PublishedHashes::Everywhere,
+            link: LinkShape::default(),
         }
     }
 }
@@ -208,6 +213,8 @@ pub struct FileStats {
     pub with_auth: u64,
     /// The `Range` header of each `GET` (either route), in arrival order; `None` = no Range.
     pub ranges: Vec<Option<String>>,
+    /// When each `GET` of `ranges` arrived, so tests can check the waits between them.
+    pub arrivals: Vec<std::time::Instant>,
 }
 
 /// A running hub; stops when dropped.
@@ -288,6 +295,7 @@ struct Shared {
     published_hashes: PublishedHashes,
     stats: Mutex<HubStats>,
     faults: Faults,
+    link: Arc<link::Shaper>,
 }
 
 impl Shared {
@@ -351,6 +359,7 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
         published_hashes: config.published_hashes,
         stats: Mutex::new(HubStats::default()),
         faults: Faults::default(),
+        link: link::Shaper::new(config.link),
     });
     let hub_router = Router::new()
         .route("/api/models/{org}/{name}/revision/{rev}", get(revision))
@@ -954,6 +963,7 @@ async fn resolve(
         &method,
         &headers,
         fault,
+        &hub.link,
     )
     .await
 }
@@ -983,7 +993,16 @@ async fn cdn(
     if let Some(FaultKind::Status { code, retry_after }) = &fault {
         return fault_status(*code, retry_after.as_deref());
     }
-    serve_file(&file, None, hub.published_hashes, &method, &headers, fault).await
+    serve_file(
+        &file,
+        None,
+        hub.published_hashes,
+        &method,
+        &headers,
+        fault,
+        &hub.link,
+    )
+    .await
 }
 
 fn count_file(
@@ -1014,6 +1033,7 @@ fn count_file(
                 .get(header::RANGE)
                 .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
         );
+        f.arrivals.push(std::time::Instant::now());
     }
 }
 
@@ -1180,7 +1200,9 @@ async fn serve_file(
     method: &Method,
     headers: &HeaderMap,
     fault: Option<FaultKind>,
+    link: &Arc<link::Shaper>,
 ) -> Response {
+    link.first_byte().await;
     if fault == Some(FaultKind::StallBeforeHeaders) {
         // Accept the request and never answer (until the client gives up).
         return std::future::pending().await;
@@ -1257,6 +1279,9 @@ async fn serve_file(
             bytes.max(1),
             std::time::Duration::from_millis(every_ms),
         )),
+        _ if link.shape.is_shaped() => {
+            Body::from_stream(link.clone().shape(Box::pin(body_stream(f, len, cut))))
+        }
         _ => Body::from_stream(body_stream(f, len, cut)),
     };
     resp
@@ -1406,6 +1431,15 @@ pub struct HubArgs {
     /// `{"path": "sha256 hex"}` map outside the served directory (repeatable).
     #[arg(long = "oids", value_name = "ORG/NAME=FILE")]
     oids: Vec<String>,
+    /// Bytes per second of each file answer's body, as a CDN caps one connection.
+    #[arg(long, value_name = "BYTES/S")]
+    conn_rate: Option<u64>,
+    /// Milliseconds before each file answer's headers (time to first byte).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    latency_ms: u64,
+    /// Bytes per second of all file answers together (the link's capacity).
+    #[arg(long, value_name = "BYTES/S")]
+    aggregate_rate: Option<u64>,
 }
 
 /// `gturbo-dev hub …`: serves until killed.
@@ -1463,6 +1497,11 @@ fn run_cli(args: HubArgs) -> Result<(), HubError> {
         port: args.port,
         hash_on_listing: !args.no_hash,
         published_hashes: args.published_hashes,
+        link: LinkShape {
+            conn_rate: args.conn_rate,
+            latency: std::time::Duration::from_millis(args.latency_ms),
+            aggregate_rate: args.aggregate_rate,
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

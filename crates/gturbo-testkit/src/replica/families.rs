@@ -62,6 +62,27 @@ impl Qwen3MoeSpec {
     }
 }
 
+impl Qwen3MoeSpec {
+    /// The install benchmark's checkpoint (`gturbo-dev replica qwen3-moe --bench`):
+    /// hidden 1024, 64 experts of width 512, vocab 32000, 4 shards; about 206 MB of
+    /// BF16 per layer, so `layers` 16 is 3.4 GB (1.7B parameters).
+    pub fn bench(layers: u64) -> Self {
+        Qwen3MoeSpec {
+            hidden_size: 1024,
+            num_hidden_layers: layers.max(1),
+            num_attention_heads: 16,
+            num_key_value_heads: 4,
+            head_dim: 64,
+            num_experts: 64,
+            num_experts_per_tok: 8,
+            moe_intermediate_size: 512,
+            vocab_size: 32000,
+            shards: 4,
+            seed: 0,
+        }
+    }
+}
+
 /// A tiny dense Qwen3 checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Qwen3Spec {

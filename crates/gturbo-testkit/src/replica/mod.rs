@@ -122,6 +122,14 @@ pub struct ReplicaArgs {
     /// width (the benchmark's larger model), e.g. `--experts 32 256 512`.
     #[arg(long, value_name = "E,I,H", value_delimiter = ',', num_args = 3)]
     experts: Option<Vec<u64>>,
+    /// qwen3-moe only: the install benchmark's model instead of the tiny one (hidden
+    /// 1024, 64 experts of width 512, vocab 32000, 4 shards), about 206 MB of BF16 per
+    /// layer: 16 layers make 3.4 GB, 5 make 1.2 GB.
+    #[arg(long)]
+    bench: bool,
+    /// With --bench: decoder layers (default 16).
+    #[arg(long, value_name = "N", requires = "bench")]
+    layers: Option<u64>,
 }
 
 /// The snapshot kinds `gturbo-dev replica` writes.
@@ -189,7 +197,11 @@ fn run(a: &ReplicaArgs) -> Result<ReplicaSummary, String> {
             kind.name()
         )),
         ReplicaKind::Qwen3Moe => {
-            let mut spec = Qwen3MoeSpec::tiny();
+            let mut spec = if a.bench {
+                Qwen3MoeSpec::bench(a.layers.unwrap_or(16))
+            } else {
+                Qwen3MoeSpec::tiny()
+            };
             spec.shards = a.shards.unwrap_or(spec.shards);
             spec.seed = a.seed.unwrap_or(spec.seed);
             write_qwen3_moe(out, &spec).map_err(io_err)

@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# The install benchmark (issue 9, point 6). Not part of CI: it takes many minutes.
+#
+#   scripts/bench_install.sh [WORKDIR]          (default target/bench-install)
+#
+# 1. Loopback: the generated BF16 Qwen3-MoE snapshot (scripts/make_bench_snapshot.sh,
+#    LAYERS=16: 3.4 GB) served by `gturbo-dev hub`; medians of RUNS (3) of gturbo
+#    (default, --jobs 1, --no-verify-source), `hf download`, and `hf download` +
+#    `mlx_lm.convert -q --q-bits 4 --q-group-size 64`: wall s, MB/s of source, peak RSS
+#    (/usr/bin/time -v).
+# 2. Capped link: the same snapshot through the hub at CONN_RATE (50 MB/s) per
+#    connection with LATENCY_MS (40) to first byte, AGG_RATE (unset: no aggregate cap):
+#    gturbo --jobs 1/4/16/auto vs `hf download`.
+# 3. Scaling: gturbo's peak RSS at SMALL_LAYERS (5: 1.2 GB) and LAYERS.
+#
+# The peers (hf, mlx_lm) come from the pinned venv `scripts/venv.sh test`, under
+# target/. Knobs (environment): LAYERS, SMALL_LAYERS, RUNS, CAP_RUNS (1), CONN_RATE,
+# LATENCY_MS, AGG_RATE, SKIP_PEERS=1 (gturbo only), SKIP_CAPPED=1, SKIP_SCALING=1,
+# NO_BUILD=1 (use the release binaries already built).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+work="$(mkdir -p "${1:-target/bench-install}" && cd "${1:-target/bench-install}" && pwd)"
+layers="${LAYERS:-16}"
+small_layers="${SMALL_LAYERS:-5}"
+runs="${RUNS:-3}"
+cap_runs="${CAP_RUNS:-1}"
+conn_rate="${CONN_RATE:-50000000}"
+latency="${LATENCY_MS:-40}"
+repo="bench/qwen3-moe"
+
+if [ "${NO_BUILD:-0}" != 1 ]; then
+    echo "== build (release)" >&2
+    nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2
+fi
+gturbo="$root/target/release/gturbo"
+dev="$root/target/release/gturbo-dev"
+export GTURBO_DEV="$dev"
+if [ "${SKIP_PEERS:-0}" != 1 ]; then
+    # shellcheck source=venv.sh
+    source scripts/venv.sh test
+fi
+
+hub_pid=""
+stop_hub() { if [ -n "$hub_pid" ]; then kill "$hub_pid" 2>/dev/null || true; wait "$hub_pid" 2>/dev/null || true; hub_pid=""; fi; }
+trap stop_hub EXIT
+# start_hub SNAPSHOT [hub flags...]: sets $url.
+start_hub() {
+    local snap="$1"; shift
+    stop_hub
+    local fifo="$work/hub.url"
+    rm -f "$fifo"
+    "$dev" hub --repo "$repo=$snap" --cdn "$@" >"$fifo" 2>"$work/hub.log" &
+    hub_pid=$!
+    for _ in $(seq 1 600); do
+        url=$(head -n1 "$fifo" 2>/dev/null || true)
+        [ -n "$url" ] && break
+        sleep 0.1
+    done
+    [ -n "$url" ] || { echo "hub did not start: $(cat "$work/hub.log")" >&2; exit 2; }
+}
+
+# timed LABEL CMD...: runs CMD under /usr/bin/time -v; appends "wall_s rss_kib" to
+# $work/LABEL.times. Output of CMD goes to $work/LABEL.log.
+timed() {
+    local label="$1"; shift
+    /usr/bin/time -v "$@" >"$work/$label.log" 2>"$work/$label.time" || {
+        echo "$label failed:" >&2; tail -n 30 "$work/$label.time" >&2; exit 2; }
+    local wall rss
+    wall=$(sed -n 's/.*Elapsed (wall clock) time.*: //p' "$work/$label.time" |
+        awk -F: '{ if (NF==3) print $1*3600+$2*60+$3; else print $1*60+$2 }')
+    rss=$(sed -n 's/.*Maximum resident set size (kbytes): //p' "$work/$label.time")
+    echo "$wall $rss" >>"$work/$label.times"
+}
+
+# median LABEL COLUMN: the median of a column of $work/LABEL.times.
+median() {
+    sort -n -k"$2" "$work/$1.times" | awk -v c="$2" '{ v[NR]=$c } END { print v[int((NR+1)/2)] }'
+}
+
+# row LABEL SOURCE_BYTES: one table line from the medians.
+row() {
+    local wall rss
+    wall=$(median "$1" 1); rss=$(median "$1" 2)
+    awk -v l="$1" -v w="$wall" -v r="$rss" -v b="$2" -v n="$(wc -l <"$work/$1.times")" \
+        'BEGIN { printf "| %-34s | %7.2f | %8.0f | %8.0f | %d |\n", l, w, b/1e6/w, r/1024, n }'
+}
+header() {
+    echo
+    echo "$1"
+    echo
+    echo "| what | wall s | MB/s source | peak RSS MiB | runs |"
+    echo "|---|---|---|---|---|"
+}
+
+# gturbo_install LABEL SNAP [flags...]
+gturbo_install() {
+    local label="$1" snap="$2"; shift 2
+    local idx out
+    idx=$(sha256sum "$snap/model.safetensors.index.json" | cut -d' ' -f1)
+    out="$work/out-$label.gturbo"
+    rm -rf "$out" "$out".partial*
+    timed "$label" "$gturbo" -q install --family qwen3_moe "$repo" --endpoint "$url" \
+        --index-sha256 "$idx" --out "$out" --no-progress "$@"
+    grep -h "gturbo: installed" "$work/$label.time" | tail -n1 >&2 || true
+    rm -rf "$out"
+}
+
+hf_download() {
+    local label="$1"
+    local dest="$work/hf-$label"
+    rm -rf "$dest" "$work/hf-home"
+    HF_HOME="$work/hf-home" HF_ENDPOINT="$url" HF_HUB_DISABLE_TELEMETRY=1 \
+        timed "$label" hf download "$repo" --local-dir "$dest"
+    rm -rf "$dest"
+}
+
+hf_convert() {
+    local label="$1"
+    local dest="$work/hf-$label" mlx="$work/mlx-$label"
+    rm -rf "$dest" "$mlx" "$work/hf-home"
+    cat >"$work/hf_convert.sh" <<SH
+#!/usr/bin/env bash
+set -euo pipefail
+hf download "$repo" --local-dir "$dest" >/dev/null
+mlx_lm.convert --hf-path "$dest" --mlx-path "$mlx" -q --q-bits 4 --q-group-size 64
+SH
+    chmod +x "$work/hf_convert.sh"
+    HF_HOME="$work/hf-home" HF_ENDPOINT="$url" HF_HUB_DISABLE_TELEMETRY=1 \
+        timed "$label" "$work/hf_convert.sh"
+    rm -rf "$dest" "$mlx"
+}
+
+snap=$(scripts/make_bench_snapshot.sh "$work/snapshot-$layers" "$layers")
+bytes=$(du -bc "$snap"/*.safetensors | tail -n1 | cut -f1)
+rm -f "$work"/*.times
+echo "== snapshot $snap: $bytes bytes of shards" >&2
+machine="$(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo)"
+
+echo "== loopback" >&2
+start_hub "$snap"
+for i in $(seq 1 "$runs"); do
+    echo "-- run $i/$runs" >&2
+    gturbo_install "gturbo" "$snap"
+    gturbo_install "gturbo --jobs 1" "$snap" --jobs 1
+    gturbo_install "gturbo --no-verify-source" "$snap" --no-verify-source
+    if [ "${SKIP_PEERS:-0}" != 1 ]; then
+        hf_download "hf download"
+        hf_convert "hf download + mlx_lm.convert -q"
+    fi
+done
+{
+    header "Loopback, $bytes B BF16 Qwen3-MoE ($layers layers, 4 shards), $machine, medians"
+    row "gturbo" "$bytes"
+    row "gturbo --jobs 1" "$bytes"
+    row "gturbo --no-verify-source" "$bytes"
+    if [ "${SKIP_PEERS:-0}" != 1 ]; then
+        row "hf download" "$bytes"
+        row "hf download + mlx_lm.convert -q" "$bytes"
+    fi
+} | tee "$work/loopback.md"
+
+if [ "${SKIP_CAPPED:-0}" != 1 ]; then
+    echo "== capped link" >&2
+    agg=()
+    [ -n "${AGG_RATE:-}" ] && agg=(--aggregate-rate "$AGG_RATE")
+    start_hub "$snap" --conn-rate "$conn_rate" --latency-ms "$latency" "${agg[@]}"
+    for i in $(seq 1 "$cap_runs"); do
+        for j in 1 4 16 auto; do
+            gturbo_install "capped gturbo --jobs $j" "$snap" --jobs "$j"
+        done
+        if [ "${SKIP_PEERS:-0}" != 1 ]; then
+            hf_download "capped hf download"
+        fi
+    done
+    {
+        header "Capped link: $conn_rate B/s per connection, $latency ms to first byte, aggregate ${AGG_RATE:-uncapped}"
+        for j in 1 4 16 auto; do row "capped gturbo --jobs $j" "$bytes"; done
+        if [ "${SKIP_PEERS:-0}" != 1 ]; then row "capped hf download" "$bytes"; fi
+    } | tee "$work/capped.md"
+fi
+
+if [ "${SKIP_SCALING:-0}" != 1 ]; then
+    echo "== scaling" >&2
+    small=$(scripts/make_bench_snapshot.sh "$work/snapshot-$small_layers" "$small_layers")
+    small_bytes=$(du -bc "$small"/*.safetensors | tail -n1 | cut -f1)
+    start_hub "$small"
+    gturbo_install "gturbo at $small_layers layers" "$small"
+    start_hub "$snap"
+    gturbo_install "gturbo at $layers layers" "$snap"
+    {
+        header "Scaling (default settings, one run each)"
+        row "gturbo at $small_layers layers" "$small_bytes"
+        row "gturbo at $layers layers" "$bytes"
+    } | tee "$work/scaling.md"
+fi
