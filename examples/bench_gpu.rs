@@ -135,6 +135,7 @@ fn main() {
             let scales = bf16_bytes(&mut rng, rows * cols / 64, 0.02);
             let biases = bf16_bytes(&mut rng, rows * cols / 64, 0.2);
             let m = Matrix::Quant {
+                group: 64,
                 bits: 4,
                 weights: &weights,
                 scales: &scales,

@@ -606,7 +606,7 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
             reference: QualityReference {
                 model_id: ib.manifest.model_id.clone(),
                 manifest_sha256: sha(&ib)?,
-                scheme: ib.manifest.quantized_at_install.scheme.label().into(),
+                scheme: ib.manifest.quantized_at_install.scheme.label(),
             },
             text_sha256: crate::format::digest::sha256_hex(text.as_bytes()),
             tokens: ids.len() as u64,

@@ -358,7 +358,8 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
                         .into(),
                 // FORMAT.md "quality.json": the family's requirement travels with the
                 // install (a passthrough install is its own reference and needs none).
-                quality_gate: (prepared.run_requires_recorded_quality && scheme != Scheme::Passthrough)
+                quality_gate: (prepared.run_requires_recorded_quality
+                    && scheme != Scheme::Passthrough)
                     .then(|| serde_json::json!({ "required_for_run": true })),
             },
         },

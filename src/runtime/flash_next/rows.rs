@@ -286,6 +286,7 @@ impl RowCache {
                 let (w, s) = (sz.weights as usize, sz.scales as usize);
                 Matrix::Quant {
                     bits,
+                    group: self.pool.scheme.group().unwrap_or(64) as usize,
                     weights: &bytes[..w],
                     scales: &bytes[w..w + s],
                     biases: &bytes[w + s..w + 2 * s],

@@ -145,17 +145,31 @@ impl GpuMatrix {
         let (encoding, parts): (Encoding, Vec<&[u8]>) = match *m {
             Matrix::Quant {
                 bits,
+                group,
                 weights,
                 scales,
                 biases,
                 ..
-            } => (
-                Encoding::Affine {
-                    bits,
-                    group: GROUP as u32,
-                },
-                vec![weights, scales, biases],
-            ),
+            } => {
+                // The WGSL products read 4- and 8-bit codes in groups of 64 (the widths
+                // an install quantizes to); other MLX widths run on the CPU backend.
+                if group != GROUP || !matches!(bits, 4 | 8) {
+                    return Err(GpuError::Shape {
+                        op: "upload",
+                        message: format!(
+                            "{label}: int{bits}_g{group} has no GPU kernel yet (INT4/INT8 g64 \
+                             only); use --backend cpu"
+                        ),
+                    });
+                }
+                (
+                    Encoding::Affine {
+                        bits,
+                        group: GROUP as u32,
+                    },
+                    vec![weights, scales, biases],
+                )
+            }
             Matrix::Bf16 { data, .. } => (Encoding::Bf16, vec![data]),
             Matrix::F16 { data, .. } => (Encoding::F16, vec![data]),
             Matrix::F32 { data, .. } => (Encoding::F32, vec![data]),

@@ -293,6 +293,7 @@ impl Fixture {
         match self.kind {
             "quant" => Matrix::Quant {
                 bits: self.bits,
+                group: 64,
                 weights: &self.parts[0],
                 scales: &self.parts[1],
                 biases: &self.parts[2],
@@ -834,6 +835,7 @@ fn pool_fixture(experts: usize, h: usize, i: usize, rng: &mut Rng) -> (ExpertPoo
             weights: q.weights,
             scales: q.scales,
             biases: q.biases,
+            scheme: None,
         });
         offset += q.weights + q.scales + q.biases;
     }
@@ -964,6 +966,7 @@ fn bad_operands_are_errors_not_panics() {
     assert!(ctx.matmul(&w, &ids, &y).is_err(), "u32 input");
     let short = Matrix::Quant {
         bits: 4,
+        group: 64,
         weights: &f.parts[0][1..],
         scales: &f.parts[1],
         biases: &f.parts[2],
