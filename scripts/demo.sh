@@ -63,7 +63,8 @@ ls -l "$WORK/qwen38flashnext-scaled.gturbo" "$WORK/qwen38flashnext-scaled.gturbo
 # The scaled replica runs. The family asks for a recorded quality result before a
 # quantized install may run: a BF16 install is the reference, the INT4 install's KL and
 # top-1 against it are measured and recorded (signed into its receipt), verify-install
-# re-proves it, and run generates with experts streamed through 2 cache slots.
+# re-proves it, and run generates with experts streamed through 2 cache slots (random
+# weights: the text is noise; the footer, with its cache hits and quality, is the point).
 "$BIN/gturbo" -q install --family qwen38flashnext "$REPLICA" --endpoint "$(head -1 "$WORK/scaled-hub.url")" \
   --index-sha256 "$(index_sha "$WORK/flash-next-scaled")" --quant bf16 --out "$WORK/qwen38flashnext-scaled-bf16.gturbo"
 kill $SCALED_HUB 2>/dev/null || true
