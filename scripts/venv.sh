@@ -33,7 +33,9 @@ gturbo_venv() {
     for inc in $(sed -n 's/^-r[[:space:]]*//p' "$root/scripts/${queue[0]}"); do queue+=("$inc"); done
     queue=("${queue[@]:1}")
   done
-  stamp="$("$base" -c 'import sys; print(sys.version)' | tr -d '\n'; echo " $name")
+  # The venv's own path too: its scripts' shebangs name it, so a venv made under another
+  # path (a moved or symlinked target/) is made anew instead of failing to exec.
+  stamp="$("$base" -c 'import sys; print(sys.version)' | tr -d '\n'; echo " $name $dir")
 $(cd "$root/scripts" && sha256sum "${files[@]}")"
   if [ ! -f "$dir/.gturbo-stamp" ] || [ "$(cat "$dir/.gturbo-stamp")" != "$stamp" ]; then
     echo "venv.sh: making $dir" >&2
