@@ -12,7 +12,8 @@
 # The models are random: the figures compare expert modes and the memory bound, not
 # quality. Quantized installs are run with --allow-unmeasured (no quality recorded).
 #
-# Environment: TOKENS (32), PROMPT (64 ids), THREADS (nproc), EXPERTS (32,256,512),
+# Each row is the median of REPEAT (3) runs.
+# Environment: REPEAT (3), TOKENS (32), PROMPT (64 ids), THREADS (nproc), EXPERTS (32,256,512),
 # OVERHEAD_MIB (48), ROWS (row-cache rows, 65536), PROFILE (release; `debug` reuses
 # the test build, for a quick check only: its tok/s mean nothing), NO_BUILD (set: use
 # the binaries already built).
@@ -24,6 +25,7 @@ THREADS="${THREADS:-$(nproc)}"
 EXPERTS="${EXPERTS:-32,256,512}"
 OVERHEAD_MIB="${OVERHEAD_MIB:-48}"
 ROWS="${ROWS:-65536}"
+REPEAT="${REPEAT:-3}"
 B=target/bench-flashnext
 rm -rf "$B" && mkdir -p "$B"
 [ -x /usr/bin/time ] || { echo "bench_flashnext: needs /usr/bin/time (GNU time)" >&2; exit 2; }
@@ -50,6 +52,7 @@ done
 # Prompt ids below the replicas' vocabulary (1024), away from the specials.
 IDS=$(seq 1 "$PROMPT" | awk '{ printf "%s%d", (NR > 1 ? "," : ""), ($1 * 37) % 1000 + 3 }')
 
+median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 json_field() { python3 -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }
 
 printf '%-7s %-24s %9s %9s %9s %9s %9s %12s %10s\n' model mode "pre t/s" "dec t/s" \
@@ -58,14 +61,21 @@ for m in scaled big; do
   dir="$B/$m.gturbo"
   pools=$(du -sb "$dir/packed_experts" | cut -f1)
   for mode in "--expert-cache-slots 2" "--expert-cache-slots 16" "--resident-experts"; do
-    # shellcheck disable=SC2086
-    /usr/bin/time -v "$G" run "$dir" --prompt-ids "$IDS" --max-tokens "$TOKENS" \
-      --threads "$THREADS" --row-cache-rows "$ROWS" --allow-unmeasured --json $mode \
-      > "$B/out.json" 2> "$B/time.txt"
-    rss_kb=$(awk -F': ' '/Maximum resident set size/ { print $2 }' "$B/time.txt")
+    # REPEAT runs of each mode; the row is the median of them (these machines are noisy).
+    pres=() decs=() rsss=()
+    for _ in $(seq "$REPEAT"); do
+      # shellcheck disable=SC2086
+      /usr/bin/time -v "$G" run "$dir" --prompt-ids "$IDS" --max-tokens "$TOKENS" \
+        --threads "$THREADS" --row-cache-rows "$ROWS" --allow-unmeasured --json $mode \
+        > "$B/out.json" 2> "$B/time.txt"
+      rsss+=("$(awk -F': ' '/Maximum resident set size/ { print $2 }' "$B/time.txt")")
+      pres+=("$(json_field 'd["prefill_tok_s"]' < "$B/out.json")")
+      decs+=("$(json_field 'd["decode_tok_s"]' < "$B/out.json")")
+    done
+    rss_kb=$(median "${rsss[@]}")
+    pre=$(printf '%.1f' "$(median "${pres[@]}")")
+    dec=$(printf '%.1f' "$(median "${decs[@]}")")
     j=$(cat "$B/out.json")
-    pre=$(json_field 'round(d["prefill_tok_s"], 1)' <<< "$j")
-    dec=$(json_field 'round(d["decode_tok_s"], 1)' <<< "$j")
     hit=$(json_field 'round(100 * (d["expert_cache"]["hit_rate"] or 0), 1)' <<< "$j")
     rhit=$(json_field 'round(100 * (d["row_cache"]["hit_rate"] or 0), 1)' <<< "$j")
     state=$(json_field 'round(d["state_bytes"] / 1024, 1)' <<< "$j")
