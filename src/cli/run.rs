@@ -12,6 +12,7 @@ use crate::runtime::RunError;
 use crate::runtime::experts::{CacheStats, ExpertMode};
 use crate::runtime::flash_next::install::{DEFAULT_ROW_CACHE_ROWS, FlashInstall};
 use crate::runtime::flash_next::model::FlashModel;
+use crate::runtime::flash_next::ops::FlashOps;
 use crate::runtime::gate::FLASH_NEXT;
 use crate::runtime::generate::{self, Generation, LanguageModel};
 use crate::runtime::kernels::{Backend, Cpu};
@@ -181,17 +182,30 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
         BackendChoice::Gpu => false,
         BackendChoice::Auto => true,
     };
-    if install.runner.name == FLASH_NEXT {
-        // Flash-Next's own operations (FlashOps) have a CPU implementation only.
-        gpu_unusable(
-            auto,
-            "the flash-next runner has no GPU implementation of its operations yet".into(),
-        )?;
-        return on_cpu(install);
-    }
     #[cfg(feature = "gpu")]
     {
         if let Some(gpu) = gpu_backend(&args, auto)? {
+            if install.runner.name == FLASH_NEXT {
+                let fi = FlashInstall::new(install, args.row_cache_rows as usize)?;
+                // As below: whether the model fits is learnt by uploading it.
+                let model = FlashModel::new(&fi, &gpu)
+                    .map_err(|e| e.to_string())
+                    .and_then(|m| gpu.finish().map(|()| m).map_err(|e| e.to_string()));
+                match model {
+                    Ok(m) => {
+                        let on = OnBackend::of(&gpu);
+                        return run_on(&args, &dir, &fi, &m, &on, &quality, |g| {
+                            flash_footer(&fi, &m, g)
+                        });
+                    }
+                    Err(e) => {
+                        let why = format!("the model does not load on {}: {e}", gpu.adapter().name);
+                        gpu_unusable(auto, why)?;
+                    }
+                }
+                drop(gpu);
+                return on_cpu(fi.install);
+            }
             // wgpu reports no memory size: whether the model fits is learnt by
             // uploading it (an allocation failure surfaces at `finish`).
             let model = Model::new(&install, &gpu)
@@ -321,7 +335,11 @@ fn cache_text(stats: CacheStats) -> String {
 }
 
 /// Flash-Next's footer parts: the PLE row caches and the per-sequence state.
-fn flash_footer(fi: &FlashInstall, model: &FlashModel<'_, Cpu>, g: &Generation) -> Vec<FooterPart> {
+fn flash_footer<B: FlashOps>(
+    fi: &FlashInstall,
+    model: &FlashModel<'_, B>,
+    g: &Generation,
+) -> Vec<FooterPart> {
     let mut rows = CacheStats::default();
     let mut cap = 0u64;
     for (_, r) in &fi.rows {
@@ -530,7 +548,7 @@ pub struct EvalArgs {
 
 /// The per-position logits of `ids` under the install in `dir` on `backend`, with
 /// the runner its gate chose, and its vocabulary.
-fn logits_of<B: crate::runtime::flash_next::ops::FlashOps>(
+fn logits_of<B: FlashOps>(
     dir: &Path,
     ids: &[u32],
     backend: &B,

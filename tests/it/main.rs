@@ -5,6 +5,8 @@ mod flash_next;
 mod flash_next_run;
 #[cfg(feature = "gpu")]
 mod gpu;
+#[cfg(feature = "gpu")]
+mod gpu_flash;
 mod hostile_install;
 mod hostile_net;
 mod hub_protocol;

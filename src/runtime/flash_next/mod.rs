@@ -16,7 +16,9 @@
 //!   dilated conv) over [`rows`], the bounded `pread` row cache;
 //! - [`moe`]: routing (f32 softmax, top-k, renormalise) and the sigmoid-gated shared
 //!   expert over the install's expert store;
-//! - [`ops`]: [`ops::FlashOps`] and its CPU implementation;
+//! - [`ops`]: [`ops::FlashOps`] and its CPU implementation (the GPU's is
+//!   `kernels::gpu::flash`; `conformance`, a test module, holds a backend's ops to the
+//!   CPU's);
 //! - [`config`], [`install`], [`model`]: the numbers from the manifest, the install
 //!   with its row caches, and the forward pass (prefill and cached decode) as a
 //!   sequence of op calls, generic over the backend (`FlashModel<'a, B: FlashOps>`).
@@ -27,6 +29,8 @@
 
 pub mod attention;
 pub mod config;
+#[cfg(all(test, feature = "gpu"))]
+pub(crate) mod conformance;
 pub mod gdn;
 pub mod hc;
 pub mod install;

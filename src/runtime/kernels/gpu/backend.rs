@@ -82,10 +82,22 @@ impl GpuBuf {
     pub fn is_empty(&self) -> bool {
         self.t.is_empty()
     }
+
+    /// The device tensor (for the Flash-Next ops in `flash.rs`).
+    pub(crate) fn tensor(&self) -> &GpuTensor {
+        &self.t
+    }
 }
 
 /// The RoPE table on the device.
 pub struct GpuRope(RopeTable);
+
+impl GpuRope {
+    /// The cos/sin table (for the Flash-Next ops in `flash.rs`).
+    pub(crate) fn table(&self) -> &RopeTable {
+        &self.0
+    }
+}
 
 /// One layer's KV cache on the device, grown by doubling as positions arrive.
 pub struct GpuKv {
@@ -168,7 +180,7 @@ impl Gpu {
     }
 
     /// A tensor of `len` elements whose contents are unspecified (reused or new).
-    fn scratch(&self, len: usize) -> Result<GpuBuf> {
+    pub(crate) fn scratch(&self, len: usize) -> Result<GpuBuf> {
         let size = ((len * 4) as u64).max(16).next_multiple_of(4);
         let reused = lock(&self.free).get_mut(&size).and_then(Vec::pop);
         let t = match reused {

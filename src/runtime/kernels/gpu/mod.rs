@@ -76,6 +76,7 @@
 
 mod backend;
 mod context;
+mod flash;
 mod ops;
 mod shaders;
 mod tensor;
@@ -84,6 +85,7 @@ mod tests;
 
 pub use backend::{Gpu, GpuBuf, GpuExpert, GpuKv, GpuRope, GpuSlots};
 pub use context::{AdapterSummary, GpuContext, GpuOptions, list_adapters};
+pub use flash::GpuAttnCache;
 pub use ops::RouterOutput;
 pub use tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
 

@@ -16,11 +16,13 @@ pub(crate) enum Shader {
     Softmax,
     Elementwise,
     Embed,
+    /// Flash-Next's kernels (`flash.rs`).
+    Flash(super::flash::FlashShader),
 }
 
 impl Shader {
     #[cfg(test)]
-    pub(crate) const ALL: [Shader; 8] = [
+    pub(crate) const ALL: [Shader; 14] = [
         Shader::Qmatvec,
         Shader::Fmatvec,
         Shader::Norm,
@@ -29,6 +31,12 @@ impl Shader {
         Shader::Softmax,
         Shader::Elementwise,
         Shader::Embed,
+        Shader::Flash(super::flash::FlashShader::ALL[0]),
+        Shader::Flash(super::flash::FlashShader::ALL[1]),
+        Shader::Flash(super::flash::FlashShader::ALL[2]),
+        Shader::Flash(super::flash::FlashShader::ALL[3]),
+        Shader::Flash(super::flash::FlashShader::ALL[4]),
+        Shader::Flash(super::flash::FlashShader::ALL[5]),
     ];
 
     pub(crate) fn file(self) -> &'static str {
@@ -41,6 +49,7 @@ impl Shader {
             Shader::Softmax => "softmax.wgsl",
             Shader::Elementwise => "elementwise.wgsl",
             Shader::Embed => "embed.wgsl",
+            Shader::Flash(f) => f.file(),
         }
     }
 
@@ -54,6 +63,7 @@ impl Shader {
             Shader::Softmax => include_str!("shaders/softmax.wgsl"),
             Shader::Elementwise => include_str!("shaders/elementwise.wgsl"),
             Shader::Embed => include_str!("shaders/embed.wgsl"),
+            Shader::Flash(f) => f.source(),
         }
     }
 
@@ -69,6 +79,7 @@ impl Shader {
             Shader::Softmax => SoftmaxParams::FIELDS,
             Shader::Elementwise => ElementwiseParams::FIELDS,
             Shader::Embed => EmbedParams::FIELDS,
+            Shader::Flash(f) => f.params_fields(),
         }
     }
 }
@@ -180,6 +191,7 @@ impl Kernel {
         for e in ["swiglu", "add", "gather_rows", "scatter_add"] {
             v.push(Kernel::plain(Shader::Elementwise, e));
         }
+        v.extend(super::flash::FlashShader::variants());
         v
     }
 }
@@ -226,6 +238,7 @@ macro_rules! params {
         }
     };
 }
+pub(crate) use params;
 
 params! {
     /// `qmatvec.wgsl`: offsets are words (`w_off`), half-words (`s_off`, `b_off`) and

@@ -1,0 +1,206 @@
+//! The Flash-Next runner on the GPU backend (`--backend gpu`) against the CPU backend:
+//! the scaled replica at INT4 (the real row width, one indexed-attention layer past
+//! its indexer's dense range, a PLE layer, 8 experts) gives the CPU's greedy tokens,
+//! and its logits agree at every position within docs/GPU.md's tolerance, streaming its
+//! experts through 2 slots and with resident experts; `gturbo run --backend gpu` runs
+//! it on the adapter. On a machine without a GPU these run on Mesa's llvmpipe; with no
+//! adapter at all they are reported as skipped (a failure in a strict run: CI).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use gturbo::runtime::experts::ExpertMode;
+use gturbo::runtime::flash_next::install::{self, DEFAULT_ROW_CACHE_ROWS, FlashOptions};
+use gturbo::runtime::flash_next::model::FlashModel;
+use gturbo::runtime::flash_next::ops::FlashOps;
+use gturbo::runtime::generate::argmax;
+use gturbo::runtime::kernels::gpu::{Gpu, GpuOptions};
+use gturbo::runtime::kernels::{Backend, Cpu};
+use gturbo_testkit::replica::{self, FlashNextSpec};
+use gturbo_testkit::skip::require_or_skip;
+use serde_json::Value;
+
+use crate::runtime::{install as install_snapshot, text};
+use crate::support::gturbo_bin;
+
+/// At every position `max |gpu − cpu| ≤ LOGIT_RTOL · max |cpu|` (docs/GPU.md).
+const LOGIT_RTOL: f64 = 1e-3;
+
+/// The scaled replica installed at INT4 once for this test binary (kept for the run).
+fn scaled_install() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let tmp = tempfile::tempdir().expect("temp dir").keep();
+        let snap = tmp.join("snap");
+        replica::write_flash_next(&snap, &FlashNextSpec::scaled()).expect("write the replica");
+        let out = tmp.join("flash.gturbo");
+        install_snapshot("qwen38flashnext", &snap, &out, &[]);
+        out
+    })
+}
+
+fn gpu(test: &str) -> Option<Gpu> {
+    require_or_skip(
+        test,
+        Gpu::new(&GpuOptions::default()).map_err(|e| format!("no GPU adapter: {e}")),
+    )
+}
+
+/// 100 prompt ids: past the indexer's dense range (budget 64 plus the tail), so the
+/// attention layer reads a selection of blocks.
+fn prompt(vocab: usize) -> Vec<u32> {
+    (0..100)
+        .map(|i| ((i * 37) % (vocab - 24) + 3) as u32)
+        .collect()
+}
+
+/// Greedy decoding of `steps` tokens after `prompt`, with the logits of every
+/// position (the prompt's, then each decode step's).
+fn greedy<B: FlashOps>(
+    dir: &Path,
+    experts: ExpertMode,
+    b: &B,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let fi = install::open(
+        dir,
+        FlashOptions {
+            experts,
+            row_cache_rows: DEFAULT_ROW_CACHE_ROWS,
+        },
+    )
+    .unwrap();
+    let model = FlashModel::new(&fi, b).unwrap();
+    let vocab = model.cfg.vocab;
+    let mut s = model.session();
+    let all = model.forward(&mut s, prompt, true).unwrap();
+    let mut rows: Vec<Vec<f32>> = all.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    let mut tokens = Vec::new();
+    while tokens.len() < steps {
+        let t = argmax(rows.last().unwrap());
+        tokens.push(t);
+        if tokens.len() == steps {
+            break;
+        }
+        rows.push(model.forward(&mut s, &[t], false).unwrap());
+    }
+    (tokens, rows)
+}
+
+/// Largest `max |a − b| / max |b|` over the positions, and where.
+fn worst_relative(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, usize) {
+    assert_eq!(got.len(), want.len(), "positions");
+    let mut worst = (0.0, 0);
+    for (p, (g, w)) in got.iter().zip(want).enumerate() {
+        let scale = w.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
+        let diff = g
+            .iter()
+            .zip(w)
+            .fold(0f64, |m, (a, b)| m.max(f64::from(a - b).abs()));
+        if diff / scale > worst.0 {
+            worst = (diff / scale, p);
+        }
+    }
+    worst
+}
+
+#[test]
+fn the_scaled_flash_next_replica_on_the_gpu_gives_the_cpu_tokens_and_logits() {
+    const TEST: &str = "the_scaled_flash_next_replica_on_the_gpu_gives_the_cpu_tokens_and_logits";
+    let Some(g) = gpu(TEST) else {
+        return;
+    };
+    let dir = scaled_install();
+    let prompt = prompt(FlashNextSpec::scaled().vocab_size as usize);
+    let steps = 8;
+    let (cpu_tokens, cpu_logits) = greedy(dir, ExpertMode::Slots(2), &Cpu::new(2), &prompt, steps);
+    for experts in [ExpertMode::Slots(2), ExpertMode::Resident] {
+        let (tokens, logits) = greedy(dir, experts, &g, &prompt, steps);
+        assert_eq!(
+            tokens,
+            cpu_tokens,
+            "greedy tokens on {} ({experts:?})",
+            g.name()
+        );
+        let (worst, at) = worst_relative(&logits, &cpu_logits);
+        eprintln!(
+            "Flash-Next scaled INT4 on {} ({experts:?}): {} positions, worst relative logit \
+             difference {worst:.2e} at {at}",
+            g.name(),
+            logits.len()
+        );
+        assert!(
+            worst <= LOGIT_RTOL,
+            "{experts:?}, position {at}: logits differ by {worst:.2e} of their largest \
+             magnitude (> {LOGIT_RTOL})"
+        );
+    }
+}
+
+fn run_json(dir: &Path, backend: &str) -> (Value, String) {
+    let o = Command::new(gturbo_bin())
+        .arg("run")
+        .arg(dir)
+        .args([
+            "--json",
+            "--allow-unmeasured",
+            "--threads",
+            "2",
+            "--max-tokens",
+            "4",
+            "--expert-cache-slots",
+            "2",
+            "--prompt-ids",
+            "5,17,200,33,9,48,310,2,77,120,64,1,250,19,8,400",
+            "--backend",
+            backend,
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "--backend {backend}: {}", text(&o));
+    let doc = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    (doc, String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+#[test]
+fn run_backend_gpu_runs_flash_next_on_the_adapter() {
+    const TEST: &str = "run_backend_gpu_runs_flash_next_on_the_adapter";
+    let Some(g) = gpu(TEST) else {
+        return;
+    };
+    let adapter = g.adapter().clone();
+    drop(g);
+    let dir = scaled_install();
+    let (cpu, _) = run_json(dir, "cpu");
+    let (gpu, footer) = run_json(dir, "gpu");
+    assert_eq!(gpu["runner"], "flash-next");
+    assert_eq!(gpu["tokens"], cpu["tokens"]);
+    let name = gpu["backend"].as_str().unwrap();
+    assert!(
+        name.contains(&adapter.name) && name.contains(&adapter.backend),
+        "{name} vs {adapter}"
+    );
+    assert!(gpu["device_memory_bytes"].as_u64().unwrap() > 0, "{gpu}");
+    assert!(cpu["device_memory_bytes"].is_null());
+    // The runner's own footer parts, the same figures as on the CPU.
+    assert_eq!(gpu["state_bytes"], cpu["state_bytes"]);
+    assert_eq!(gpu["row_cache"]["misses"], cpu["row_cache"]["misses"]);
+    for part in [
+        &format!("on {name}, device memory ")[..],
+        "row cache",
+        "KV cache + GDN/PLE state",
+    ] {
+        assert!(footer.contains(part), "{part}: {footer}");
+    }
+    // `auto` takes hardware adapters only: with a software one alone, the CPU.
+    let (auto, _) = run_json(dir, "auto");
+    assert_eq!(auto["tokens"], cpu["tokens"]);
+    if adapter.device_type == "Cpu" {
+        assert_eq!(
+            auto["backend"], cpu["backend"],
+            "auto on a software adapter"
+        );
+    }
+}
