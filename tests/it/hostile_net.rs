@@ -153,8 +153,9 @@ async fn issue13_a_stalling_or_dripping_server_ends_the_install_within_the_bound
     // 2 attempts × 1 s, 0.5 s of backoff at most, and the rest of the install.
     assert!(took < Duration::from_secs(20), "{took:?}: {err}");
     let line = error_line(&err);
+    // Any of the shard's sub-ranges in flight may give up first; it is named.
     assert!(
-        line.starts_with(&format!("gturbo: error: {SHARD} (bytes 0-"))
+        line.starts_with(&format!("gturbo: error: {SHARD} (bytes "))
             && line.contains(
                 "): too slow, gave up after 2 attempt(s): fewer than 65536 bytes in 1 s (the low-speed limit): 0 bytes in 1."
             )
