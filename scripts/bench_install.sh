@@ -58,10 +58,15 @@ start_hub() {
         sleep 0.1
     done
     [ -n "$url" ] || { echo "hub did not start: $(cat "$work/hub.log")" >&2; exit 2; }
+    # The hub hashes each file the first time a listing needs its SHA-256 (tens of
+    # seconds for 3 GB): do it now, so no timed client pays for it.
+    curl -sf "$url/api/models/$repo/tree/main?recursive=true" >/dev/null ||
+        { echo "hub listing failed: $(cat "$work/hub.log")" >&2; exit 2; }
 }
 
-# timed LABEL CMD...: runs CMD under /usr/bin/time -v; appends "wall_s rss_kib" to
-# $work/LABEL.times. Output of CMD goes to $work/LABEL.log.
+# timed LABEL CMD...: runs CMD under /usr/bin/time -v; appends "wall_s rss_kib conns
+# peak_mb_s" to $work/LABEL.times (the last two from gturbo's summary line, "-" for a
+# peer). Output of CMD goes to $work/LABEL.log, its stderr to $work/LABEL.time.
 timed() {
     local label="$1"; shift
     /usr/bin/time -v "$@" >"$work/$label.log" 2>"$work/$label.time" || {
@@ -70,7 +75,10 @@ timed() {
     wall=$(sed -n 's/.*Elapsed (wall clock) time.*: //p' "$work/$label.time" |
         awk -F: '{ if (NF==3) print $1*3600+$2*60+$3; else print $1*60+$2 }')
     rss=$(sed -n 's/.*Maximum resident set size (kbytes): //p' "$work/$label.time")
-    echo "$wall $rss" >>"$work/$label.times"
+    local conns peak
+    conns=$(sed -n 's/.* \([0-9]*\) connections, peak \([0-9.]*\) MB\/s.*/\1/p' "$work/$label.time" | tail -n1)
+    peak=$(sed -n 's/.* \([0-9]*\) connections, peak \([0-9.]*\) MB\/s.*/\2/p' "$work/$label.time" | tail -n1)
+    echo "$wall $rss ${conns:--} ${peak:--}" >>"$work/$label.times"
 }
 
 # median LABEL COLUMN: the median of a column of $work/LABEL.times.
@@ -78,19 +86,29 @@ median() {
     sort -n -k"$2" "$work/$1.times" | awk -v c="$2" '{ v[NR]=$c } END { print v[int((NR+1)/2)] }'
 }
 
-# row LABEL SOURCE_BYTES: one table line from the medians.
+# row LABEL SOURCE_BYTES: one table line from the medians (connections and peak MB/s:
+# those of the median-wall run).
 row() {
-    local wall rss
+    local wall rss conns peak
     wall=$(median "$1" 1); rss=$(median "$1" 2)
+    conns=$(awk -v w="$wall" '$1 == w { print $3; exit }' "$work/$1.times")
+    peak=$(awk -v w="$wall" '$1 == w { print $4; exit }' "$work/$1.times")
     awk -v l="$1" -v w="$wall" -v r="$rss" -v b="$2" -v n="$(wc -l <"$work/$1.times")" \
-        'BEGIN { printf "| %-34s | %7.2f | %8.0f | %8.0f | %d |\n", l, w, b/1e6/w, r/1024, n }'
+        -v c="$conns" -v p="$peak" \
+        'BEGIN { printf "| %-34s | %7.2f | %8.0f | %8.0f | %s | %s | %d |\n", l, w, b/1e6/w, r/1024, c, p, n }'
 }
 header() {
     echo
     echo "$1"
     echo
-    echo "| what | wall s | MB/s source | peak RSS MiB | runs |"
-    echo "|---|---|---|---|---|"
+    echo "| what | wall s | MB/s source | peak RSS MiB | connections | peak MB/s | runs |"
+    echo "|---|---|---|---|---|---|---|"
+}
+# ratio TEXT A B TARGET CMP: "TEXT: A/B = x (target CMP TARGET: met|MISSED)".
+ratio() {
+    awk -v t="$1" -v a="$2" -v b="$3" -v want="$4" -v cmp="$5" 'BEGIN {
+        x = a / b; ok = (cmp == "<=") ? (x <= want) : (x >= want)
+        printf "- %s: %.2f (target %s %s: %s)\n", t, x, cmp, want, ok ? "met" : "MISSED" }'
 }
 
 # gturbo_install LABEL SNAP [flags...]
@@ -133,7 +151,7 @@ SH
 
 snap=$(scripts/make_bench_snapshot.sh "$work/snapshot-$layers" "$layers")
 bytes=$(du -bc "$snap"/*.safetensors | tail -n1 | cut -f1)
-rm -f "$work"/*.times
+rm -f "$work"/*.times "$work"/*.md
 echo "== snapshot $snap: $bytes bytes of shards" >&2
 machine="$(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo)"
 
@@ -158,6 +176,13 @@ done
         row "hf download" "$bytes"
         row "hf download + mlx_lm.convert -q" "$bytes"
     fi
+    echo
+    g=$(median "gturbo" 1)
+    ratio "gturbo (default) / gturbo --jobs 1, wall" "$g" "$(median "gturbo --jobs 1" 1)" 1.0 "<="
+    if [ "${SKIP_PEERS:-0}" != 1 ]; then
+        ratio "gturbo / hf download, wall" "$g" "$(median "hf download" 1)" 0.5 "<="
+        ratio "(hf download + mlx_lm.convert) / gturbo, wall" "$(median "hf download + mlx_lm.convert -q" 1)" "$g" 5 ">="
+    fi
 } | tee "$work/loopback.md"
 
 if [ "${SKIP_CAPPED:-0}" != 1 ]; then
@@ -177,6 +202,19 @@ if [ "${SKIP_CAPPED:-0}" != 1 ]; then
         header "Capped link: $conn_rate B/s per connection, $latency ms to first byte, aggregate ${AGG_RATE:-uncapped}"
         for j in 1 4 16 auto; do row "capped gturbo --jobs $j" "$bytes"; done
         if [ "${SKIP_PEERS:-0}" != 1 ]; then row "capped hf download" "$bytes"; fi
+        echo
+        # The target: 90 % of min(aggregate cap, connections × per-connection rate),
+        # and no more than the CPU-bound loopback rate of the same install.
+        loop_rate=$(awk -v b="$bytes" -v w="$(median "gturbo" 1)" 'BEGIN { print b / w }')
+        for j in 4 16 auto; do
+            w=$(median "capped gturbo --jobs $j" 1)
+            c=$(awk -v w="$w" '$1 == w { print $3; exit }' "$work/capped gturbo --jobs $j.times")
+            bound=$(awk -v r="$conn_rate" -v c="$c" -v a="${AGG_RATE:-0}" -v l="$loop_rate" 'BEGIN {
+                b = r * c; if (a > 0 && a < b) b = a; if (l < b) b = l; print b }')
+            ratio "capped --jobs $j MB/s / min(aggregate, $c × per-connection, loopback rate)" \
+                "$(awk -v b="$bytes" -v w="$w" 'BEGIN { print b / w }')" "$bound" 0.9 ">="
+        done
+        ratio "capped --jobs auto / --jobs 16, MB/s" "$(median "capped gturbo --jobs 16" 1)" "$(median "capped gturbo --jobs auto" 1)" 0.9 ">="
     } | tee "$work/capped.md"
 fi
 
@@ -192,5 +230,15 @@ if [ "${SKIP_SCALING:-0}" != 1 ]; then
         header "Scaling (default settings, one run each)"
         row "gturbo at $small_layers layers" "$small_bytes"
         row "gturbo at $layers layers" "$bytes"
+        echo
+        ratio "peak RSS at $layers / at $small_layers layers" "$(median "gturbo at $layers layers" 2)" "$(median "gturbo at $small_layers layers" 2)" 1.1 "<="
     } | tee "$work/scaling.md"
 fi
+
+{
+    echo
+    max_rss=$(cat "$work"/gturbo*.times "$work"/capped\ gturbo*.times 2>/dev/null | awk '$2 > m { m = $2 } END { print m / 1024 }')
+    ratio "largest gturbo peak RSS, MiB / 256" "$max_rss" 256 1.0 "<="
+} | tee "$work/rss.md"
+cat "$work"/loopback.md "$work"/capped.md "$work"/scaling.md "$work"/rss.md 2>/dev/null >"$work/bench.md"
+echo "== all tables: $work/bench.md" >&2

@@ -63,13 +63,13 @@ pub enum Jobs {
     /// Exactly this many (at least 1).
     Fixed(usize),
     /// Start at [`Jobs::AUTO_START`] and add connections while the throughput rises,
-    /// up to [`Jobs::AUTO_MAX`].
+    /// up to [`Jobs::AUTO_MAX`] (the rules: `install::autojobs`).
     Auto,
 }
 
 impl Jobs {
     /// Connections `--jobs auto` starts with.
-    pub const AUTO_START: usize = 2;
+    pub const AUTO_START: usize = 4;
     /// The most connections `--jobs auto` opens. With redirected (CDN) locations only
     /// the first request of each file reaches the hub's resolver; the window's memory
     /// (`(connections + 2) × sub-range`) is held within its budget as well.

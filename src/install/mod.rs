@@ -4,6 +4,7 @@
 //! This is everything `--dry-run` does; the streaming executor (a later stage) starts
 //! from the same [`Prepared`] value, so a dry run and a real install plan identically.
 
+mod autojobs;
 pub mod execute;
 mod journal;
 pub mod lock;

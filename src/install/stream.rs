@@ -25,6 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::source::{RangeSource, SourceError};
 use crate::transform::quant::{self, Spec};
 
+use super::autojobs::{self, Controller, Sample, Step};
 use super::execute::{ExecuteOptions, InstallReporter, Jobs};
 use super::journal::Journal;
 use super::source_hash::ResumableSha256;
@@ -367,14 +368,16 @@ pub(super) async fn run(
     // would only wait.
     let cap = Links::max_connections(ctx.links.sub_range);
     let limit = connections.max().min(cap);
+    let at_once = jobs_at_once(connections, limit);
+    tracing::debug!(connections = limit, jobs_at_once = at_once, "stream");
     let mut waiting = jobs.into_iter();
     let mut running = tokio::task::JoinSet::new();
     let mut outcome = Ok(());
-    let mut grow = Grower::new(connections, limit as u64);
-    let mut tick = tokio::time::interval(Grower::INTERVAL);
+    let mut grow = Grower::new(connections, &ctx, limit as u64);
+    let mut tick = tokio::time::interval(autojobs::TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        while running.len() < limit {
+        while running.len() < at_once {
             let Some(job) = waiting.next() else { break };
             let ctx = ctx.clone();
             running.spawn(async move { run_job(&ctx, job).await });
@@ -415,36 +418,50 @@ pub(super) async fn run(
     })
 }
 
-/// `--jobs auto`: every [`Grower::INTERVAL`], if the connections were all busy and the
-/// throughput rose since the last step, open more (half as many again, at least one),
-/// up to [`Jobs::AUTO_MAX`] (and the window budget). Two steps that did not raise the throughput by 10 % end
-/// the growth: the link or the CPU is the bound then, and more connections would cost
-/// the hub requests and the install memory for nothing. Also tracks the peak rate.
+/// Shard jobs that run at once. A fixed `--jobs N` runs up to N (each with its own
+/// connections, as before); `--jobs auto` runs one per available core: each job
+/// transforms its reads in order with its hash on a thread beside it, so more jobs
+/// than cores only contend for them (on this 2-core machine, 4 jobs at once were
+/// slower on loopback than 1), while one job's reorder window alone can keep every
+/// connection busy.
+fn jobs_at_once(jobs: Jobs, connections: usize) -> usize {
+    match jobs {
+        Jobs::Fixed(_) => connections,
+        Jobs::Auto => std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(connections)
+            .max(1),
+    }
+}
+
+/// Samples the link every [`autojobs::TICK`]: feeds `--jobs auto`'s
+/// [`Controller`] (which decides the connections; `None` for a fixed `--jobs N`) and
+/// tracks the peak throughput for the summary line. Each decision is logged at debug
+/// level (`-v`).
 struct Grower {
-    auto: bool,
-    /// The most connections to grow to.
-    max: u64,
+    controller: Option<Controller>,
     last_at: std::time::Instant,
-    last_bytes: u64,
-    /// The best rate seen before the last growth step.
-    before_step: f64,
-    flat_steps: u32,
+    last_received: u64,
+    last_pushbacks: u64,
+    /// The start of the current peak-rate interval and the bytes received by then.
+    peak_from: (std::time::Instant, u64),
     peak: f64,
     started: std::time::Instant,
 }
 
 impl Grower {
-    const INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+    /// The interval the peak rate is measured over: long enough that one sub-range
+    /// arriving does not read as a burst.
+    const PEAK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
-    fn new(jobs: Jobs, max: u64) -> Grower {
+    fn new(jobs: Jobs, ctx: &JobContext, max: u64) -> Grower {
         let now = std::time::Instant::now();
         Grower {
-            auto: jobs == Jobs::Auto,
-            max,
+            controller: (jobs == Jobs::Auto).then(|| Controller::new(ctx.links.limit(), max)),
             last_at: now,
-            last_bytes: 0,
-            before_step: 0.0,
-            flat_steps: 0,
+            last_received: 0,
+            last_pushbacks: ctx.source.pushbacks(),
+            peak_from: (now, 0),
             peak: 0.0,
             started: now,
         }
@@ -452,51 +469,60 @@ impl Grower {
 
     fn sample(&mut self, ctx: &JobContext) {
         let now = std::time::Instant::now();
-        let bytes = ctx.counters.bytes_read.load(Ordering::Relaxed);
-        let dt = now.duration_since(self.last_at).as_secs_f64();
-        if dt < 0.05 {
-            return;
-        }
-        let rate = (bytes - self.last_bytes) as f64 / dt;
-        self.last_at = now;
-        self.last_bytes = bytes;
-        self.peak = self.peak.max(rate);
         let links = &ctx.links;
-        if !self.auto || self.flat_steps >= 2 || links.limit() >= self.max {
-            return;
+        let received = links.received.load(Ordering::Relaxed);
+        let (from, at_from) = self.peak_from;
+        if now.duration_since(from) >= Self::PEAK_INTERVAL {
+            let rate = (received - at_from) as f64 / now.duration_since(from).as_secs_f64();
+            self.peak = self.peak.max(rate);
+            self.peak_from = (now, received);
         }
-        if rate > self.before_step * 1.1 {
-            self.flat_steps = 0;
-        } else {
-            self.flat_steps += 1;
-            if self.flat_steps >= 2 {
+        let Some(c) = &mut self.controller else {
+            return;
+        };
+        let pushbacks = ctx.source.pushbacks();
+        let sample = Sample {
+            bytes: received - self.last_received,
+            elapsed: now.duration_since(self.last_at),
+            busy: links.busy.load(Ordering::Relaxed),
+            pushed_back: pushbacks != self.last_pushbacks,
+        };
+        (self.last_at, self.last_received, self.last_pushbacks) = (now, received, pushbacks);
+        let step = c.sample(sample);
+        let mb_s = sample.bytes as f64 / sample.elapsed.as_secs_f64().max(1e-9) / 1e6;
+        match step {
+            Step::Hold => tracing::trace!(
+                connections = c.limit(),
+                busy = sample.busy,
+                mb_s,
+                "jobs auto: sample"
+            ),
+            Step::Grow(n) => {
+                while links.limit() < n {
+                    links.grow();
+                }
                 tracing::debug!(
-                    connections = links.limit(),
-                    rate,
-                    "connections stop growing"
+                    connections = n,
+                    level_mb_s = c.last_rate().unwrap_or(0.0) / 1e6,
+                    busy = sample.busy,
+                    "jobs auto: more connections"
                 );
-                return;
             }
+            Step::Stop(why) => tracing::debug!(
+                connections = c.limit(),
+                level_mb_s = c.last_rate().unwrap_or(0.0) / 1e6,
+                busy = sample.busy,
+                why = ?why,
+                "jobs auto: connections stop growing"
+            ),
         }
-        // Grow only when the connections we have are the bound.
-        if links.busy.load(Ordering::Relaxed) + 1 < links.limit() {
-            return;
-        }
-        self.before_step = self.before_step.max(rate);
-        let add = (links.limit() / 2).max(1);
-        for _ in 0..add {
-            if links.limit() < self.max {
-                links.grow();
-            }
-        }
-        tracing::debug!(connections = links.limit(), rate, "more connections");
     }
 
     /// The peak rate, or the mean rate for a stream shorter than one interval.
     fn peak_bytes_per_s(&self, ctx: &JobContext) -> f64 {
-        let total = ctx.counters.bytes_read.load(Ordering::Relaxed) as f64;
+        let total = ctx.links.received.load(Ordering::Relaxed) as f64;
         let mean = total / self.started.elapsed().as_secs_f64().max(1e-9);
-        self.peak.max(if self.peak == 0.0 { mean } else { 0.0 })
+        if self.peak == 0.0 { mean } else { self.peak }
     }
 }
 
@@ -660,6 +686,8 @@ pub(super) struct Links {
     sub_range: u64,
     /// Requests in flight now, and the most seen at once.
     busy: AtomicU64,
+    /// Source bytes received so far (as they arrive, before the window hands them on).
+    received: AtomicU64,
     peak_busy: AtomicU64,
 }
 
@@ -680,6 +708,7 @@ impl Links {
             limit: AtomicU64::new(connections as u64),
             sub_range,
             busy: AtomicU64::new(0),
+            received: AtomicU64::new(0),
             peak_busy: AtomicU64::new(0),
         }
     }
@@ -833,7 +862,9 @@ async fn fetch_piece(
         let mut body = source.stream_range(path, range).await?;
         let mut chunks = Vec::new();
         while let Some(c) = body.next().await {
-            chunks.push(c?);
+            let c = c?;
+            links.received.fetch_add(c.len() as u64, Ordering::Relaxed);
+            chunks.push(c);
         }
         Ok(chunks)
     }

@@ -28,10 +28,17 @@ pub struct ResolverBudget {
 struct State {
     /// When each request of the current window was sent, oldest first.
     sent: VecDeque<Instant>,
-    /// No request before this (the server said its budget is spent).
-    until: Option<Instant>,
+    /// What the server last said is left of its budget, less the requests sent since
+    /// (`None`: it said nothing, or its window has reset since).
+    left: Option<u64>,
+    /// When the server's window resets (from its last `RateLimit`).
+    reset_at: Option<Instant>,
+    /// Requests sent and not yet answered.
+    in_flight: u64,
     /// Requests counted in all.
     total: u64,
+    /// Requests that had to wait for the budget.
+    waits: u64,
 }
 
 impl ResolverBudget {
@@ -47,11 +54,13 @@ impl ResolverBudget {
     /// Count one request sent at `now` if the budget allows it; else how long to wait.
     pub fn try_take(&self, now: Instant) -> Result<(), Duration> {
         let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(until) = s.until {
-            if until > now {
-                return Err(until - now);
+        if let Some(reset) = s.reset_at {
+            if reset <= now {
+                // The server's window has reset: what it said no longer holds.
+                (s.reset_at, s.left) = (None, None);
+            } else if s.left == Some(0) {
+                return Err(reset - now);
             }
-            s.until = None;
         }
         while s
             .sent
@@ -66,15 +75,29 @@ impl ResolverBudget {
         }
         s.sent.push_back(now);
         s.total += 1;
+        s.in_flight += 1;
+        if let Some(left) = &mut s.left {
+            *left = left.saturating_sub(1);
+        }
         Ok(())
     }
 
-    /// Wait until the budget allows a request, then count it.
-    pub async fn take(&self) {
+    /// Wait until the budget allows a request, then count it. The ticket stands for
+    /// the request until its answer: give the answer's `RateLimit` to
+    /// [`Ticket::answered`], or drop it (no answer came).
+    pub async fn take(&self) -> Ticket<'_> {
+        let mut waited = false;
         loop {
             match self.try_take(Instant::now()) {
-                Ok(()) => return,
+                Ok(()) => return Ticket { budget: self },
                 Err(wait) => {
+                    if !waited {
+                        waited = true;
+                        self.state
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .waits += 1;
+                    }
                     tracing::debug!(
                         wait_ms = wait.as_millis() as u64,
                         "resolver budget spent; waiting"
@@ -85,14 +108,29 @@ impl ResolverBudget {
         }
     }
 
-    /// What an answer said of the server's limit: with nothing left, no request goes
-    /// before the window resets.
+    /// What an answer said of the server's limit. The server counted every request
+    /// sent before this answer's, and perhaps some still in flight: those are taken
+    /// off what it says is left, so concurrent requests never overrun it. With nothing
+    /// left, no request goes before the window resets.
     pub fn note(&self, limit: RateLimit, now: Instant) {
-        if limit.remaining == 0 {
-            let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            let until = now + limit.reset.min(self.window);
-            s.until = Some(s.until.map_or(until, |u| u.max(until)));
-        }
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let left = limit.remaining.saturating_sub(s.in_flight);
+        s.left = Some(s.left.map_or(left, |l| l.min(left)));
+        let reset = now + limit.reset.min(self.window);
+        s.reset_at = Some(s.reset_at.map_or(reset, |r| r.max(reset)));
+    }
+
+    fn answered(&self) {
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        s.in_flight = s.in_flight.saturating_sub(1);
+    }
+
+    /// Requests that had to wait for the budget so far.
+    pub fn waits(&self) -> u64 {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .waits
     }
 
     /// Resolver requests counted so far.
@@ -101,6 +139,30 @@ impl ResolverBudget {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .total
+    }
+}
+
+/// One counted request until its answer (see [`ResolverBudget::take`]).
+#[derive(Debug)]
+pub struct Ticket<'a> {
+    budget: &'a ResolverBudget,
+}
+
+impl Ticket<'_> {
+    /// The answer came, with what it said of the server's limit.
+    pub fn answered(self, limit: Option<RateLimit>, now: Instant) {
+        self.budget.answered();
+        if let Some(l) = limit {
+            self.budget.note(l, now);
+        }
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Ticket<'_> {
+    /// No answer (a transport error, a cancelled request): no longer in flight.
+    fn drop(&mut self) {
+        self.budget.answered();
     }
 }
 
@@ -193,6 +255,30 @@ mod tests {
             t0,
         );
         assert_eq!(b.try_take(t0), Err(WINDOW));
+    }
+
+    #[test]
+    fn requests_in_flight_are_taken_off_what_the_server_says_is_left() {
+        let b = ResolverBudget::new(100, WINDOW);
+        let t0 = Instant::now();
+        // Three requests go out at once; the first answer says 3 are left, counted
+        // before the other two reached the server (or not: the client cannot tell).
+        for _ in 0..3 {
+            b.try_take(t0).unwrap();
+        }
+        b.answered();
+        b.note(
+            RateLimit {
+                remaining: 3,
+                reset: Duration::from_secs(60),
+            },
+            t0,
+        );
+        // 3 − the 2 still in flight: one more request, then wait for the reset.
+        assert_eq!(b.try_take(t0), Ok(()));
+        assert_eq!(b.try_take(t0), Err(Duration::from_secs(60)));
+        assert_eq!(b.try_take(t0 + Duration::from_secs(60)), Ok(()));
+        assert_eq!(b.total(), 5);
     }
 
     #[test]

@@ -167,6 +167,8 @@ struct Inner {
     published: Mutex<HashMap<String, (String, HashOrigin)>>,
     requests: AtomicU64,
     retries: AtomicU64,
+    /// Retries after a `429` or `503`: the server asking for less.
+    pushbacks: AtomicU64,
     /// Requests to the endpoint's own origin, against the hub's 5-minute budget.
     resolver: ResolverBudget,
     bytes: AtomicU64,
@@ -480,6 +482,7 @@ impl Inner {
             published: Mutex::new(HashMap::new()),
             requests: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            pushbacks: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
         })
     }
@@ -514,6 +517,14 @@ impl Inner {
         self.url_with(segs)
     }
 
+    /// A retry after `status`: a `429` or `503` is the server asking for less (a
+    /// reset or a timeout is not, and says nothing of how many connections it takes).
+    fn note_pushback(&self, status: Option<u16>) {
+        if matches!(status, Some(429 | 503)) {
+            self.pushbacks.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     fn lock_locations(&self) -> std::sync::MutexGuard<'_, HashMap<String, Url>> {
         self.locations
             .lock()
@@ -545,6 +556,7 @@ impl Inner {
                     Failure::Transient { status, .. } => *status,
                     _ => None,
                 };
+                self.note_pushback(status);
                 tracing::debug!(
                     status = status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
                     attempt = attempts,
@@ -610,24 +622,26 @@ impl Inner {
                 req = req.bearer_auth(token.expose());
             }
             let from_endpoint = url.origin() == self.endpoint.origin();
-            if from_endpoint {
-                // The hub's rate limits count these; a CDN location does not.
-                self.resolver.take().await;
-            }
+            // The hub's rate limits count these; a CDN location does not. The ticket
+            // keeps the request counted as in flight until its answer (or its drop).
+            let ticket = if from_endpoint {
+                Some(self.resolver.take().await)
+            } else {
+                None
+            };
             self.requests.fetch_add(1, Ordering::Relaxed);
             let resp = req
                 .send()
                 .await
                 .map_err(|e| self.transport_failure(&url, range.cloned(), e, "request failed"))?;
-            if from_endpoint {
+            if let Some(ticket) = ticket {
                 let text = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
-                if let Some(limit) = budget::parse_ratelimit(
+                let limit = budget::parse_ratelimit(
                     text("ratelimit"),
                     text("ratelimit-remaining"),
                     text("ratelimit-reset"),
-                ) {
-                    self.resolver.note(limit, Instant::now());
-                }
+                );
+                ticket.answered(limit, Instant::now());
             }
             if let Some(found) = published_in(resp.headers(), from_endpoint)
                 && published
@@ -1294,6 +1308,7 @@ impl RangeStream {
         };
         self.attempts += 1;
         self.inner.retries.fetch_add(1, Ordering::Relaxed);
+        self.inner.note_pushback(status);
         tracing::debug!(
             status = status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
             attempt = self.attempts,
@@ -1446,6 +1461,10 @@ impl RangeSource for HttpSource {
 
     fn stats(&self) -> SourceStats {
         self.inner.stats()
+    }
+
+    fn pushbacks(&self) -> u64 {
+        self.inner.pushbacks.load(Ordering::Relaxed) + self.inner.resolver.waits()
     }
 
     fn published_sha256(&self, path: &str) -> Option<String> {

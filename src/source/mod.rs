@@ -103,6 +103,14 @@ pub trait RangeSource: Send + Sync {
     /// Counters so far.
     fn stats(&self) -> SourceStats;
 
+    /// How often the source pushed back so far (a monotonic count): for a hub, retries
+    /// after a `429` or `503` and requests that waited on its resolver budget or its
+    /// `RateLimit`. `--jobs auto` opens no more connections once this moves. A source
+    /// that cannot push back (a local folder) says 0.
+    fn pushbacks(&self) -> u64 {
+        0
+    }
+
     /// The SHA-256 the source publishes for `path`, as known now: the listing's, or one
     /// a file answer carried (HTTP: `X-Linked-Etag`, or an `ETag` that is a SHA-256).
     /// Asked after the shard headers are read, so those answers count.

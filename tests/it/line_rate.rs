@@ -1,18 +1,17 @@
 //! Issue 9: one read path and one retry budget, concurrency inside a shard through a
 //! bounded reorder window (resume, corruption), and `--jobs auto`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use gturbo::source::RangeSource;
 use gturbo::source::http::{HttpConfig, HttpSource};
-use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, LinkShape};
-use gturbo_testkit::replica::{self, FlashNextSpec};
+use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, LinkShape};
 
-use crate::support::{self, gturbo_bin, sha256_hex, temp_dir};
+use crate::support::{self, Replica, gturbo_bin, sha256_hex, temp_dir};
 
-const REPO: &str = "Qwen/Qwen3.8-Flash-Next";
+const REPO: &str = Replica::REPO;
 
 /// The gaps between consecutive arrivals.
 fn gaps(arrivals: &[Instant]) -> Vec<Duration> {
@@ -80,42 +79,6 @@ async fn a_server_failing_every_request_is_tried_exactly_the_budget_with_its_wai
         assert_eq!(f.ranges.len(), attempts, "{how}: {f:?}");
         assert_waited_as_asked(&gaps(&f.arrivals));
         assert_eq!(src.stats().retries, attempts as u64 - 1, "{how}");
-    }
-}
-
-struct Replica {
-    tmp: tempfile::TempDir,
-    dir: PathBuf,
-    index_sha: String,
-}
-
-impl Replica {
-    fn new() -> Replica {
-        let tmp = temp_dir();
-        let dir = tmp.path().join("snapshot");
-        replica::write_flash_next(&dir, &FlashNextSpec::scaled()).unwrap();
-        let index_sha =
-            sha256_hex(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap());
-        Replica {
-            tmp,
-            dir,
-            index_sha,
-        }
-    }
-
-    fn out(&self, name: &str) -> PathBuf {
-        self.tmp.path().join(name)
-    }
-
-    async fn start(&self, config: HubConfig) -> (Hub, HubRepo) {
-        let repo = HubRepo::new(REPO, &self.dir);
-        let hub = gturbo_testkit::hub::start(HubConfig {
-            repos: vec![repo.clone()],
-            ..config
-        })
-        .await
-        .expect("start the test hub");
-        (hub, repo)
     }
 }
 
@@ -237,16 +200,6 @@ fn tree_hashes(dir: &Path) -> std::collections::BTreeMap<String, String> {
     out
 }
 
-fn shard_names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".safetensors"))
-        .collect();
-    v.sort();
-    v
-}
-
 /// The number in `stderr`'s summary line just before `key`.
 fn summary_number(stderr: &str, key: &str) -> u64 {
     let line = stderr
@@ -277,7 +230,7 @@ const IN_FLIGHT_BOUND: u64 = 4 * (1 << 20) + 6 * (128 << 10);
 async fn a_kill_inside_the_reorder_window_resumes_to_identical_bytes() {
     let r = Replica::new();
     let (hub, repo) = r.start(HubConfig::default()).await;
-    let shards = shard_names(&r.dir);
+    let shards = r.shards();
     let url = hub.url().to_string();
     let run = |out: &Path, abort: Option<u64>| {
         let n = abort.map(|k| k.to_string());
@@ -347,7 +300,7 @@ async fn a_kill_inside_the_reorder_window_resumes_to_identical_bytes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_middle_sub_range_is_caught_and_its_shard_discarded() {
     let r = Replica::new();
-    let shards = shard_names(&r.dir);
+    let shards = r.shards();
     // The largest shard, so its middle is many sub-ranges from either end.
     let (shard, size) = shards
         .iter()
@@ -358,27 +311,8 @@ async fn a_corrupted_middle_sub_range_is_caught_and_its_shard_discarded() {
         size > 8 * (128 << 10),
         "{shard}: {size} bytes, too small for the test"
     );
-    let oids: serde_json::Map<String, serde_json::Value> = shards
-        .iter()
-        .map(|s| {
-            let h = sha256_hex(&std::fs::read(r.dir.join(s)).unwrap());
-            (s.clone(), serde_json::Value::String(h))
-        })
-        .collect();
-    let oids_file = r.tmp.path().join("oids.json");
-    std::fs::write(
-        &oids_file,
-        serde_json::Value::Object(oids.clone()).to_string(),
-    )
-    .unwrap();
-    let mut hub_repo = HubRepo::new(REPO, &r.dir);
-    hub_repo.oids = Some(oids_file);
-    let hub = gturbo_testkit::hub::start(HubConfig {
-        repos: vec![hub_repo.clone()],
-        ..HubConfig::default()
-    })
-    .await
-    .unwrap();
+    r.publish(&r.true_oids());
+    let (hub, hub_repo) = r.start(HubConfig::default()).await;
     let path = r.dir.join(&shard);
     let original = std::fs::read(&path).unwrap();
     let header_end = 8 + u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
@@ -485,4 +419,96 @@ async fn jobs_auto_grows_connections_on_a_capped_link_and_a_fixed_count_holds() 
         tree_hashes(&r.out("auto.gturbo")),
         tree_hashes(&r.out("two.gturbo"))
     );
+}
+
+/// Resolver requests (API and `/resolve`) the hub saw.
+fn resolver_requests(hub: &Hub) -> u64 {
+    let s = hub.stats();
+    s.revision + s.tree + s.resolve
+}
+
+/// Point 3: connections cost the hub's resolver nothing where it redirects (each file
+/// is resolved once and its CDN location reused, so `--jobs auto` on a capped link
+/// sends the resolver exactly what `--jobs 1` does); where it does not redirect,
+/// every request counts, and the hub's `RateLimit` is honoured: a window of 15
+/// requests per second is never overrun (no `429`), however many connections auto
+/// opens, and the install still completes with the same bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_auto_keeps_within_the_hubs_resolver_budget() {
+    let r = Replica::new();
+    let shards = r.shards();
+    let capped = LinkShape {
+        conn_rate: Some(3_000_000),
+        latency: Duration::from_millis(20),
+        aggregate_rate: None,
+    };
+    let (cdn, repo) = r
+        .start(HubConfig {
+            redirect_to_cdn: true,
+            link: capped,
+            ..HubConfig::default()
+        })
+        .await;
+    let url = cdn.url().to_string();
+    let mut counts = Vec::new();
+    for jobs in ["auto", "1"] {
+        cdn.reset_stats();
+        let out = r.out(&format!("cdn-{jobs}.gturbo"));
+        let flags = ["--sub-range-kib", "256", "--jobs", jobs];
+        let o = tokio::task::block_in_place(|| install(&url, &repo.commit, &r, &out, &flags, &[]));
+        assert!(o.status.success(), "--jobs {jobs}: {}", stderr(&o));
+        let per_shard: Vec<u64> = shards
+            .iter()
+            .map(|s| cdn.stats().file(REPO, s).resolve)
+            .collect();
+        // The header read resolves each shard; the weight reads reuse its location.
+        assert!(
+            per_shard.iter().all(|&n| n == 1),
+            "--jobs {jobs}: resolver requests per shard {per_shard:?}"
+        );
+        assert!(
+            cdn.stats().cdn > shards.len() as u64,
+            "ranges went to the CDN"
+        );
+        counts.push(resolver_requests(&cdn));
+    }
+    assert_eq!(counts[0], counts[1], "auto vs --jobs 1: {counts:?}");
+    let want = tree_hashes(&r.out("cdn-1.gturbo"));
+
+    let limit = gturbo_testkit::hub::ResolverLimit {
+        requests: 15,
+        window: Duration::from_secs(1),
+    };
+    let (direct, repo) = r
+        .start(HubConfig {
+            link: capped,
+            resolver_limit: Some(limit),
+            ..HubConfig::default()
+        })
+        .await;
+    let url = direct.url().to_string();
+    let out = r.out("limited.gturbo");
+    let o = tokio::task::block_in_place(|| {
+        install(
+            &url,
+            &repo.commit,
+            &r,
+            &out,
+            &["--sub-range-kib", "256", "--jobs", "auto"],
+            &[],
+        )
+    });
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let stats = direct.stats();
+    assert!(
+        resolver_requests(&direct) > 2 * limit.requests,
+        "the limit must bind for the test to mean anything: {stats:?}"
+    );
+    assert_eq!(
+        stats.rate_limited, 0,
+        "requests over the hub's limit: {err}"
+    );
+    assert!(stats.resolver_window_peak <= limit.requests, "{stats:?}");
+    assert_eq!(tree_hashes(&out), want);
 }

@@ -113,3 +113,103 @@ pub fn rewrite_as_manifest_1_0(dir: &Path) -> Vec<u8> {
     std::fs::write(&path, &bytes).unwrap();
     bytes
 }
+
+/// The scaled Qwen3.8-Flash-Next replica (six shards, random weights) in a temp dir,
+/// served by the test hub: the fixture of the network tests (`hostile_net`,
+/// `line_rate`).
+pub struct Replica {
+    /// Holds the snapshot and every output the test writes beside it.
+    pub tmp: tempfile::TempDir,
+    /// The snapshot folder the hub serves.
+    pub dir: PathBuf,
+    /// SHA-256 of its `model.safetensors.index.json` (`--index-sha256`).
+    pub index_sha: String,
+}
+
+impl Replica {
+    /// The repo name the hub serves the replica as.
+    pub const REPO: &'static str = "Qwen/Qwen3.8-Flash-Next";
+
+    pub fn new() -> Replica {
+        let tmp = temp_dir();
+        let dir = tmp.path().join("snapshot");
+        gturbo_testkit::replica::write_flash_next(
+            &dir,
+            &gturbo_testkit::replica::FlashNextSpec::scaled(),
+        )
+        .unwrap();
+        let index_sha =
+            sha256_hex(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap());
+        Replica {
+            tmp,
+            dir,
+            index_sha,
+        }
+    }
+
+    /// A path beside the snapshot, for an output.
+    pub fn out(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+
+    /// The shard file names, sorted.
+    pub fn shards(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Publish these SHA-256s (the hub then never hashes the files itself), so the
+    /// bytes served can differ from what is published.
+    pub fn publish(&self, oids: &[(String, String)]) {
+        let map: serde_json::Map<String, serde_json::Value> = oids
+            .iter()
+            .map(|(p, h)| (p.clone(), serde_json::Value::String(h.clone())))
+            .collect();
+        std::fs::write(self.oids_file(), serde_json::Value::Object(map).to_string()).unwrap();
+    }
+
+    /// Where [`Replica::publish`] keeps the published hashes: outside the served folder.
+    pub fn oids_file(&self) -> PathBuf {
+        self.tmp.path().join("oids.json")
+    }
+
+    /// The hub serving this replica, with the published hashes if any.
+    pub async fn start(&self, config: HubConfig) -> (Hub, HubRepo) {
+        let mut repo = HubRepo::new(Self::REPO, &self.dir);
+        let oids = self.oids_file();
+        repo.oids = oids.exists().then_some(oids);
+        let hub = hub::start(HubConfig {
+            repos: vec![repo.clone()],
+            ..config
+        })
+        .await
+        .expect("start the test hub");
+        (hub, repo)
+    }
+
+    /// Every shard with the SHA-256 of its bytes as they are now.
+    pub fn true_oids(&self) -> Vec<(String, String)> {
+        self.shards()
+            .into_iter()
+            .map(|s| {
+                let h = sha256_hex(&std::fs::read(self.dir.join(&s)).unwrap());
+                (s, h)
+            })
+            .collect()
+    }
+
+    /// Byte offset (in the file) and length of a tensor's data in `shard`.
+    pub fn tensor_span(&self, shard: &str, tensor: &str) -> (usize, usize) {
+        let bytes = std::fs::read(self.dir.join(shard)).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let off = &header[tensor]["data_offsets"];
+        let (a, b) = (off[0].as_u64().unwrap(), off[1].as_u64().unwrap());
+        (8 + n + a as usize, (b - a) as usize)
+    }
+}

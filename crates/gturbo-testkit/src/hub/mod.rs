@@ -123,6 +123,20 @@ pub struct HubConfig {
     pub published_hashes: PublishedHashes,
     /// Per-connection rate, time to first byte and aggregate cap of file answers.
     pub link: LinkShape,
+    /// A rate limit on resolver requests (API and `/resolve`, not `/cdn`), as the hub
+    /// keeps per IP: every answer says what is left in a `RateLimit` field, and a
+    /// request over the limit is answered `429` with `Retry-After`.
+    pub resolver_limit: Option<ResolverLimit>,
+}
+
+/// `requests` resolver requests per fixed `window` (the hub: 3,000 per 5 minutes
+/// anonymously).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolverLimit {
+    /// Requests per window.
+    pub requests: u64,
+    /// The window; it starts at the first request and again at the first one after it ends.
+    pub window: std::time::Duration,
 }
 
 /// Where the hub publishes an LFS file's SHA-256. The hub itself does all three; a
@@ -154,6 +168,7 @@ impl Default for HubConfig {
             hash_on_listing: true,
             published_hashes: PublishedHashes::Everywhere,
             link: LinkShape::default(),
+            resolver_limit: None,
         }
     }
 }
@@ -186,6 +201,10 @@ pub struct HubStats {
     pub resolve: u64,
     /// `/cdn` requests.
     pub cdn: u64,
+    /// Resolver requests answered `429` for being over [`HubConfig::resolver_limit`].
+    pub rate_limited: u64,
+    /// The most resolver requests one window of [`HubConfig::resolver_limit`] let in.
+    pub resolver_window_peak: u64,
     /// Per file, keyed `org/name/path`.
     pub files: BTreeMap<String, FileStats>,
 }
@@ -296,6 +315,9 @@ struct Shared {
     stats: Mutex<HubStats>,
     faults: Faults,
     link: Arc<link::Shaper>,
+    resolver_limit: Option<ResolverLimit>,
+    /// The current resolver window: when it started and the requests it let in.
+    resolver_window: Mutex<Option<(std::time::Instant, u64)>>,
 }
 
 impl Shared {
@@ -360,12 +382,18 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
         stats: Mutex::new(HubStats::default()),
         faults: Faults::default(),
         link: link::Shaper::new(config.link),
+        resolver_limit: config.resolver_limit,
+        resolver_window: Mutex::new(None),
     });
     let hub_router = Router::new()
         .route("/api/models/{org}/{name}/revision/{rev}", get(revision))
         .route("/api/models/{org}/{name}/tree/{rev}", get(tree_root))
         .route("/api/models/{org}/{name}/tree/{rev}/{*dir}", get(tree_dir))
         .route("/{org}/{name}/resolve/{rev}/{*path}", get(resolve))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            rate_limit,
+        ))
         .with_state(shared.clone());
     let (tx, rx) = tokio::sync::watch::channel(());
     let mut tasks = vec![serve(listener, hub_router, rx.clone())];
@@ -381,6 +409,53 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
         shutdown: Some(tx),
         tasks,
     })
+}
+
+/// [`HubConfig::resolver_limit`] on every resolver route: count the request in the
+/// current window and say what is left (`RateLimit: "api";r=LEFT;t=SECONDS`), or answer
+/// `429` with `Retry-After` when the window is spent.
+async fn rate_limit(
+    State(hub): State<Arc<Shared>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(limit) = hub.resolver_limit else {
+        return next.run(req).await;
+    };
+    let now = std::time::Instant::now();
+    let (left, reset) = {
+        let mut w = hub
+            .resolver_window
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (start, count) = match *w {
+            Some((start, count)) if now.duration_since(start) < limit.window => (start, count),
+            _ => (now, 0),
+        };
+        let reset = limit.window.saturating_sub(now.duration_since(start));
+        if count >= limit.requests {
+            *w = Some((start, count));
+            drop(w);
+            hub.stats().rate_limited += 1;
+            let secs = reset.as_secs_f64().ceil().max(1.0) as u64;
+            return Response::builder()
+                .status(StatusCode::TOO_MANY_REQUESTS)
+                .header(header::RETRY_AFTER, secs)
+                .header("ratelimit", format!("\"api\";r=0;t={secs}"))
+                .body(Body::from("rate limited"))
+                .unwrap_or_default();
+        }
+        *w = Some((start, count + 1));
+        let mut stats = hub.stats();
+        stats.resolver_window_peak = stats.resolver_window_peak.max(count + 1);
+        (limit.requests - count - 1, reset)
+    };
+    let mut resp = next.run(req).await;
+    let secs = reset.as_secs_f64().ceil().max(1.0) as u64;
+    if let Ok(v) = HeaderValue::from_str(&format!("\"api\";r={left};t={secs}")) {
+        resp.headers_mut().insert("ratelimit", v);
+    }
+    resp
 }
 
 async fn bind(port: u16) -> Result<(tokio::net::TcpListener, String), HubError> {
@@ -1502,6 +1577,7 @@ fn run_cli(args: HubArgs) -> Result<(), HubError> {
             latency: std::time::Duration::from_millis(args.latency_ms),
             aggregate_rate: args.aggregate_rate,
         },
+        resolver_limit: None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
