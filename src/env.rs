@@ -31,5 +31,11 @@ pub const GTURBO_TEST_EXIT_AFTER_PUBLISH: &str = "GTURBO_TEST_EXIT_AFTER_PUBLISH
 /// Test hook: skip the free-space preflight, so the tests can reach a real ENOSPC in the
 /// middle of an install. Never set it otherwise.
 pub const GTURBO_TEST_SKIP_SPACE_CHECK: &str = "GTURBO_TEST_SKIP_SPACE_CHECK";
+/// Test hook: the machine's RAM in bytes, as `--quant auto` and `gturbo doctor` see it,
+/// instead of the OS's figure. Used by the tests of the auto rule; never set it otherwise.
+pub const GTURBO_TEST_RAM_BYTES: &str = "GTURBO_TEST_RAM_BYTES";
+/// Test hook: the free bytes `gturbo doctor` reports at the output location, instead of
+/// the filesystem's figure. Used by the doctor tests; never set it otherwise.
+pub const GTURBO_TEST_FREE_DISK_BYTES: &str = "GTURBO_TEST_FREE_DISK_BYTES";
 /// Set to a non-empty value to draw progress without colour (<https://no-color.org>).
 pub const NO_COLOR: &str = "NO_COLOR";

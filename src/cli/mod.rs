@@ -27,6 +27,7 @@ use crate::source::local::LocalSource;
 use crate::source::pace::{self, ProgressLimits};
 use crate::source::token;
 
+mod doctor;
 mod progress;
 mod report;
 mod run;
@@ -88,6 +89,11 @@ enum Command {
     /// Compare two installs of one model over a text: mean KL divergence and top-1
     /// agreement of their next-token distributions (e.g. INT4 against BF16).
     Eval(Box<run::EvalArgs>),
+    /// Check this machine, a family (will it install and run here?) or an install
+    /// directory (is it sound?); every line not OK says what to do next.
+    ///
+    /// Exit 0 when no check failed, 1 when one did.
+    Doctor(Box<doctor::DoctorArgs>),
     /// List the known families with their source pins and runner status.
     Families {
         /// One JSON document instead of a table.
@@ -127,9 +133,13 @@ struct InstallArgs {
     /// Print one JSON document instead of text; on a real install, JSON Lines events.
     #[arg(long)]
     json: bool,
-    /// Quantization: the family's INT4 policy, or everything at its source dtype.
-    #[arg(long, value_enum, default_value = "int4")]
-    quant: QuantMode,
+    /// Quant profile (profiles/quant.json): int4 (the default: the family's INT4
+    /// policy), int8, bf16 (everything at its source dtype), mixed-3-4, mixed-3-6,
+    /// mixed-4-6 (mlx-lm's mixed predicates), or auto (chosen from this machine's RAM;
+    /// the README gives the rule). A pre-quantized source keeps its own widths and
+    /// refuses a named profile.
+    #[arg(long, value_name = "PROFILE", value_parser = QuantMode::new)]
+    quant: Option<QuantMode>,
     /// Drop the multi-token-prediction sidecar.
     #[arg(long)]
     skip_mtp: bool,
@@ -289,6 +299,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Run(args) => run::run_cmd(*args),
         Command::Eval(args) => run::eval_cmd(*args),
         Command::Families { json } => families_cmd(json),
+        Command::Doctor(args) => doctor::doctor_cmd(*args).await,
     }
 }
 
@@ -378,8 +389,16 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     for w in &warnings {
         warn(quiet, w);
     }
+    let quant = args.quant.clone().unwrap_or_default();
+    let machine = if quant.is_auto() {
+        crate::plan::Machine::detect().map_err(Failure::usage)?
+    } else {
+        None
+    };
     let mut options = PlanOptions {
-        quant: args.quant,
+        quant,
+        quant_requested: args.quant.is_some(),
+        machine,
         coalesce_max: args.range_mib << 20,
         verify_source: !args.no_verify_source,
         ..PlanOptions::default()

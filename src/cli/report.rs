@@ -19,7 +19,10 @@ use crate::plan::{Census, OutputTotals};
 /// `resident_entries`, `expert_pools` (count, experts, stride per group),
 /// `row_pools` (file, shards, rows per block, row bytes, bytes), `sidecars`,
 /// `excluded_tensors`, `census` (int4 / int8 / passthrough / excluded: tensors,
-/// params, bytes), `parameters`, `fingerprint`, `warnings`, `elapsed_s`.
+/// params, bytes, and `other` by scheme label), `quant` (`profile`: the quant profile
+/// used, `source` for a pre-quantized source; `auto`: what `--quant auto` chose and
+/// why, or null; `footprint_bytes`: resident + working set), `parameters`,
+/// `fingerprint`, `warnings`, `elapsed_s`.
 #[derive(Debug, Serialize)]
 pub struct DryRunReport {
     schema_version: u32,
@@ -38,10 +41,18 @@ pub struct DryRunReport {
     tensors: usize,
     excluded_tensors: u64,
     census: Census,
+    quant: QuantReport,
     parameters: u64,
     fingerprint: String,
     warnings: Vec<String>,
     elapsed_s: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct QuantReport {
+    profile: String,
+    auto: Option<crate::plan::AutoChoice>,
+    footprint_bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -190,7 +201,19 @@ impl DryRunReport {
             tensors: plan.tensors.len(),
             excluded_tensors: c.excluded.tensors,
             census: c.clone(),
-            parameters: c.int4.params + c.int8.params + c.passthrough.params,
+            quant: QuantReport {
+                profile: if plan.source_quant.is_some() {
+                    "source".into()
+                } else {
+                    plan.options.quant.to_string()
+                },
+                auto: plan.auto.clone(),
+                footprint_bytes: plan.footprint(),
+            },
+            parameters: c.int4.params
+                + c.int8.params
+                + c.passthrough.params
+                + c.other.values().map(|r| r.params).sum::<u64>(),
             fingerprint: plan.fingerprint(),
             warnings: p.warnings.clone(),
             elapsed_s: p.elapsed.as_secs_f64(),
@@ -242,6 +265,30 @@ impl DryRunReport {
             "  reads planned   {} range requests, {} of source",
             self.reads.range_requests,
             bytes(self.reads.source_bytes)
+        );
+        let q = &self.quant;
+        let _ = match &q.auto {
+            Some(a) => writeln!(
+                s,
+                "  quant           {} (auto chose it: {}; RAM from {})",
+                if a.profile == "source" {
+                    &q.profile
+                } else {
+                    &a.profile
+                },
+                a.reason,
+                a.ram_source
+            ),
+            None if q.profile == "source" => writeln!(
+                s,
+                "  quant           as published (pre-quantized source, its own widths)"
+            ),
+            None => writeln!(s, "  quant           {}", q.profile),
+        };
+        let _ = writeln!(
+            s,
+            "  memory          {} resident + working set",
+            bytes(q.footprint_bytes)
         );
         let o = &self.outputs;
         let _ = writeln!(s, "  output          {}", self.out);

@@ -390,7 +390,7 @@ fn gpu_unusable(auto: bool, why: String) -> Result<(), Failure> {
 /// all, which keeps a CPU-only run as fast and as quiet as before (a software Vulkan
 /// driver costs start-up time and may print to stderr). Elsewhere wgpu is asked.
 #[cfg(feature = "gpu")]
-fn may_have_gpu() -> bool {
+pub(super) fn may_have_gpu() -> bool {
     if !cfg!(target_os = "linux") {
         return true;
     }

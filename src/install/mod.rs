@@ -16,6 +16,10 @@ pub mod source_hash;
 mod stage;
 mod stream;
 
+/// Free space an install keeps beyond its bytes (its preflight's rule; `gturbo doctor`
+/// checks the same).
+pub use stage::space_reserve;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 

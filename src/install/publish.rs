@@ -17,7 +17,7 @@ use crate::format::manifest::{
 };
 use crate::format::receipt::{self, Prover, Receipt, ReceiptFile, ReceiptSource};
 use crate::plan::placement::output_file_paths;
-use crate::plan::{Dest, Plan, QuantMode};
+use crate::plan::{Dest, Plan};
 use crate::source::{RangeSource, SourceError};
 
 use super::execute::InstallReporter;
@@ -305,14 +305,19 @@ fn source_shards(plan: &Plan) -> Vec<ReceiptSource> {
 
 fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFile>) -> Manifest {
     let plan = &prepared.plan;
-    let (scheme, bits) = match plan.options.quant {
-        QuantMode::Int4 => (Scheme::Int4G64, 4),
-        QuantMode::Bf16 => (Scheme::Passthrough, 0),
+    // The profile's default scheme, the family's overrides where they applied, then
+    // the modules the profile's rules put elsewhere (plan.profile_deviations).
+    let scheme = plan.profile_default.unwrap_or(Scheme::Int4G64);
+    let bits = scheme.bits().unwrap_or(0);
+    let family_overrides_applied = scheme != Scheme::Passthrough
+        && crate::plan::profile::get(plan.options.quant.as_str())
+            .map_or(true, |p| p.family_overrides());
+    let mut overrides = if family_overrides_applied {
+        prepared.family_overrides.clone()
+    } else {
+        Vec::new()
     };
-    let overrides = match plan.options.quant {
-        QuantMode::Bf16 => Vec::new(),
-        QuantMode::Int4 => prepared.family_overrides.clone(),
-    };
+    overrides.extend(plan.profile_deviations());
     Manifest {
         format: manifest::FORMAT.into(),
         version: manifest::VERSION,
@@ -351,11 +356,14 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
             None => QuantizedAtInstall {
                 scheme,
                 bits,
-                group_size: 64,
+                group_size: scheme.group().unwrap_or(64),
                 overrides,
-                parity_gate:
-                    "bit-exact with MLX 0.32.4 mx.quantize (tests/data/mlx_q4g64_golden.json)"
-                        .into(),
+                parity_gate: format!(
+                    "quant profile {} ({}); bit-exact with MLX 0.32.4 mx.quantize \
+                     (tests/data/mlx_q4g64_golden.json, tests/data/mlx_quant_widths_golden.json)",
+                    plan.options.quant,
+                    crate::plan::profile::PROFILES_FILE
+                ),
                 // FORMAT.md "quality.json": the family's requirement travels with the
                 // install (a passthrough install is its own reference and needs none).
                 quality_gate: (prepared.run_requires_recorded_quality

@@ -176,7 +176,7 @@ fn write_resident_head(plan: &Plan, out: &OutputFiles) -> Result<(), InstallErro
 
 /// Bytes kept free beyond what the install still needs: 1 % of the output, at least
 /// 64 MiB (filesystems misbehave when full, and other programs need room too).
-fn space_reserve(total: u64) -> u64 {
+pub fn space_reserve(total: u64) -> u64 {
     (total / 100).max(64 << 20)
 }
 

@@ -14,7 +14,7 @@ use crate::format::pools::ExpertPart;
 use crate::header::{Dtype, ShardHeader};
 
 use super::mlx::{Packed, Source};
-use super::{PlanError, PlanOptions, QuantMode};
+use super::{PlanError, PlanOptions, Policy};
 
 /// An expert pool: the sidecar it belongs to (`None` for the main model) and its layer.
 /// `None` orders before every sidecar, so a map over keys lists the main model first.
@@ -79,14 +79,14 @@ pub(super) enum DraftRole {
 }
 
 /// Classify every source tensor (see [`super::mlx::sources`]), in (shard, offset)
-/// order. `prequantized` says the source is an MLX quantized checkpoint: its
-/// quantized modules keep their own widths and everything else stays at its dtype.
+/// order. A pre-quantized source's quantized modules keep their own widths and
+/// everything else stays at its dtype ([`Policy`]).
 pub(super) fn classify(
     family: &Family,
     options: &PlanOptions,
+    policy: &Policy<'_>,
     headers: &[ShardHeader],
     sources: Vec<Source>,
-    prequantized: bool,
 ) -> Result<Vec<Draft>, PlanError> {
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     let mut drafts = Vec::new();
@@ -138,8 +138,7 @@ pub(super) fn classify(
                     Role::Resident => DraftRole::Resident {
                         scheme: match &t.packed {
                             Some(p) => Scheme::Affine(p.affine),
-                            None if prequantized => Scheme::Passthrough,
-                            None => resident_scheme(family, options, &name, t.dtype, &t.shape),
+                            None => policy.resident(&name, m.captures.layer, t.dtype, &t.shape),
                         },
                     },
                     Role::ExpertsFused | Role::Expert | Role::ExpertsStacked => {
@@ -220,27 +219,4 @@ pub(super) fn classify(
         }
     }
     Ok(drafts)
-}
-
-/// Scheme for a resident tensor under the family policy.
-fn resident_scheme(
-    family: &Family,
-    options: &PlanOptions,
-    name: &str,
-    dtype: Dtype,
-    shape: &[u64],
-) -> Scheme {
-    if options.quant == QuantMode::Bf16 || dtype != Dtype::BF16 {
-        return Scheme::Passthrough;
-    }
-    let last = shape.last().copied().unwrap_or(0);
-    let fits = shape.len() >= 2 && last > 0 && last % 64 == 0;
-    if let Some(s) = family.quant_override(name) {
-        return if fits { s } else { Scheme::Passthrough };
-    }
-    if shape.len() == 2 && fits && name.ends_with(".weight") && !family.never_quantize(name) {
-        family.file.quant.default
-    } else {
-        Scheme::Passthrough
-    }
 }

@@ -8,13 +8,12 @@
 
 use std::collections::BTreeMap;
 
-use crate::family::Family;
 use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
 use crate::format::{PAGE, Scheme, align_up};
 use crate::header::Dtype;
 
 use super::classify::{Draft, DraftRole, PoolKey};
-use super::{Dest, Placed, PlanError, PlanOptions, pool_scheme};
+use super::{Dest, Placed, PlanError, Policy};
 
 /// One member of a pool: tensor index, part, expert (`None` when fused).
 type Member = (usize, ExpertPart, Option<u64>);
@@ -22,9 +21,7 @@ type Member = (usize, ExpertPart, Option<u64>);
 /// The expert pools (main model first, then sidecars; layer order inside each) and
 /// where each member tensor goes.
 pub(super) fn place(
-    family: &Family,
-    options: &PlanOptions,
-    prequantized: bool,
+    policy: &Policy<'_>,
     drafts: &[Draft],
 ) -> Result<(Vec<ExpertPool>, Placed), PlanError> {
     let mut groups: BTreeMap<PoolKey, Vec<Member>> = BTreeMap::new();
@@ -39,15 +36,7 @@ pub(super) fn place(
     let mut pools = Vec::new();
     let mut placed = Placed::new();
     for (key, members) in groups {
-        let (pool, members_placed) = place_pool(
-            family,
-            options,
-            prequantized,
-            drafts,
-            key,
-            &members,
-            pools.len(),
-        )?;
+        let (pool, members_placed) = place_pool(policy, drafts, key, &members, pools.len())?;
         pools.push(pool);
         placed.extend(members_placed);
     }
@@ -56,9 +45,7 @@ pub(super) fn place(
 
 /// Check and size pool number `pi`; where its members go.
 fn place_pool(
-    family: &Family,
-    options: &PlanOptions,
-    prequantized: bool,
+    policy: &Policy<'_>,
     tensors: &[Draft],
     (sidecar, layer): PoolKey,
     members: &[Member],
@@ -91,15 +78,22 @@ fn place_pool(
     };
     let schemes = match part_schemes(tensors, members).map_err(pool_err)? {
         Some(s) => s,
+        // Each part at its profile scheme; gate and up rows are `hidden` long, down's
+        // `inter`.
         None => {
-            let s = pool_scheme(
-                family,
-                options,
-                prequantized,
-                dtype,
-                &[shape.hidden, shape.inter],
-            );
-            [s; 3]
+            let mut s = [Scheme::Passthrough; 3];
+            for &(ti, part, _) in members {
+                let idx: &[usize] = if part == ExpertPart::GateUp {
+                    &[0, 1]
+                } else {
+                    &[part_index(part)]
+                };
+                for &i in idx {
+                    let cols = if i == 2 { shape.inter } else { shape.hidden };
+                    s[i] = policy.pool(&tensors[ti].name, layer, dtype, cols);
+                }
+            }
+            s
         }
     };
     let scheme = schemes[0];

@@ -27,11 +27,13 @@ pub mod coalesce;
 mod experts;
 pub mod mlx;
 pub mod placement;
+pub mod profile;
 mod rows;
 
 use classify::{Draft, DraftRole};
 
 pub use crate::format::pools::{BlobPart, ExpertPart, ExpertPool, RowPool, RowShard};
+pub use profile::{AutoChoice, Machine, QuantMode};
 
 /// Version of the plan's canonical form (part of the fingerprint).
 pub const PLAN_SCHEMA: u32 = 1;
@@ -55,21 +57,19 @@ pub const COPIED_FILES: &[&str] = &[
 /// are tens of MB).
 pub const MAX_COPIED_BYTES: u64 = 512 << 20;
 
-/// Which weights get quantized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum QuantMode {
-    /// The family's policy (INT4 g64 by default, with its overrides).
-    Int4,
-    /// Everything at its source dtype (a reference install for quality gates).
-    Bf16,
-}
-
 /// Choices that change the plan (and so its fingerprint).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlanOptions {
-    /// Quantization mode.
+    /// The quant profile (`auto` is resolved by [`build`]; a plan records the profile
+    /// it used).
     pub quant: QuantMode,
+    /// Whether `--quant` was given (a pre-quantized source refuses a profile asked
+    /// for by name). Not part of the plan.
+    #[serde(skip)]
+    pub quant_requested: bool,
+    /// The machine `auto` measures against (required for `auto`). Not part of the plan.
+    #[serde(skip)]
+    pub machine: Option<Machine>,
     /// Sidecars dropped by flags (e.g. `mtp` with `--skip-mtp`).
     pub skip_sidecars: BTreeSet<String>,
     /// Largest coalesced read.
@@ -84,7 +84,9 @@ pub struct PlanOptions {
 impl Default for PlanOptions {
     fn default() -> Self {
         PlanOptions {
-            quant: QuantMode::Int4,
+            quant: QuantMode::default(),
+            quant_requested: false,
+            machine: None,
             skip_sidecars: BTreeSet::new(),
             coalesce_max: coalesce::COALESCE_MAX,
             coalesce_gap: coalesce::COALESCE_GAP,
@@ -291,6 +293,15 @@ pub struct Plan {
     /// a source gturbo quantizes itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_quant: Option<mlx::SourceQuant>,
+    /// What `--quant auto` chose and why (not part of the plan's canonical form: the
+    /// profile it chose is, in `options.quant`).
+    #[serde(skip)]
+    pub auto: Option<AutoChoice>,
+    /// The profile's default scheme for this family (the manifest's record); `None`
+    /// for a pre-quantized source. Not part of the canonical form (every tensor's
+    /// scheme is).
+    #[serde(skip)]
+    pub profile_default: Option<Scheme>,
 }
 
 /// Why a plan cannot be made. Each names the tensor, file or field.
@@ -381,6 +392,24 @@ pub struct PlanInput<'a> {
     pub repo_files: &'a BTreeMap<String, u64>,
     /// Options.
     pub options: &'a PlanOptions,
+}
+
+impl<'a> PlanInput<'a> {
+    /// The same input under other options.
+    fn with_options<'b>(&self, options: &'b PlanOptions) -> PlanInput<'b>
+    where
+        'a: 'b,
+    {
+        PlanInput {
+            family: self.family,
+            source: self.source.clone(),
+            config: self.config,
+            headers: self.headers,
+            shard_sha256: self.shard_sha256,
+            repo_files: self.repo_files,
+            options,
+        }
+    }
 }
 
 /// The *arch* stage: the config's axes through the family's mapping, each checked by
@@ -512,23 +541,69 @@ fn elems(shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
 }
 
-/// Scheme for matrices that are always eligible (experts, row tables) of a source
-/// gturbo quantizes itself; a pre-quantized source's other matrices stay as they are.
-fn pool_scheme(
-    family: &Family,
-    options: &PlanOptions,
+/// The quantization policy of one plan: the profile's rules, the family's overrides
+/// and `never_quantize` on top, and the group fit (a matrix whose rows are not whole
+/// groups of its scheme stays at its dtype, as mlx-lm leaves it).
+pub(super) struct Policy<'a> {
+    family: &'a Family,
+    profile: &'static profile::Profile,
+    num_layers: u64,
     prequantized: bool,
-    dtype: Dtype,
-    cols: &[u64],
-) -> Scheme {
-    if prequantized
-        || options.quant == QuantMode::Bf16
-        || dtype != Dtype::BF16
-        || cols.iter().any(|c| *c == 0 || c % 64 != 0)
-    {
-        Scheme::Passthrough
-    } else {
-        family.file.quant.default
+}
+
+/// `scheme` if rows of `cols` elements are whole groups of it, else passthrough.
+fn fit(scheme: Scheme, cols: u64) -> Scheme {
+    match scheme.group() {
+        Some(g) if cols == 0 || !cols.is_multiple_of(u64::from(g)) => Scheme::Passthrough,
+        _ => scheme,
+    }
+}
+
+impl Policy<'_> {
+    /// Whether nothing of this plan is quantized here (a pre-quantized source's own
+    /// modules aside).
+    fn keeps_dtype(&self, dtype: Dtype) -> bool {
+        self.prequantized || dtype != Dtype::BF16 || self.profile.is_passthrough(self.family)
+    }
+
+    /// Scheme for a resident tensor of a source gturbo quantizes itself.
+    pub(super) fn resident(
+        &self,
+        name: &str,
+        layer: Option<u64>,
+        dtype: Dtype,
+        shape: &[u64],
+    ) -> Scheme {
+        if self.keeps_dtype(dtype) || shape.len() < 2 {
+            return Scheme::Passthrough;
+        }
+        let last = shape.last().copied().unwrap_or(0);
+        if self.profile.family_overrides()
+            && let Some(s) = self.family.quant_override(name)
+        {
+            return fit(s, last);
+        }
+        if shape.len() == 2 && name.ends_with(".weight") && !self.family.never_quantize(name) {
+            let s =
+                self.profile
+                    .rule_scheme(self.family, name, layer.unwrap_or(0), self.num_layers);
+            fit(s, last)
+        } else {
+            Scheme::Passthrough
+        }
+    }
+
+    /// Scheme for a matrix that is always eligible (an expert projection, a row table)
+    /// whose rows have `cols` elements.
+    pub(super) fn pool(&self, name: &str, layer: u64, dtype: Dtype, cols: u64) -> Scheme {
+        if self.keeps_dtype(dtype) {
+            return Scheme::Passthrough;
+        }
+        fit(
+            self.profile
+                .rule_scheme(self.family, name, layer, self.num_layers),
+            cols,
+        )
     }
 }
 
@@ -536,29 +611,119 @@ fn pool_scheme(
 /// destination.
 type Placed = Vec<(usize, Scheme, Dest)>;
 
-/// Build the plan, stage by stage.
+/// Build the plan, stage by stage. `--quant auto` plans at each profile the rule
+/// ([`profile::auto_rule`]) considers, against `options.machine`, and returns the
+/// chosen one's plan with the choice in [`Plan::auto`].
 pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
+    if !input.options.quant.is_auto() {
+        return build_at(input);
+    }
+    let quant = mlx::read_quant(input.config)?;
+    if quant.is_some() {
+        // A pre-quantized source keeps its own widths; auto asks for nothing else.
+        let options = PlanOptions {
+            quant: QuantMode::default(),
+            quant_requested: false,
+            ..input.options.clone()
+        };
+        let mut plan = build_at(&input.with_options(&options))?;
+        plan.auto = Some(AutoChoice {
+            profile: "source".into(),
+            reason: "the source is pre-quantized: it keeps its own widths".into(),
+            ram_bytes: input.options.machine.as_ref().map_or(0, |m| m.ram_bytes),
+            ram_source: input
+                .options
+                .machine
+                .as_ref()
+                .map_or_else(String::new, |m| m.ram_source.clone()),
+            footprint_bytes: Some(plan.footprint()),
+        });
+        return Ok(plan);
+    }
+    let machine = input
+        .options
+        .machine
+        .clone()
+        .ok_or_else(|| PlanError::Config {
+            field: "--quant auto".into(),
+            detail: "this machine's RAM is not known; name a profile with --quant".into(),
+        })?;
+    let mut plans: BTreeMap<String, Result<Plan, PlanError>> = BTreeMap::new();
+    let mut plan_at = |id: &str| -> Option<u64> {
+        let r = plans.entry(id.to_string()).or_insert_with(|| {
+            let options = PlanOptions {
+                quant: QuantMode::new(id).map_err(|detail| PlanError::Config {
+                    field: "--quant".into(),
+                    detail,
+                })?,
+                ..input.options.clone()
+            };
+            build_at(&input.with_options(&options))
+        });
+        r.as_ref().ok().map(Plan::footprint)
+    };
+    let choice = profile::auto_rule(&machine, &mut plan_at);
+    let choice = choice.map_err(|detail| PlanError::Config {
+        field: "--quant auto".into(),
+        detail,
+    })?;
+    let mut plan = plans
+        .remove(&choice.profile)
+        .expect("auto_rule chose a profile it measured")?;
+    plan.auto = Some(choice);
+    Ok(plan)
+}
+
+/// Build the plan at a named profile, stage by stage.
+fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     let (family, options) = (input.family, input.options);
     let (arch, fields) = read_arch(family, input.config)?;
     let shards = planned_shards(input);
     let quant = mlx::read_quant(input.config)?;
-    if quant.is_some() && options.quant == QuantMode::Bf16 {
+    let profile = profile::get(options.quant.as_str()).map_err(|detail| PlanError::Config {
+        field: "--quant".into(),
+        detail,
+    })?;
+    if let Some(q) = &quant
+        && options.quant_requested
+    {
+        let rec = q.record();
         return Err(PlanError::Config {
-            field: quant
-                .as_ref()
-                .map_or("quantization".into(), |q| q.key.clone()),
-            detail: "the source is pre-quantized (MLX); it is installed with its own widths, \
-                     not at --quant bf16 (quantizing twice loses quality)"
-                .into(),
+            field: q.key.clone(),
+            detail: format!(
+                "the source is pre-quantized ({}: {} by default, {} module entries); it is \
+                 installed with its own widths, not at --quant {} (quantizing twice loses \
+                 quality); leave --quant out to install it as published",
+                rec.format,
+                rec.scheme.label(),
+                rec.modules.len(),
+                options.quant
+            ),
+        });
+    }
+    let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
+    if profile.needs_layers() && num_layers.is_none() && quant.is_none() {
+        return Err(PlanError::Config {
+            field: "num_layers".into(),
+            detail: format!(
+                "--quant {} picks widths by layer, and family {} maps no `num_layers` axis",
+                profile.id(),
+                family.id()
+            ),
         });
     }
     let sources = mlx::sources(input.headers, quant.as_ref())?;
-    let pre = quant.is_some();
-    let drafts = classify::classify(family, options, input.headers, sources, pre)?;
+    let policy = Policy {
+        family,
+        profile,
+        num_layers: num_layers.unwrap_or(0),
+        prequantized: quant.is_some(),
+    };
+    let drafts = classify::classify(family, options, &policy, input.headers, sources)?;
     let (resident, resident_placed) = place_resident(&drafts)?;
-    let (expert_pools, experts_placed) = experts::place(family, options, pre, &drafts)?;
+    let (expert_pools, experts_placed) = experts::place(&policy, &drafts)?;
     check_axes_against_tensors(&arch, &fields, &drafts, &expert_pools)?;
-    let (row_pools, rows_placed) = rows::place(family, options, pre, &drafts)?;
+    let (row_pools, rows_placed) = rows::place(&policy, &drafts)?;
     let tensors = assemble(drafts, [resident_placed, experts_placed, rows_placed]);
     let outputs = Outputs {
         resident,
@@ -579,7 +744,14 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         reads,
         outputs,
         census,
+        profile_default: quant
+            .is_none()
+            .then(|| match profile.is_passthrough(family) {
+                true => Scheme::Passthrough,
+                false => profile.default_scheme(family),
+            }),
         source_quant: quant.map(|q| q.record()),
+        auto: None,
     })
 }
 
@@ -778,6 +950,26 @@ impl Census {
     }
 }
 
+/// Resident + working-set bytes of an install ([`Plan::footprint`]'s rule): the
+/// resident file, plus `num_experts_per_tok` (every expert when the axes name none)
+/// blobs of each main-model expert pool.
+pub fn footprint(
+    resident_bytes: u64,
+    pools: &[ExpertPool],
+    axes: &BTreeMap<String, serde_json::Value>,
+) -> u64 {
+    let k = axes.get("num_experts_per_tok").and_then(|v| v.as_u64());
+    pools
+        .iter()
+        .filter(|p| p.sidecar.is_none())
+        .map(|p| {
+            k.unwrap_or(p.experts)
+                .min(p.experts)
+                .saturating_mul(p.stride)
+        })
+        .fold(resident_bytes, u64::saturating_add)
+}
+
 /// What differs between two records of [`Plan::facts`], `before` then `now`, one
 /// `name: was X, now Y` per fact, `; `-separated; empty when they agree.
 pub fn changed(before: &BTreeMap<String, String>, now: &BTreeMap<String, String>) -> String {
@@ -877,14 +1069,7 @@ impl Plan {
             "SHA-256 of model.safetensors.index.json".into(),
             self.source.index_sha256.clone().unwrap_or_else(none),
         );
-        put(
-            "--quant".into(),
-            match self.options.quant {
-                QuantMode::Int4 => "int4",
-                QuantMode::Bf16 => "bf16",
-            }
-            .into(),
-        );
+        put("--quant".into(), self.options.quant.as_str().into());
         let max = self.options.coalesce_max;
         put(
             "--range-mib".into(),
@@ -932,6 +1117,58 @@ impl Plan {
             put(format!("{}: size", c.source), format!("{} bytes", c.bytes));
         }
         f
+    }
+
+    /// The memory an installed model keeps in use, as `--quant auto` weighs it: the
+    /// resident file plus its working set, the experts one token routes to
+    /// (`num_experts_per_tok` blobs of each main-model expert pool; every expert when
+    /// the config names no such axis).
+    pub fn footprint(&self) -> u64 {
+        footprint(
+            self.outputs.resident.file_bytes,
+            &self.outputs.expert_pools,
+            &self.arch.axes,
+        )
+    }
+
+    /// The modules a profile with rules put at another scheme than its default, as
+    /// (module, scheme), each once (unfused experts as `experts.*`); empty for a
+    /// profile without rules and for a pre-quantized source.
+    pub fn profile_deviations(&self) -> Vec<(String, Scheme)> {
+        let Some(default) = self.profile_default else {
+            return Vec::new();
+        };
+        if !profile::get(self.options.quant.as_str()).is_ok_and(|p| p.has_rules()) {
+            return Vec::new();
+        }
+        let mut out: Vec<(String, Scheme)> = Vec::new();
+        for t in &self.tensors {
+            if t.scheme == default
+                || t.scheme == Scheme::Passthrough
+                || matches!(t.dest, Dest::Excluded { .. })
+            {
+                continue;
+            }
+            let stem = t.name.strip_suffix(".weight").unwrap_or(&t.name);
+            let parts: Vec<&str> = stem.split('.').collect();
+            let module: Vec<&str> = parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let expert = i > 0 && parts[i - 1] == "experts";
+                    if expert && p.bytes().all(|b| b.is_ascii_digit()) {
+                        "*"
+                    } else {
+                        p
+                    }
+                })
+                .collect();
+            let entry = (module.join("."), t.scheme);
+            if !out.contains(&entry) {
+                out.push(entry);
+            }
+        }
+        out
     }
 
     /// Bytes the reads fetch.

@@ -6,18 +6,15 @@
 
 use std::collections::BTreeMap;
 
-use crate::family::Family;
 use crate::format::pools::{RowPool, RowShard};
 use crate::format::{PAGE, RowBlocks, row_bytes};
 
 use super::classify::{Draft, DraftRole, TableKey};
-use super::{Dest, Placed, PlanError, PlanOptions, pool_scheme};
+use super::{Dest, Placed, PlanError, Policy};
 
 /// The row pools in (layer, name) order and where each shard tensor goes.
 pub(super) fn place(
-    family: &Family,
-    options: &PlanOptions,
-    prequantized: bool,
+    policy: &Policy<'_>,
     drafts: &[Draft],
 ) -> Result<(Vec<RowPool>, Placed), PlanError> {
     // (shard index, tensor index) per table.
@@ -31,15 +28,7 @@ pub(super) fn place(
     let mut placed = Placed::new();
     for (key, mut members) in tables {
         members.sort();
-        let (pool, members_placed) = place_table(
-            family,
-            options,
-            prequantized,
-            drafts,
-            key,
-            &members,
-            pools.len(),
-        )?;
+        let (pool, members_placed) = place_table(policy, drafts, key, &members, pools.len())?;
         pools.push(pool);
         placed.extend(members_placed);
     }
@@ -49,9 +38,7 @@ pub(super) fn place(
 /// Check and size row pool number `pi` from its `(shard, tensor)` members in shard
 /// order; where each member goes.
 fn place_table(
-    family: &Family,
-    options: &PlanOptions,
-    prequantized: bool,
+    policy: &Policy<'_>,
     tensors: &[Draft],
     (layer, name): TableKey,
     members: &[(u64, usize)],
@@ -87,7 +74,7 @@ fn place_table(
             first.shape
         )));
     }
-    let scheme = pool_scheme(family, options, prequantized, dtype, &[width]);
+    let scheme = policy.pool(&first.name, layer, dtype, width);
     let rb = row_bytes(width, dtype.size(), scheme)
         .ok_or_else(|| PlanError::Overflow { what: file.clone() })?;
     let mut offset = 0u64;

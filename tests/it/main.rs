@@ -1,5 +1,6 @@
 //! One integration-test binary; each module covers one user-facing concern.
 
+mod doctor;
 mod dry_run;
 mod flash_next;
 mod flash_next_run;
@@ -17,6 +18,7 @@ mod mlx_lm_parity;
 mod mlx_source;
 mod progress;
 mod quant_parity;
+mod quant_profiles;
 mod runtime;
 mod source_http;
 mod support;

@@ -29,11 +29,11 @@ use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
 /// 2e-5). SmolLM2's 30 layers and logits up to 33 put that order's noise at 1.5e-4
 /// absolute (6e-6 of the position's largest logit), so there the bound is 1e-4 times
 /// the position's largest |logit| (see [`Tolerance`]).
-const LOGIT_TOLERANCE: f32 = 1e-4;
+pub(crate) const LOGIT_TOLERANCE: f32 = 1e-4;
 
 /// How a logit difference is bounded.
 #[derive(Clone, Copy)]
-enum Tolerance {
+pub(crate) enum Tolerance {
     /// `|d| <= LOGIT_TOLERANCE`.
     Absolute,
     /// `|d| <= LOGIT_TOLERANCE * max |logit| of the position`.
@@ -42,7 +42,7 @@ enum Tolerance {
 /// Greedy steps compared.
 const STEPS: usize = 8;
 
-fn text(o: &Output) -> String {
+pub(crate) fn text(o: &Output) -> String {
     format!(
         "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
         o.status.code(),
@@ -90,7 +90,7 @@ const MOE_CASES: [&str; 4] = ["q4g64", "q8g64", "q3g128", "mixed_3_6"];
 const SMOL_CASES: [&str; 2] = ["q4g64", "mixed_3_6"];
 
 /// The tiny Qwen3-MoE conversions, made once per test run; `None` after the skip.
-fn moe_cases(test: &str) -> Option<&'static PathBuf> {
+pub(crate) fn moe_cases(test: &str) -> Option<&'static PathBuf> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let r = DIR.get_or_init(|| {
         let dir = root().join("target/mlx-cases/qwen3-moe-tiny");
@@ -106,7 +106,7 @@ fn moe_cases(test: &str) -> Option<&'static PathBuf> {
 
 /// SmolLM2's conversions (snapshot from `scripts/fetch_smollm2.sh`,
 /// GTURBO_SMOLLM2_SNAPSHOT overrides `target/smollm2/snapshot`).
-fn smol_cases(test: &str) -> Option<&'static PathBuf> {
+pub(crate) fn smol_cases(test: &str) -> Option<&'static PathBuf> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let r = DIR.get_or_init(|| {
         let snap = std::env::var_os("GTURBO_SMOLLM2_SNAPSHOT")
@@ -157,7 +157,7 @@ fn read_st(path: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
 }
 
 /// Every tensor of a conversion's shards.
-fn source_tensors(mlx: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
+pub(crate) fn source_tensors(mlx: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
     let mut all = BTreeMap::new();
     for e in std::fs::read_dir(mlx).unwrap() {
         let p = e.unwrap().path();
@@ -170,7 +170,7 @@ fn source_tensors(mlx: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
 
 /// Install `mlx` served by the local hub as `repo`, pinned; the dry run's JSON and the
 /// install's directory.
-fn install_over_hub(mlx: &Path, family: &str, out: &Path) -> Value {
+pub(crate) fn install_over_hub(mlx: &Path, family: &str, out: &Path) -> Value {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -245,7 +245,15 @@ fn num(v: &Value) -> usize {
 /// Every quantized tensor of the install equals the source's bytes; returns how many
 /// tensors (resident entries and expert parts × experts) were compared.
 fn compare_bytes(mlx: &Path, out: &Path) -> (usize, usize) {
-    let src = source_tensors(mlx);
+    compare_with_sources(&source_tensors(mlx), out)
+}
+
+/// Every tensor of the install equals the bytes of its namesake in `src` (MLX names:
+/// `P.weight`/`P.scales`/`P.biases`, experts as `switch_mlp`); the counts compared.
+pub(crate) fn compare_with_sources(
+    src: &BTreeMap<String, (String, Vec<u64>, Vec<u8>)>,
+    out: &Path,
+) -> (usize, usize) {
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
     let res = std::fs::read(out.join("resident.bin")).unwrap();
@@ -318,7 +326,7 @@ fn compare_bytes(mlx: &Path, out: &Path) -> (usize, usize) {
 
 /// The install's logits over the reference prompt against mlx-lm's; the worst
 /// difference.
-fn compare_logits(dir: &Path, case_dir: &Path, case: &str, tol: Tolerance) -> f32 {
+pub(crate) fn compare_logits(dir: &Path, case_dir: &Path, case: &str, tol: Tolerance) -> f32 {
     let r: Value =
         serde_json::from_slice(&std::fs::read(case_dir.join(format!("{case}.ref.json"))).unwrap())
             .unwrap();
@@ -401,7 +409,7 @@ fn compare_logits(dir: &Path, case_dir: &Path, case: &str, tol: Tolerance) -> f3
 }
 
 /// Sum of the install's file sizes against the dry run's prediction.
-fn check_dry_run(dry: &Value, out: &Path) {
+pub(crate) fn check_dry_run(dry: &Value, out: &Path) {
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
     let on_disk: u64 = manifest["files"]

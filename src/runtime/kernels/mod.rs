@@ -338,6 +338,16 @@ impl Isa {
     }
 }
 
+/// The CPU kernels this machine runs, by the detection the CPU backend itself makes:
+/// their name (`cpu-avx2`, `cpu`) and the CPU features they use.
+pub fn cpu_kernels() -> (&'static str, &'static str) {
+    match Isa::detect() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => ("cpu-avx2", "AVX2, FMA, F16C"),
+        Isa::Portable => ("cpu", "portable loops (no AVX2+FMA+F16C detected)"),
+    }
+}
+
 /// How the CPU backend feeds activations to INT4 matrix-vector products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activations {
