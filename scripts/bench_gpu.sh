@@ -20,7 +20,8 @@
 # PROFILE (1: per-token dispatch/submit/wait/read-back counts and device time from
 # GTURBO_GPU_STATS, as the difference of a 1-token and a 33-token run, with the
 # kernels fused and submitted in pieces as shipped, and with neither:
-# GTURBO_GPU_FUSE=0 GTURBO_GPU_SUBMIT_EVERY=4096, the previous structure).
+# GTURBO_GPU_FUSE=0 GTURBO_GPU_SUBMIT_EVERY=4096, the previous structure),
+# PEER (0: skip the transformers peer), BACKENDS (default "gpu cpu").
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 cd "$HERE/.."
@@ -34,6 +35,7 @@ GL_DEBS="${GL_DEBS:-.gl}"
 TILINGS="${TILINGS:-auto}"
 SLOTS="${SLOTS:-}"
 PROFILE="${PROFILE:-0}"
+PEER="${PEER:-1}"
 
 if [ -z "${BIN:-}" ]; then
   cargo build -q --release --bin gturbo --example bench_gpu --example bench_snapshots
@@ -70,7 +72,7 @@ for spec in "smollm2 llama smollm2" "moe qwen3_moe moe"; do
   "$G" -q install --family "$family" "local/$name" --from "$WORK/$name-snap" --out "$WORK/$name.gturbo" > /dev/null 2>&1
   say "## $name: $(du -sh "$WORK/$name-snap" | cut -f1) BF16 snapshot, $(du -sh "$WORK/$name.gturbo" | cut -f1) INT4 install (made in $(( $(date +%s) - t0 )) s)"
   say "$(printf '%-34s %12s %12s %14s' engine 'prefill t/s' 'decode t/s' 'device MiB')"
-  for backend in gpu cpu; do
+  for backend in ${BACKENDS:-gpu cpu}; do
     pre=() dec=() mem=""
     for _ in $(seq "$RUNS"); do
       if ! "$G" run "$WORK/$name.gturbo" --backend "$backend" --resident-experts --json \
@@ -134,7 +136,7 @@ if rows:
 PY
     done
   fi
-  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  if [ "$PEER" = 1 ] && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     peer=$(python3 "$HERE/bench_gpu_peer.py" "$WORK/$name-snap" "$PROMPT" "$TOKENS" "$RUNS" 2> "$WORK/peer.err" | tail -1) || { tail -5 "$WORK/peer.err"; peer=""; }
     if [ -n "$peer" ]; then
       say "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print("%-34s %12.1f %12.1f %14s" % ("transformers bf16 generate", d["prefill_tok_s"], d["decode_tok_s"], "-")); print("    " + d["engine"] + " on " + d["device"])' "$peer")"

@@ -538,8 +538,7 @@ impl Backend for Gpu {
                 &out.t,
                 &mut scratch,
             );
-            // The scratch's extra references go first, so the buffers return to the list.
-            drop(scratch);
+            // `held` drops after `scratch`'s last use, so its buffers return to the list.
             r
         };
         run().map_err(|e| self.err("moe", e))

@@ -393,7 +393,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
         2e-5 * bound[i] + 1e-30
     });
     if f.kind == "quant" {
-        let fast = matches!(f.bits, 2 | 4 | 8) && f.group % (128 / f.bits as usize) == 0;
+        let fast = matches!(f.bits, 2 | 4 | 8) && f.group.is_multiple_of(128 / f.bits as usize);
         assert_eq!(
             ops::qmatvec_fast_path(&w),
             fast,
