@@ -10,7 +10,11 @@
 //! ```text
 //! cargo run --release --example bench_gpu -- [--adapter NAME|INDEX] [--runs 15]
 //!     [--batch 64] [--peak-gbs 4800] [--shapes 4096x4096,8192x8192,16384x8192]
+//!     [--tilings auto,32x2,16x4]
 //! ```
+//!
+//! `--tilings` times the fast kernel at each `LANESxROWS` tiling (`auto`: the one the
+//! runtime picks per shape), for tuning.
 
 use std::time::Instant;
 
@@ -26,6 +30,7 @@ struct Args {
     batch: usize,
     peak_gbs: Option<f64>,
     shapes: Vec<(usize, usize)>,
+    tilings: Vec<Option<(u32, u32)>>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -35,6 +40,7 @@ fn parse() -> Result<Args, String> {
         batch: 64,
         peak_gbs: None,
         shapes: vec![(4096, 4096), (8192, 8192), (16384, 8192)],
+        tilings: vec![None],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -55,6 +61,21 @@ fn parse() -> Result<Args, String> {
                             r.parse().map_err(|e| format!("shape {s}: {e}"))?,
                             c.parse().map_err(|e| format!("shape {s}: {e}"))?,
                         ))
+                    })
+                    .collect::<Result<_, String>>()?
+            }
+            "--tilings" => {
+                a.tilings = val()?
+                    .split(',')
+                    .map(|t| {
+                        if t == "auto" {
+                            return Ok(None);
+                        }
+                        let (l, r) = t.split_once('x').ok_or(format!("tiling {t}: want LxR"))?;
+                        Ok(Some((
+                            l.parse().map_err(|e| format!("tiling {t}: {e}"))?,
+                            r.parse().map_err(|e| format!("tiling {t}: {e}"))?,
+                        )))
                     })
                     .collect::<Result<_, String>>()?
             }
@@ -117,6 +138,8 @@ fn main() {
         }
     };
     println!("adapter: {}", ctx.adapter());
+    // One submit per timed batch: nothing may start before the clock does.
+    ctx.set_submit_every(4096);
     println!(
         "INT4 g64 matvec, median of {} runs of {} products each",
         args.runs, args.batch
@@ -169,35 +192,45 @@ fn main() {
             ctx.flush().map_err(|e| e.to_string())?;
             Ok(t.elapsed().as_secs_f64())
         };
-        // One untimed run compiles the pipeline and faults the buffers in.
-        if let Err(e) = run() {
-            eprintln!("bench_gpu: {rows}x{cols}: {e}");
-            std::process::exit(1);
-        }
-        let mut gbs = Vec::with_capacity(args.runs);
-        let mut us = Vec::with_capacity(args.runs);
-        for _ in 0..args.runs {
-            match run() {
-                Ok(secs) => {
-                    let per = secs / args.batch as f64;
-                    us.push(per * 1e6);
-                    gbs.push(one as f64 / per / 1e9);
-                }
-                Err(e) => {
-                    eprintln!("bench_gpu: {rows}x{cols}: {e}");
-                    std::process::exit(1);
+        for tiling in &args.tilings {
+            if let Err(e) = ctx.set_matvec_tiling(*tiling) {
+                eprintln!("bench_gpu: {e}");
+                std::process::exit(2);
+            }
+            // One untimed run compiles the pipeline and faults the buffers in.
+            if let Err(e) = run() {
+                eprintln!("bench_gpu: {rows}x{cols}: {e}");
+                std::process::exit(1);
+            }
+            let mut gbs = Vec::with_capacity(args.runs);
+            let mut us = Vec::with_capacity(args.runs);
+            for _ in 0..args.runs {
+                match run() {
+                    Ok(secs) => {
+                        let per = secs / args.batch as f64;
+                        us.push(per * 1e6);
+                        gbs.push(one as f64 / per / 1e9);
+                    }
+                    Err(e) => {
+                        eprintln!("bench_gpu: {rows}x{cols}: {e}");
+                        std::process::exit(1);
+                    }
                 }
             }
+            let g = median(gbs);
+            let frac = args
+                .peak_gbs
+                .map(|p| format!(", {:.1}% of {p} GB/s", 100.0 * g / p))
+                .unwrap_or_default();
+            let label = match tiling {
+                Some((l, r)) => format!(" tiling {l}x{r}"),
+                None => String::new(),
+            };
+            println!(
+                "[{rows} x {cols}]{label} {:.1} MiB/product over {copies} matrices: median {:.1} us, {g:.2} GB/s{frac}",
+                one as f64 / (1 << 20) as f64,
+                median(us)
+            );
         }
-        let g = median(gbs);
-        let frac = args
-            .peak_gbs
-            .map(|p| format!(", {:.1}% of {p} GB/s", 100.0 * g / p))
-            .unwrap_or_default();
-        println!(
-            "[{rows} x {cols}] {:.1} MiB/product over {copies} matrices: median {:.1} us, {g:.2} GB/s{frac}",
-            one as f64 / (1 << 20) as f64,
-            median(us)
-        );
     }
 }

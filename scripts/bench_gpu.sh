@@ -14,7 +14,14 @@
 # Vulkan: when the loader is missing, the .debs in GL_DEBS (default .gl) are unpacked;
 # VK_DRIVER_FILES defaults to NVIDIA's ICD file where it exists.
 # Environment: PROMPT (128 tokens), TOKENS (64 decoded), RUNS (3), PEAK_GBS (4800),
-# WORK (target/bench-gpu), RESULTS (a file the summary is appended to).
+# WORK (target/bench-gpu), RESULTS (a file the summary is appended to),
+# TILINGS (matvec kernel tilings to time, e.g. auto,32x2,16x4; default auto),
+# SLOTS (expert-slot counts for extra MoE GPU runs in slot mode, e.g. "2 16"),
+# PROFILE (1: per-token dispatch/submit/wait/read-back counts and device time from
+# GTURBO_GPU_STATS, as the difference of a 1-token and a 33-token run, with the
+# kernels fused and submitted in pieces as shipped, and with neither:
+# GTURBO_GPU_FUSE=0 GTURBO_GPU_SUBMIT_EVERY=4096, the previous structure),
+# PEER (0: skip the transformers peer), BACKENDS (default "gpu cpu").
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 cd "$HERE/.."
@@ -25,6 +32,10 @@ PEAK_GBS="${PEAK_GBS:-4800}"
 WORK="${WORK:-target/bench-gpu}"
 RESULTS="${RESULTS:-/dev/null}"
 GL_DEBS="${GL_DEBS:-.gl}"
+TILINGS="${TILINGS:-auto}"
+SLOTS="${SLOTS:-}"
+PROFILE="${PROFILE:-0}"
+PEER="${PEER:-1}"
 
 if [ -z "${BIN:-}" ]; then
   cargo build -q --release --bin gturbo --example bench_gpu --example bench_snapshots
@@ -47,7 +58,7 @@ say "## adapters"
 say "## CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 
 say "## INT4 g64 matvec"
-"$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 2>&1 | tee -a "$RESULTS" || true
+"$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 --tilings "$TILINGS" 2>&1 | tee -a "$RESULTS" || true
 
 rm -rf "$WORK" && mkdir -p "$WORK"
 ids=$(seq 0 $((PROMPT - 1)) | awk '{ printf "%s%d", (NR > 1 ? "," : ""), (7 * $1 + 5) % 30000 }')
@@ -61,7 +72,7 @@ for spec in "smollm2 llama smollm2" "moe qwen3_moe moe"; do
   "$G" -q install --family "$family" "local/$name" --from "$WORK/$name-snap" --out "$WORK/$name.gturbo" > /dev/null 2>&1
   say "## $name: $(du -sh "$WORK/$name-snap" | cut -f1) BF16 snapshot, $(du -sh "$WORK/$name.gturbo" | cut -f1) INT4 install (made in $(( $(date +%s) - t0 )) s)"
   say "$(printf '%-34s %12s %12s %14s' engine 'prefill t/s' 'decode t/s' 'device MiB')"
-  for backend in gpu cpu; do
+  for backend in ${BACKENDS:-gpu cpu}; do
     pre=() dec=() mem=""
     for _ in $(seq "$RUNS"); do
       if ! "$G" run "$WORK/$name.gturbo" --backend "$backend" --resident-experts --json \
@@ -78,7 +89,54 @@ for spec in "smollm2 llama smollm2" "moe qwen3_moe moe"; do
     say "$(printf '%-34s %12.1f %12.1f %14s' "$label" "$(printf '%s\n' "${pre[@]}" | median)" "$(printf '%s\n' "${dec[@]}" | median)" "$mem")"
     say "    $(tail -1 "$WORK/footer")"
   done
-  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  if [ "$name" = moe ]; then
+    for slots in $SLOTS; do
+      pre=() dec=()
+      for _ in $(seq "$RUNS"); do
+        "$G" run "$WORK/$name.gturbo" --backend gpu --expert-cache-slots "$slots" --json \
+          --prompt-ids "$ids" --max-tokens "$TOKENS" > "$WORK/run.json" 2> "$WORK/footer" || { say "slots $slots failed: $(tail -3 "$WORK/footer")"; continue 2; }
+        pre+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["prefill_tok_s"])' "$WORK/run.json")")
+        dec+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode_tok_s"])' "$WORK/run.json")")
+      done
+      say "$(printf '%-34s %12.1f %12.1f %14s' "gturbo --backend gpu, $slots slots" "$(printf '%s\n' "${pre[@]}" | median)" "$(printf '%s\n' "${dec[@]}" | median)" -)"
+    done
+  fi
+  if [ "$PROFILE" = 1 ]; then
+    for variant in "shipped" "GTURBO_GPU_FUSE=0 GTURBO_GPU_SUBMIT_EVERY=4096"; do
+      for n in 1 33; do
+        env_args=(GTURBO_GPU_STATS=1)
+        [ "$variant" != shipped ] && read -ra extra <<< "$variant" && env_args+=("${extra[@]}")
+        env "${env_args[@]}" "$G" run "$WORK/$name.gturbo" --backend gpu --resident-experts \
+          --prompt-ids "$ids" --max-tokens "$n" > /dev/null 2> "$WORK/stats$n" || true
+        grep -h 'gturbo gpu stats' "$WORK/stats$n" > "$WORK/stats$n.line" || true
+        grep -h 'gturbo gpu kernels' "$WORK/stats$n" > "$WORK/kernels$n.line" || true
+      done
+      say "profile ($variant), per decode token (33-token run minus 1-token run, / 32):"
+      python3 - "$WORK/stats1.line" "$WORK/stats33.line" "$WORK/kernels1.line" "$WORK/kernels33.line" <<'PY' | tee -a "$RESULTS"
+import re, sys
+def nums(f):
+    t = open(f).read()
+    return [float(v) for v in re.findall(r"([0-9.]+)", t.split("stats:", 1)[1])] if t else []
+a, b = nums(sys.argv[1]), nums(sys.argv[2])
+names = ["dispatches", "passes", "submits", "waits", "wait ms", "read-backs", "read-back B",
+         "writes", "write B", "copies", "clears", "recording ms", "device ms", "timed passes"]
+if len(a) == len(b) == len(names):
+    print("    " + ", ".join("%s %.2f" % (n, (y - x) / 32) for n, x, y in zip(names, a, b)))
+else:
+    print("    (no stats)", open(sys.argv[2]).read())
+def kern(f):
+    t = open(f).read()
+    return {m[0]: (int(m[1]), float(m[2])) for m in re.findall(r"(\w+) (\d+)× ([0-9.]+) ms", t)}
+ka, kb = kern(sys.argv[3]), kern(sys.argv[4])
+rows = sorted(((n, (kb[n][0] - ka.get(n, (0, 0))[0]) / 32, (kb[n][1] - ka.get(n, (0, 0))[1]) / 32 * 1000)
+               for n in kb), key=lambda r: -r[2])
+if rows:
+    print("    device time per decode token by kernel (each dispatch in its own timed pass): " +
+          ", ".join("%s %.1f× %.1f us" % r for r in rows))
+PY
+    done
+  fi
+  if [ "$PEER" = 1 ] && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     peer=$(python3 "$HERE/bench_gpu_peer.py" "$WORK/$name-snap" "$PROMPT" "$TOKENS" "$RUNS" 2> "$WORK/peer.err" | tail -1) || { tail -5 "$WORK/peer.err"; peer=""; }
     if [ -n "$peer" ]; then
       say "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print("%-34s %12.1f %12.1f %14s" % ("transformers bf16 generate", d["prefill_tok_s"], d["decode_tok_s"], "-")); print("    " + d["engine"] + " on " + d["device"])' "$peer")"

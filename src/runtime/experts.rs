@@ -182,6 +182,12 @@ impl ExpertStore {
         self.pools.get(layer)?.as_ref().map(|p| &p.pool)
     }
 
+    /// The whole mapped pool file of `layer` (resident mode only): expert `e` at
+    /// `e × stride`, for a backend that uploads a layer's experts at once.
+    pub fn mapped(&self, layer: usize) -> Option<&[u8]> {
+        self.pools.get(layer)?.as_ref()?.map.as_deref()
+    }
+
     /// Hit and miss counts so far.
     pub fn stats(&self) -> CacheStats {
         let (hits, misses) = self.cache.as_ref().map_or((0, 0), SlotCache::counts);

@@ -16,7 +16,7 @@
 use super::error::{InputError, RunError};
 use super::experts::ExpertMode;
 use super::gate::{QK_NORM, ROUTED_MOE};
-use super::kernels::{Backend, BackendError, Causal, ExpertRef, NormGain};
+use super::kernels::{Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain};
 use super::load::Install;
 use crate::format::manifest::{self, Manifest};
 
@@ -467,6 +467,19 @@ impl<'a, B: Backend> Model<'a, B> {
             .moe
             .as_ref()
             .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
+        if let (Some(bytes), Some(pool)) =
+            (self.install.experts.mapped(l), self.install.experts.pool(l))
+        {
+            let layer = LayerExperts {
+                pool,
+                layer: l,
+                bytes,
+            };
+            let (k, renorm) = (moe.top_k, moe.norm_topk_prob);
+            if b.moe_resident(&self.slots, layer, router, xn, k, renorm, out)? {
+                return Ok(());
+            }
+        }
         let routing = b.route(router, xn, moe.top_k, moe.norm_topk_prob)?;
         // chosen[e] = (token, weight) pairs, tokens ascending.
         let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.experts];

@@ -128,6 +128,18 @@ pub struct ExpertRef<'e> {
     pub bytes: &'e [u8],
 }
 
+/// Every expert of one MoE layer, as mapped (resident experts), for
+/// [`Backend::moe_resident`].
+#[derive(Debug, Clone, Copy)]
+pub struct LayerExperts<'e> {
+    /// The layer's pool geometry.
+    pub pool: &'e ExpertPool,
+    /// The layer.
+    pub layer: usize,
+    /// The whole pool file: expert `e` at `e × pool.stride`.
+    pub bytes: &'e [u8],
+}
+
 /// Operations a runner calls, over tensors the backend owns. See the module doc for
 /// the contract shared by every op (shapes, arithmetic, errors).
 pub trait Backend {
@@ -276,6 +288,25 @@ pub trait Backend {
         slots: &'e Self::Slots,
         blob: ExpertRef<'e>,
     ) -> OpResult<Self::Expert<'e>>;
+    /// Routing and the routed experts of one MoE layer in one call, with the
+    /// routing never leaving the device: `out = Σ_j w_j · down_j(silu(gate_j x) ·
+    /// up_j x)` over each row's chosen experts, routed as [`Backend::route`] routes.
+    /// `Ok(false)` (nothing done) where the backend does not do this (the default)
+    /// or not for these operands; the runner then routes and runs the experts itself.
+    /// A GPU holding the whole pool needs no read-back of the choice per layer.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_resident(
+        &self,
+        _slots: &Self::Slots,
+        _experts: LayerExperts<'_>,
+        _router: &Self::Weights<'_>,
+        _x: &Self::Buf,
+        _top_k: usize,
+        _renormalize: bool,
+        _out: &mut Self::Buf,
+    ) -> OpResult<bool> {
+        Ok(false)
+    }
     /// One routed expert over the tokens that chose it: for each `(t, weight)` of
     /// `routes` (distinct rows of `x` and `out`, ascending), `out[t] += weight ·
     /// down(silu(gate·x[t]) · up·x[t])`.

@@ -49,7 +49,9 @@ mod portable;
 #[cfg(test)]
 mod tests;
 
-pub use backend::{Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing};
+pub use backend::{
+    Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult, Routing,
+};
 pub use cpu::{CpuKv, CpuRope};
 #[cfg(target_arch = "x86_64")]
 mod x86;

@@ -19,7 +19,7 @@ use super::{GpuError, Result};
 use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{
-    Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing,
+    Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult, Routing,
 };
 
 /// An expert's gate, up and down on the device, shared by the uses of one blob.
@@ -45,6 +45,24 @@ pub struct Gpu {
     ctx: GpuContext,
     name: String,
     free: FreeList,
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // The "where the time goes" figures of a run (docs/GPU.md), on request.
+        if self.ctx.profiling() {
+            eprintln!("gturbo gpu stats: {}", self.ctx.stats());
+            let per: Vec<String> = self
+                .ctx
+                .kernel_times()
+                .iter()
+                .map(|(k, n, ns)| format!("{k} {n}× {:.3} ms", ns / 1e6))
+                .collect();
+            if !per.is_empty() {
+                eprintln!("gturbo gpu kernels: {}", per.join(", "));
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Gpu {
@@ -118,6 +136,9 @@ pub struct GpuSlots {
     /// Blobs of mapped pools (`slot` is `None`), uploaded on first use and kept: the
     /// map's bytes of a `(layer, expert)` never change.
     mapped: Mutex<HashMap<(usize, usize), ExpertMats>>,
+    /// Whole pools of mapped layers, uploaded on first use ([`Backend::moe_resident`]);
+    /// `None` marks a layer whose pool the fused kernels cannot take.
+    pools: Mutex<HashMap<usize, Option<Arc<ExpertSlots>>>>,
 }
 
 struct Mirror {
@@ -358,6 +379,10 @@ impl Backend for Gpu {
         let run = || -> Result<()> {
             let n = x.len() / gate.cols().max(1);
             let g = self.scratch(n * gate.rows())?;
+            // One token: gate, up and SwiGLU as one dispatch where the kernel allows.
+            if n == 1 && x.len() == gate.cols() && self.ctx.glu_raw(gate, up, &x.t.buf, &g.t.buf)? {
+                return self.ctx.matmul(down, &g.t, &out.t);
+            }
             let u = self.scratch(n * up.rows())?;
             self.ctx.matmul(gate, &x.t, &g.t)?;
             self.ctx.matmul(up, &x.t, &u.t)?;
@@ -468,7 +493,67 @@ impl Backend for Gpu {
             slots,
             mirrors: Mutex::new(Vec::new()),
             mapped: Mutex::new(HashMap::new()),
+            pools: Mutex::new(HashMap::new()),
         })
+    }
+
+    fn moe_resident(
+        &self,
+        slots: &GpuSlots,
+        experts: LayerExperts<'_>,
+        router: &GpuMatrix,
+        x: &GpuBuf,
+        top_k: usize,
+        renormalize: bool,
+        out: &mut GpuBuf,
+    ) -> OpResult<bool> {
+        let run = || -> Result<bool> {
+            if !self.ctx.fuse_moe {
+                return Ok(false);
+            }
+            let pool = {
+                let mut pools = lock(&slots.pools);
+                match pools.get(&experts.layer) {
+                    Some(p) => p.clone(),
+                    None => {
+                        // A pool the fused kernels cannot take (float experts) is
+                        // remembered as such.
+                        let p =
+                            match ExpertSlots::whole_pool(&self.ctx, experts.pool, experts.bytes) {
+                                Ok(p) => Some(Arc::new(p)),
+                                Err(GpuError::Shape { .. }) => None,
+                                Err(e) => return Err(e),
+                            };
+                        pools.insert(experts.layer, p.clone());
+                        p
+                    }
+                }
+            };
+            // Decode only: a prompt's tokens share experts, which the host path runs
+            // once per expert over all its tokens (from this pool: see `expert`).
+            let Some(pool) = pool.filter(|_| x.len() == router.cols()) else {
+                return Ok(false);
+            };
+            let mut held = Vec::new();
+            let mut scratch = |len: usize| -> Result<Arc<wgpu::Buffer>> {
+                let b = self.scratch(len)?;
+                let buf = b.t.buf.clone();
+                held.push(b);
+                Ok(buf)
+            };
+            let r = self.ctx.moe_resident(
+                &pool,
+                router,
+                &x.t,
+                top_k,
+                renormalize,
+                &out.t,
+                &mut scratch,
+            );
+            // `held` drops after `scratch`'s last use, so its buffers return to the list.
+            r
+        };
+        run().map_err(|e| self.err("moe", e))
     }
 
     fn expert<'e>(&'e self, slots: &'e GpuSlots, blob: ExpertRef<'e>) -> OpResult<GpuExpert> {
@@ -476,6 +561,13 @@ impl Backend for Gpu {
             let mats = match blob.slot {
                 Some(slot) => Arc::new(self.expert_in_slot(slots, &blob, slot)?),
                 None => {
+                    // The layer's whole pool, where `moe_resident` uploaded it.
+                    let whole = lock(&slots.pools).get(&blob.layer).cloned().flatten();
+                    if let Some(pool) = whole.filter(|p| blob.expert < p.slots()) {
+                        return Ok(GpuExpert {
+                            mats: Arc::new(pool.matrices(blob.expert)?),
+                        });
+                    }
                     let key = (blob.layer, blob.expert);
                     if let Some(m) = lock(&slots.mapped).get(&key) {
                         return Ok(GpuExpert { mats: m.clone() });

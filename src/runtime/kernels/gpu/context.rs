@@ -20,6 +20,97 @@ const BACKENDS: wgpu::Backends = wgpu::Backends::PRIMARY;
 /// each in a 1 MiB uniform buffer. A SmolLM2 token records about 400.
 const MAX_BATCH: usize = 4096;
 
+/// Dispatches after which the batch is submitted without waiting, so the device runs
+/// the first layers of a token while the host records the rest (without it the host
+/// records the whole token, then the device runs it: their times add up).
+/// `GTURBO_GPU_SUBMIT_EVERY` overrides it (benchmarks; `4096` gives one submit per
+/// token).
+const SUBMIT_EVERY: usize = 48;
+
+/// Timestamp queries of one profiling batch (two per compute pass).
+const MAX_QUERIES: u32 = 4096;
+
+/// What the context did since it was made: the "where the time goes" figures
+/// (`GTURBO_GPU_STATS=1` prints them when the [`super::Gpu`] is dropped).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GpuStats {
+    /// Kernel dispatches recorded.
+    pub dispatches: u64,
+    /// Compute passes opened (a copy or clear between two dispatches ends one).
+    pub passes: u64,
+    /// Queue submits.
+    pub submits: u64,
+    /// Host waits for the device to go idle (flushes and read-backs).
+    pub waits: u64,
+    /// Read-backs (device to host copies the host waited for) and their bytes.
+    pub readbacks: u64,
+    pub readback_bytes: u64,
+    /// Host-to-device writes recorded into the batch (expert slot fills, tensor
+    /// writes) and their bytes.
+    pub writes: u64,
+    pub write_bytes: u64,
+    /// Buffer copies and clears recorded.
+    pub copies: u64,
+    pub clears: u64,
+    /// Host time spent recording dispatches (binding, encoding), in ns.
+    pub record_ns: u64,
+    /// Host time blocked waiting for the device, in ns.
+    pub wait_ns: u64,
+    /// Device time inside compute passes, from timestamp queries (ns; 0 without the
+    /// adapter's `TIMESTAMP_QUERY` feature or when not profiling).
+    pub gpu_ns: u64,
+    /// Compute passes that had timestamps.
+    pub timed_passes: u64,
+}
+
+impl fmt::Display for GpuStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} dispatches in {} passes, {} submits, {} waits ({:.2} ms), {} read-backs \
+             ({} B), {} writes ({} B), {} copies, {} clears, recording {:.2} ms, device \
+             time in passes {:.2} ms ({} timed passes)",
+            self.dispatches,
+            self.passes,
+            self.submits,
+            self.waits,
+            self.wait_ns as f64 / 1e6,
+            self.readbacks,
+            self.readback_bytes,
+            self.writes,
+            self.write_bytes,
+            self.copies,
+            self.clears,
+            self.record_ns as f64 / 1e6,
+            self.gpu_ns as f64 / 1e6,
+            self.timed_passes
+        )
+    }
+}
+
+/// Timestamp queries around every compute pass (profiling only: reading them back
+/// makes each submit wait).
+struct Profiler {
+    queries: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    readback: wgpu::Buffer,
+    /// Nanoseconds per timestamp tick.
+    period: f64,
+}
+
+/// `GTURBO_GPU_TILING=LANESxROWS`: `qmatvec_fast`'s tiling for every product
+/// (benchmarks; unset or malformed: chosen per shape).
+fn env_tiling() -> Option<(u32, u32)> {
+    let v = std::env::var("GTURBO_GPU_TILING").ok()?;
+    let (l, r) = v.trim().split_once('x')?;
+    let (l, r): (u32, u32) = (l.parse().ok()?, r.parse().ok()?);
+    (l.is_power_of_two() && (4..=256).contains(&l) && (1..=4).contains(&r)).then_some((l, r))
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse().ok()
+}
+
 /// What wgpu reports about one adapter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdapterSummary {
@@ -129,6 +220,10 @@ struct Batch {
     /// The uniform buffer this batch's parameter slots live in.
     params_buf: Arc<wgpu::Buffer>,
     dispatches: usize,
+    /// Timestamp queries written in this batch, and the kernel of each pair
+    /// (profiling gives every dispatch a pass of its own).
+    queries: u32,
+    timed: Vec<&'static str>,
 }
 
 /// One GPU: its device and queue, the compiled pipelines and the recording batch.
@@ -147,6 +242,20 @@ pub struct GpuContext {
     /// Bytes of the storage buffers made so far (weights, caches, activations; the
     /// backend reuses activation buffers, so this is close to what is held).
     allocated: AtomicU64,
+    stats: Mutex<GpuStats>,
+    /// Device time per kernel entry point (profiling): dispatches and ns.
+    per_kernel: Mutex<HashMap<&'static str, (u64, f64)>>,
+    profiler: Option<Profiler>,
+    submit_every: std::sync::atomic::AtomicUsize,
+    /// `qmatvec_fast`'s lanes and rows per set when set (benchmarks), else
+    /// [`super::ops::matvec_tiling`].
+    tiling: Mutex<Option<(u32, u32)>>,
+    /// Whether gate/up/SwiGLU of one token run as one dispatch
+    /// (`GTURBO_GPU_FUSE=0` turns it off, for before/after figures).
+    pub(crate) fuse_glu: bool,
+    /// Whether a resident MoE layer routes and runs its experts on the device with
+    /// no read-back (`GTURBO_GPU_FUSE=0` turns it off too).
+    pub(crate) fuse_moe: bool,
 }
 
 impl fmt::Debug for GpuContext {
@@ -198,9 +307,16 @@ impl GpuContext {
         // Everything the adapter allows: weights of real models exceed WebGPU's
         // default 128 MiB binding.
         let limits = adapter.limits();
+        let profile = std::env::var_os("GTURBO_GPU_STATS").is_some_and(|v| v != "0");
+        // Timestamps only when profiling, and only where the adapter has them.
+        let features = if profile {
+            adapter.features() & wgpu::Features::TIMESTAMP_QUERY
+        } else {
+            wgpu::Features::empty()
+        };
         let desc = wgpu::DeviceDescriptor {
             label: Some("gturbo"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
@@ -225,7 +341,38 @@ impl GpuContext {
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         }));
+        let profiler = features.contains(wgpu::Features::TIMESTAMP_QUERY).then(|| {
+            let bytes = u64::from(MAX_QUERIES) * 8;
+            let buf = |usage| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("timestamps"),
+                    size: bytes,
+                    usage,
+                    mapped_at_creation: false,
+                })
+            };
+            Profiler {
+                queries: device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("pass timestamps"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: MAX_QUERIES,
+                }),
+                resolve: buf(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
+                readback: buf(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
+                period: f64::from(queue.get_timestamp_period()),
+            }
+        });
+        let submit_every = env_usize("GTURBO_GPU_SUBMIT_EVERY")
+            .unwrap_or(SUBMIT_EVERY)
+            .clamp(1, MAX_BATCH);
         Ok(GpuContext {
+            stats: Mutex::new(GpuStats::default()),
+            per_kernel: Mutex::new(HashMap::new()),
+            profiler,
+            submit_every: std::sync::atomic::AtomicUsize::new(submit_every),
+            tiling: Mutex::new(env_tiling()),
+            fuse_glu: env_usize("GTURBO_GPU_FUSE") != Some(0),
+            fuse_moe: env_usize("GTURBO_GPU_FUSE") != Some(0),
             device,
             queue,
             summary,
@@ -238,6 +385,8 @@ impl GpuContext {
                 params: Vec::new(),
                 params_buf,
                 dispatches: 0,
+                queries: 0,
+                timed: Vec::new(),
             }),
             error,
             allocated: AtomicU64::new(0),
@@ -252,6 +401,69 @@ impl GpuContext {
     /// Bytes of the device buffers this context made (weights, caches, activations).
     pub fn allocated_bytes(&self) -> u64 {
         self.allocated.load(Ordering::Relaxed)
+    }
+
+    /// Submit the batch on its own after `n` dispatches (1 to 4096; the default 48,
+    /// or `GTURBO_GPU_SUBMIT_EVERY`). A benchmark timing one batch from submit to
+    /// idle sets 4096, so nothing runs before its clock starts.
+    pub fn set_submit_every(&self, n: usize) {
+        self.submit_every
+            .store(n.clamp(1, MAX_BATCH), Ordering::Relaxed);
+    }
+
+    /// Force `qmatvec_fast`'s tiling: `lanes` invocations (a power of two, 4 to 256)
+    /// over each set of `rows` rows (1 to 4); `None` restores the shape-based choice.
+    /// For benchmarks.
+    pub fn set_matvec_tiling(&self, tiling: Option<(u32, u32)>) -> Result<()> {
+        if let Some((lanes, rows)) = tiling
+            && (!lanes.is_power_of_two() || !(4..=256).contains(&lanes) || !(1..=4).contains(&rows))
+        {
+            return Err(GpuError::Shape {
+                op: "matvec tiling",
+                message: format!(
+                    "{lanes} lanes × {rows} rows (want 4..=256 lanes, a power of two, and 1..=4 rows)"
+                ),
+            });
+        }
+        *lock(&self.tiling) = tiling;
+        Ok(())
+    }
+
+    /// The tiling `qmatvec_fast` takes for `w`.
+    pub(crate) fn tiling(&self, w: &super::tensor::GpuMatrix) -> (u32, u32) {
+        if let Some(t) = *lock(&self.tiling) {
+            return t;
+        }
+        let bits = match w.encoding {
+            super::tensor::Encoding::Affine { bits, .. } => bits as usize,
+            _ => 4,
+        };
+        super::ops::matvec_tiling(w.cols * bits / 128)
+    }
+
+    /// What the context has done so far (dispatches, submits, waits, times).
+    pub fn stats(&self) -> GpuStats {
+        *lock(&self.stats)
+    }
+
+    /// Device time per kernel entry point (profiling with timestamps): `(entry,
+    /// dispatches, ns)`, most time first.
+    pub fn kernel_times(&self) -> Vec<(&'static str, u64, f64)> {
+        let mut v: Vec<_> = lock(&self.per_kernel)
+            .iter()
+            .map(|(&k, &(n, ns))| (k, n, ns))
+            .collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
+    /// Whether `GTURBO_GPU_STATS` asked for the figures.
+    pub fn profiling(&self) -> bool {
+        std::env::var_os("GTURBO_GPU_STATS").is_some_and(|v| v != "0")
+    }
+
+    fn count(&self, f: impl FnOnce(&mut GpuStats)) {
+        f(&mut lock(&self.stats));
     }
 
     /// The size a buffer of `bytes` is given (at least 16: WebGPU binds no empty
@@ -310,6 +522,7 @@ impl GpuContext {
 
     /// Record setting every byte of `buf` to zero (in order with the batch).
     pub(crate) fn clear(&self, buf: &wgpu::Buffer) {
+        self.count(|s| s.clears += 1);
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch).clear_buffer(buf, 0, None);
     }
@@ -341,6 +554,10 @@ impl GpuContext {
                 contents: &data,
                 usage: wgpu::BufferUsages::COPY_SRC,
             });
+        self.count(|s| {
+            s.writes += 1;
+            s.write_bytes += padded as u64;
+        });
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
             .copy_buffer_to_buffer(&staging, 0, buf, offset, padded as u64);
@@ -356,6 +573,7 @@ impl GpuContext {
         dst_off: u64,
         bytes: u64,
     ) {
+        self.count(|s| s.copies += 1);
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
             .copy_buffer_to_buffer(src, src_off, dst, dst_off, bytes);
@@ -431,18 +649,69 @@ impl GpuContext {
         }
         batch.dispatches = 0;
         drop(batch.pass.take());
-        if let Some(enc) = batch.encoder.take() {
+        let queries = std::mem::take(&mut batch.queries);
+        let timed = std::mem::take(&mut batch.timed);
+        if let Some(mut enc) = batch.encoder.take() {
+            if let (Some(p), true) = (&self.profiler, queries > 0) {
+                enc.resolve_query_set(&p.queries, 0..queries, &p.resolve, 0);
+                enc.copy_buffer_to_buffer(&p.resolve, 0, &p.readback, 0, u64::from(queries) * 8);
+            }
             self.queue.submit([enc.finish()]);
+            self.count(|s| s.submits += 1);
+            if let (Some(p), true) = (&self.profiler, queries > 0) {
+                self.read_timestamps(p, queries, &timed);
+            }
         }
     }
 
+    /// Wait for the batch just submitted and add its passes' device time (profiling).
+    fn read_timestamps(&self, p: &Profiler, queries: u32, timed: &[&'static str]) {
+        let slice = p.readback.slice(..u64::from(queries) * 8);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| drop(tx.send(r)));
+        let waited = self.device.poll(wgpu::PollType::Wait {
+            submission_index: None,
+            timeout: None,
+        });
+        if waited.is_err() || !matches!(rx.recv(), Ok(Ok(()))) {
+            return;
+        }
+        if let Ok(view) = slice.get_mapped_range() {
+            let ticks: Vec<u64> = view
+                .chunks_exact(8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                .collect();
+            let mut ns = 0.0;
+            let mut per = lock(&self.per_kernel);
+            for (t, entry) in ticks.chunks_exact(2).zip(timed) {
+                let d = t[1].saturating_sub(t[0]) as f64 * p.period;
+                ns += d;
+                let e = per.entry(entry).or_default();
+                e.0 += 1;
+                e.1 += d;
+            }
+            drop(per);
+            self.count(|s| {
+                s.gpu_ns += ns as u64;
+                s.timed_passes += u64::from(queries / 2);
+            });
+        }
+        p.readback.unmap();
+    }
+
     fn wait(&self) -> Result<()> {
+        let t = std::time::Instant::now();
         self.device
             .poll(wgpu::PollType::Wait {
                 submission_index: None,
                 timeout: None,
             })
             .map_err(|e| GpuError::Runtime(e.to_string()))?;
+        let ns = t.elapsed().as_nanos() as u64;
+        self.count(|s| {
+            s.waits += 1;
+            s.wait_ns += ns;
+        });
         self.take_error()
     }
 
@@ -480,6 +749,10 @@ impl GpuContext {
             .map_err(|e| GpuError::Runtime(format!("readback: {e}")))?
             .to_vec();
         staging.unmap();
+        self.count(|s| {
+            s.readbacks += 1;
+            s.readback_bytes += bytes;
+        });
         Ok(out)
     }
 
@@ -600,10 +873,11 @@ impl GpuContext {
         if groups == 0 {
             return Ok(());
         }
+        let t = std::time::Instant::now();
         let pipeline = self.pipeline(k)?;
         let (gx, gy) = self.grid(groups)?;
         let mut batch = lock(&self.batch);
-        if batch.dispatches == MAX_BATCH {
+        if batch.dispatches >= self.submit_every.load(Ordering::Relaxed) {
             self.submit_locked(&mut batch);
         }
         let offset = batch.params.len();
@@ -629,15 +903,30 @@ impl GpuContext {
             layout: &pipeline.get_bind_group_layout(0),
             entries: &entries,
         });
+        let mut opened = false;
         if batch.pass.is_none() {
+            let at = batch.queries;
+            let timestamps = self
+                .profiler
+                .as_ref()
+                .filter(|_| at + 2 <= MAX_QUERIES)
+                .map(|p| wgpu::ComputePassTimestampWrites {
+                    query_set: &p.queries,
+                    beginning_of_pass_write_index: Some(at),
+                    end_of_pass_write_index: Some(at + 1),
+                });
+            if timestamps.is_some() {
+                batch.queries += 2;
+            }
             let pass = self
                 .encoder(&mut batch)
                 .begin_compute_pass(&wgpu::ComputePassDescriptor {
                     label: None,
-                    timestamp_writes: None,
+                    timestamp_writes: timestamps,
                 })
                 .forget_lifetime();
             batch.pass = Some(pass);
+            opened = true;
         }
         let Some(pass) = batch.pass.as_mut() else {
             unreachable!("the pass was just opened");
@@ -645,6 +934,18 @@ impl GpuContext {
         pass.set_pipeline(&pipeline);
         pass.set_bind_group(0, &bind, &[]);
         pass.dispatch_workgroups(gx, gy, 1);
+        if self.profiler.is_some() && opened {
+            // One pass per dispatch, so its timestamps time this kernel alone.
+            batch.timed.push(k.entry);
+            drop(batch.pass.take());
+        }
+        drop(batch);
+        let ns = t.elapsed().as_nanos() as u64;
+        self.count(|s| {
+            s.dispatches += 1;
+            s.passes += u64::from(opened);
+            s.record_ns += ns;
+        });
         Ok(())
     }
 }

@@ -27,8 +27,8 @@
 //!   exactly (BF16 by a shift, F16 by integer bit surgery, which needs no capability).
 //! - **Quantized products use the CPU path's formula**: each group of 64 adds
 //!   `s·Σ q·x + b·Σ x` (`# Arithmetic` in [`super`]). The GPU forms the partial sums
-//!   per u32 word (8 codes at INT4, 4 at INT8) and adds the words of a row in a tree of
-//!   32 lanes; the CPU adds them in its own order. So results differ from the CPU
+//!   per 16-byte word or 32-code chunk and adds them in a tree of 4 to 32 lanes; the
+//!   CPU adds them in its own order. So results differ from the CPU
 //!   backend by **reduction order only**, bounded like the CPU's own test bound:
 //!   `|gpu − cpu| ≤ 2e-5 · Σ (|s·q| + |b|)·|x|` per output (float matrices:
 //!   `Σ |w·x|`), plus the same for the products feeding later ops.
@@ -67,12 +67,19 @@
 //!
 //! # Widths and groups
 //! Bits and group size are WGSL `override` constants of one source per kernel
-//! family (`shaders/qmatvec.wgsl`, `shaders/embed.wgsl`). Any width dividing 32 (2,
-//! 4, 8) with any group that is a multiple of `32/bits` and at most 128 compiles
-//! (the shader check translates 2-bit and g32/g128 variants too); the host accepts 4
-//! and 8 bits at g64, the encodings [`Matrix`](super::Matrix) carries and the CPU
-//! backend tests. 3-, 5- and 6-bit rows are dense bit streams across words and need
-//! their own code fetch.
+//! family (`shaders/qmatvec.wgsl`, `shaders/embed.wgsl`), which read each row's codes
+//! as the dense little-endian bit stream MLX writes (3-, 5- and 6-bit codes straddle
+//! words), so every width and group [`Matrix`](super::Matrix) carries (2, 3, 4, 5, 6,
+//! 8 bits × 32, 64, 128) has kernels: the tiled product and the general
+//! matrix-vector product for all of them, and the 16-byte-load matrix-vector kernel
+//! (`qmatvec_fast`) for the widths dividing 16 whose 16-byte words stay inside a
+//! group (all but 2 bits in groups of 32).
+//!
+//! # Where the time goes
+//! [`GpuContext::stats`] counts dispatches, passes, submits, waits and read-backs, and
+//! with `GTURBO_GPU_STATS=1` on an adapter with `TIMESTAMP_QUERY` the device time of
+//! every dispatch (each in its own timed pass; the reading makes every submit wait).
+//! `docs/GPU.md` has the figures.
 
 mod backend;
 mod context;
@@ -84,7 +91,7 @@ mod tensor;
 mod tests;
 
 pub use backend::{Gpu, GpuBuf, GpuExpert, GpuKv, GpuRope, GpuSlots};
-pub use context::{AdapterSummary, GpuContext, GpuOptions, list_adapters};
+pub use context::{AdapterSummary, GpuContext, GpuOptions, GpuStats, list_adapters};
 pub use flash::GpuAttnCache;
 pub use ops::RouterOutput;
 pub use tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};

@@ -30,19 +30,29 @@ pub(crate) fn use_tiled(n: usize) -> bool {
 }
 
 /// Whether the matrix-vector product of `w` takes the 16-byte-load kernel
-/// (`qmatvec4`): its codes start on a 16-byte boundary, a row is a whole number of
-/// 16-byte words, and a code word holds a multiple of 4 codes. The one place the
-/// choice is made; tests run both sides.
+/// (`qmatvec_fast`): a width dividing 16 (2, 4, 8 bits), codes starting on a 16-byte
+/// boundary, and each 16-byte code word inside one group (so a row is a whole number
+/// of them). The one place the choice is made; tests run both sides.
 pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
     match w.encoding {
-        Encoding::Affine { bits, .. } => {
-            let per_word = (32 / bits) as usize;
-            w.w_off.is_multiple_of(4)
-                && per_word.is_multiple_of(4)
-                && (w.cols / per_word).is_multiple_of(4)
+        Encoding::Affine { bits, group } => {
+            matches!(bits, 2 | 4 | 8)
+                && w.w_off.is_multiple_of(4)
+                && group.is_multiple_of(128 / bits)
+                && w.cols.is_multiple_of((128 / bits) as usize)
         }
         _ => false,
     }
+}
+
+/// Invocations per row and rows per set of `qmatvec_fast` for a row of `row_v`
+/// 16-byte words: enough lanes that each takes a few words (short rows, such as
+/// SmolLM2's 576 columns or an expert's 256, would leave most of 32 lanes idle),
+/// at most 32.
+pub(crate) fn matvec_tiling(row_v: usize) -> (u32, u32) {
+    let want = (row_v / 2).clamp(4, 32);
+    let lanes = 1u32 << (usize::BITS - 1 - want.leading_zeros());
+    (lanes, 2)
 }
 
 /// The experts a router chose: `[n, k]` ids (best first) and their weights.
@@ -141,19 +151,31 @@ impl GpuContext {
                     b_off: w.b_off,
                     x_off: 0,
                     y_off: 0,
+                    ..Default::default()
                 };
                 if !tiled && qmatvec_fast_path(w) {
+                    let (lanes, rps) = self.tiling(w);
                     // Codes and scales are the same buffer at two bindings (u32 and
-                    // vec4 views), as are x's.
+                    // vec4 views); the up-projection bindings of the fused SwiGLU
+                    // (unused here) take it too.
+                    let per_wg = (256 / lanes * rps) as usize;
                     self.dispatch_at(
-                        &Kernel::qmat(bits, group, false, true),
+                        &Kernel::qmat_fast(bits, group, lanes, rps, false),
                         &p.bytes(),
-                        &[(1, &w.buf), (3, y), (4, &w.buf), (5, x)],
-                        groups,
+                        &[
+                            (1, &w.buf),
+                            (3, y),
+                            (4, &w.buf),
+                            (5, x),
+                            (6, &w.buf),
+                            (7, &w.buf),
+                            (8, &w.buf),
+                        ],
+                        w.rows.div_ceil(per_wg) * n,
                     )
                 } else {
                     self.dispatch(
-                        &Kernel::qmat(bits, group, tiled, false),
+                        &Kernel::qmat(bits, group, tiled),
                         &p.bytes(),
                         &[&w.buf, x, y],
                         groups,
@@ -177,6 +199,58 @@ impl GpuContext {
                 )
             }
         }
+    }
+
+    /// `y = silu(gate·x) · (up·x)` for one token in one dispatch, when both matrices
+    /// take the fast matrix-vector kernel with the same encoding and shape; `false`
+    /// (nothing recorded) otherwise. Operands are checked by the caller.
+    pub(crate) fn glu_raw(
+        &self,
+        gate: &GpuMatrix,
+        up: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+    ) -> Result<bool> {
+        const OP: &str = "ffn_swiglu";
+        let Encoding::Affine { bits, group } = gate.encoding else {
+            return Ok(false);
+        };
+        if !self.fuse_glu
+            || gate.encoding != up.encoding
+            || (gate.rows, gate.cols) != (up.rows, up.cols)
+            || !qmatvec_fast_path(gate)
+            || !qmatvec_fast_path(up)
+        {
+            return Ok(false);
+        }
+        let (lanes, _) = self.tiling(gate);
+        let p = QmatvecParams {
+            rows: u32_of(OP, gate.rows)?,
+            cols: u32_of(OP, gate.cols)?,
+            n: 1,
+            w_off: gate.w_off,
+            s_off: gate.s_off,
+            b_off: gate.b_off,
+            w2_off: up.w_off,
+            s2_off: up.s_off,
+            b2_off: up.b_off,
+            ..Default::default()
+        };
+        self.dispatch_at(
+            &Kernel::qmat_fast(bits, group, lanes, 2, true),
+            &p.bytes(),
+            &[
+                (1, &gate.buf),
+                (3, y),
+                (4, &gate.buf),
+                (5, x),
+                (6, &up.buf),
+                (7, &up.buf),
+                (8, &gate.buf),
+            ],
+            gate.rows.div_ceil((256 / lanes) as usize),
+        )?;
+        Ok(true)
     }
 
     /// RMSNorm of each `w.len()`-wide row of `x` into `out`:
@@ -453,13 +527,155 @@ impl GpuContext {
             ids: self.zeros(&[n, k], DType::U32)?,
             weights: self.zeros(&[n, k], DType::F32)?,
         };
+        self.router_topk_raw(&p, &logits.buf, &out.ids.buf, &out.weights.buf)?;
+        Ok(out)
+    }
+
+    fn router_topk_raw(
+        &self,
+        p: &SoftmaxParams,
+        logits: &wgpu::Buffer,
+        ids: &wgpu::Buffer,
+        weights: &wgpu::Buffer,
+    ) -> Result<()> {
         self.dispatch(
             &Kernel::plain(Shader::Softmax, "router_topk"),
             &p.bytes(),
-            &[&logits.buf, &out.ids.buf, &out.weights.buf],
-            n,
+            &[logits, ids, weights],
+            p.n as usize,
+        )
+    }
+
+    /// The routed experts of one token on the device, with no read-back: route `x`
+    /// (`[1, hidden]`) by `router`, then `out = Σ_j w_j · down_j(silu(gate_j x) ·
+    /// up_j x)` over the `k` chosen experts of `pool` (a layer's whole pool on the
+    /// device), the experts added in rank order. `false` (nothing recorded) when the
+    /// pool's matrices do not take the fast kernel; the caller then routes on the
+    /// host. `scratch` gives buffers of at least the asked length.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn moe_resident(
+        &self,
+        pool: &ExpertSlots,
+        router: &GpuMatrix,
+        x: &GpuTensor,
+        k: usize,
+        renorm: bool,
+        out: &GpuTensor,
+        scratch: &mut dyn FnMut(usize) -> Result<Arc<wgpu::Buffer>>,
+    ) -> Result<bool> {
+        const OP: &str = "moe";
+        let [gate, up, down] = pool.matrices(0)?;
+        let experts = router.rows;
+        let fast = [&gate, &up, &down].iter().all(|m| qmatvec_fast_path(m));
+        let stride_words = pool.slot_bytes / 4;
+        if !fast
+            || gate.encoding != up.encoding
+            || !stride_words.is_multiple_of(4)
+            || x.len() != router.cols
+            || x.len() != gate.cols
+            || out.len() != x.len()
+            || pool.slots() != experts
+            || k == 0
+            || k > experts
+        {
+            return Ok(false);
+        }
+        let (h, inter) = (gate.cols, gate.rows);
+        let logits = scratch(experts)?;
+        self.matmul_raw(router, &x.buf, &logits, 1)?;
+        let ids = scratch(k)?;
+        let wts = scratch(k)?;
+        let sp = SoftmaxParams {
+            n: 1,
+            d: u32_of(OP, experts)?,
+            off: 0,
+            k: u32_of(OP, k)?,
+            renorm: u32::from(renorm),
+        };
+        self.router_topk_raw(&sp, &logits, &ids, &wts)?;
+        let hbuf = scratch(k * inter)?;
+        let dbuf = scratch(k * h)?;
+        let (
+            Encoding::Affine { bits, group },
+            Encoding::Affine {
+                bits: dbits,
+                group: dgroup,
+            },
+        ) = (gate.encoding, down.encoding)
+        else {
+            return Ok(false);
+        };
+        let e_stride = u32_of(OP, stride_words)?;
+        let moe_k = u32_of(OP, k)?;
+        let (lanes, _) = self.tiling(&gate);
+        let p = QmatvecParams {
+            rows: u32_of(OP, inter)?,
+            cols: u32_of(OP, h)?,
+            n: moe_k,
+            w_off: gate.w_off,
+            s_off: gate.s_off,
+            b_off: gate.b_off,
+            w2_off: up.w_off,
+            s2_off: up.s_off,
+            b2_off: up.b_off,
+            moe_k,
+            e_stride,
+            ..Default::default()
+        };
+        let b = &pool.buf;
+        self.dispatch_at(
+            &Kernel::qmat_moe(bits, group, lanes, 2, true, 1),
+            &p.bytes(),
+            &[
+                (1, b),
+                (3, &hbuf),
+                (4, b),
+                (5, &x.buf),
+                (6, b),
+                (7, b),
+                (8, &ids),
+            ],
+            inter.div_ceil((256 / lanes) as usize) * k,
         )?;
-        Ok(out)
+        let (lanes, rps) = self.tiling(&down);
+        let p = QmatvecParams {
+            rows: u32_of(OP, h)?,
+            cols: u32_of(OP, inter)?,
+            n: moe_k,
+            w_off: down.w_off,
+            s_off: down.s_off,
+            b_off: down.b_off,
+            moe_k,
+            e_stride,
+            ..Default::default()
+        };
+        self.dispatch_at(
+            &Kernel::qmat_moe(dbits, dgroup, lanes, rps, false, 2),
+            &p.bytes(),
+            &[
+                (1, b),
+                (3, &dbuf),
+                (4, b),
+                (5, &hbuf),
+                (6, b),
+                (7, b),
+                (8, &ids),
+            ],
+            h.div_ceil((256 / lanes * rps) as usize) * k,
+        )?;
+        let p = QmatvecParams {
+            rows: u32_of(OP, h)?,
+            n: 1,
+            moe_k,
+            ..Default::default()
+        };
+        self.dispatch_at(
+            &Kernel::plain(Shader::Qmatvec, "moe_combine"),
+            &p.bytes(),
+            &[(2, &dbuf), (3, &out.buf), (9, &wts)],
+            h.div_ceil(ELEMENTWISE_WG),
+        )?;
+        Ok(true)
     }
 
     /// A small read-only storage buffer made from `data` (routing lists, token ids).
@@ -595,20 +811,22 @@ impl GpuContext {
             &[&scratch.xs, &x.buf, &rows],
             groups,
         )?;
-        self.matmul_raw(gate, &scratch.xs, &scratch.g, m)?;
-        self.matmul_raw(up, &scratch.xs, &scratch.u, m)?;
-        let glu = ElementwiseParams {
-            n: u32_of(OP, m * inter)?,
-            d: 0,
-            a_off: 0,
-            b_off: 0,
-        };
-        self.dispatch(
-            &Kernel::plain(Shader::Elementwise, "swiglu"),
-            &glu.bytes(),
-            &[&scratch.g, &scratch.u],
-            (m * inter).div_ceil(ELEMENTWISE_WG),
-        )?;
+        if m != 1 || !self.glu_raw(gate, up, &scratch.xs, &scratch.g)? {
+            self.matmul_raw(gate, &scratch.xs, &scratch.g, m)?;
+            self.matmul_raw(up, &scratch.xs, &scratch.u, m)?;
+            let glu = ElementwiseParams {
+                n: u32_of(OP, m * inter)?,
+                d: 0,
+                a_off: 0,
+                b_off: 0,
+            };
+            self.dispatch(
+                &Kernel::plain(Shader::Elementwise, "swiglu"),
+                &glu.bytes(),
+                &[&scratch.g, &scratch.u],
+                (m * inter).div_ceil(ELEMENTWISE_WG),
+            )?;
+        }
         self.matmul_raw(down, &scratch.g, &scratch.d, m)?;
         self.dispatch(
             &Kernel::plain(Shader::Elementwise, "scatter_add"),

@@ -134,17 +134,38 @@ impl Kernel {
         s
     }
 
-    /// Quantized matrix-vector product (`vec4`: the 16-byte-load variant), or the
-    /// tiled matrix-matrix product when `tiled`.
-    pub(crate) fn qmat(bits: u32, group: u32, tiled: bool, vec4: bool) -> Kernel {
-        let entry = match (tiled, vec4) {
-            (true, _) => "qmatmul",
-            (false, true) => "qmatvec4",
-            (false, false) => "qmatvec",
-        };
+    /// Quantized matrix-vector product of any width (`qmatvec`), or the tiled
+    /// matrix-matrix product when `tiled`.
+    pub(crate) fn qmat(bits: u32, group: u32, tiled: bool) -> Kernel {
+        let entry = if tiled { "qmatmul" } else { "qmatvec" };
         Kernel::new(Shader::Qmatvec, entry)
             .with("BITS", bits)
             .with("GROUP", group)
+    }
+
+    /// The 16-byte-load matrix-vector product (`qmatvec_fast`): `lanes` invocations
+    /// per set of `rps` rows; `glu` fuses SwiGLU over a gate and an up matrix.
+    pub(crate) fn qmat_fast(bits: u32, group: u32, lanes: u32, rps: u32, glu: bool) -> Kernel {
+        Kernel::qmat_moe(bits, group, lanes, rps, glu, 0)
+    }
+
+    /// [`Kernel::qmat_fast`] over routed experts (`moe` 1: gate/up, 2: down; see
+    /// `MOE` in the shader).
+    pub(crate) fn qmat_moe(
+        bits: u32,
+        group: u32,
+        lanes: u32,
+        rps: u32,
+        glu: bool,
+        moe: u32,
+    ) -> Kernel {
+        Kernel::new(Shader::Qmatvec, "qmatvec_fast")
+            .with("BITS", bits)
+            .with("GROUP", group)
+            .with("LANES", lanes)
+            .with("RPS", if glu { 2 } else { rps })
+            .with("GLU", u32::from(glu))
+            .with("MOE", moe)
     }
 
     /// Float matrix product; `dtype` 0 f32, 1 BF16, 2 F16.
@@ -170,14 +191,24 @@ impl Kernel {
     #[cfg(test)]
     pub(crate) fn all_variants() -> Vec<Kernel> {
         let mut v = Vec::new();
-        for bits in [2, 4, 8] {
+        for bits in [2, 3, 4, 5, 6, 8] {
             for group in [32, 64, 128] {
-                v.push(Kernel::qmat(bits, group, false, false));
-                v.push(Kernel::qmat(bits, group, false, true));
-                v.push(Kernel::qmat(bits, group, true, false));
+                v.push(Kernel::qmat(bits, group, false));
+                v.push(Kernel::qmat(bits, group, true));
                 v.push(Kernel::embed(3, bits, group));
             }
         }
+        for bits in [2, 4, 8] {
+            for group in [64, 128] {
+                for (lanes, rps) in [(32, 1), (16, 2), (8, 4)] {
+                    v.push(Kernel::qmat_fast(bits, group, lanes, rps, false));
+                }
+                v.push(Kernel::qmat_fast(bits, group, 32, 2, true));
+                v.push(Kernel::qmat_moe(bits, group, 32, 2, true, 1));
+                v.push(Kernel::qmat_moe(bits, group, 4, 2, false, 2));
+            }
+        }
+        v.push(Kernel::plain(Shader::Qmatvec, "moe_combine"));
         for dtype in 0..3 {
             v.push(Kernel::fmat(dtype, false));
             v.push(Kernel::fmat(dtype, true));
@@ -241,9 +272,10 @@ macro_rules! params {
 pub(crate) use params;
 
 params! {
-    /// `qmatvec.wgsl`: offsets are words (`w_off`), half-words (`s_off`, `b_off`) and
-    /// f32 elements (`x_off`, `y_off`).
-    QmatvecParams { rows: u32, cols: u32, n: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32 }
+    /// `qmatvec.wgsl`: offsets are words (`w_off`, `w2_off`), half-words (`s_off`,
+    /// `b_off`, `s2_off`, `b2_off`) and f32 elements (`x_off`, `y_off`); the `*2`
+    /// fields are the up projection of the fused SwiGLU.
+    QmatvecParams { rows: u32, cols: u32, n: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32, w2_off: u32, s2_off: u32, b2_off: u32, moe_k: u32, e_stride: u32 }
 }
 params! {
     /// `fmatvec.wgsl`: `d_off` counts matrix elements.

@@ -151,21 +151,23 @@ impl GpuMatrix {
                 biases,
                 ..
             } => {
-                // The WGSL products read 4- and 8-bit codes in groups of 64 (the widths
-                // an install quantizes to); other MLX widths run on the CPU backend.
-                if group != GROUP || !matches!(bits, 4 | 8) {
+                // Every width and group `Matrix::check` accepts (MLX's 2, 3, 4, 5, 6
+                // and 8 bits in groups of 32, 64 and 128) has a kernel; the WGSL
+                // reads codes as the same dense bit stream the CPU does.
+                let group32 = u32::try_from(group).unwrap_or(0);
+                if !matches!(bits, 2..=6 | 8) || !matches!(group32, 32 | 64 | 128) {
                     return Err(GpuError::Shape {
                         op: "upload",
                         message: format!(
-                            "{label}: int{bits}_g{group} has no GPU kernel yet (INT4/INT8 g64 \
-                             only); use --backend cpu"
+                            "{label}: int{bits}_g{group} has no GPU kernel (widths 2-6 and 8, \
+                             groups 32, 64, 128); use --backend cpu"
                         ),
                     });
                 }
                 (
                     Encoding::Affine {
                         bits,
-                        group: GROUP as u32,
+                        group: group32,
                     },
                     vec![weights, scales, biases],
                 )
@@ -174,7 +176,8 @@ impl GpuMatrix {
             Matrix::F16 { data, .. } => (Encoding::F16, vec![data]),
             Matrix::F32 { data, .. } => (Encoding::F32, vec![data]),
         };
-        // One buffer: codes (a whole number of words, since cols is a multiple of 64),
+        // One buffer: codes (a whole number of words, since cols is a multiple of the
+        // group and 32 codes of any width fill whole words),
         // then scales and biases addressed as half-words.
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut bytes = Vec::with_capacity(total.next_multiple_of(4));
@@ -326,8 +329,8 @@ pub struct ExpertSlots {
     pub(crate) buf: Arc<wgpu::Buffer>,
     slots: usize,
     /// Bytes between slots: the blob rounded up to 256 (every offset stays a whole
-    /// number of words and of elements).
-    slot_bytes: usize,
+    /// number of words and of elements), or the pool's stride for a whole pool.
+    pub(crate) slot_bytes: usize,
     blob_bytes: usize,
     encoding: Encoding,
     parts: [PartView; 3],
@@ -342,6 +345,33 @@ impl ExpertSlots {
     /// `slots` slots for blobs of `pool`'s geometry (checked with
     /// [`ExpertPool::layout_errors`]).
     pub fn new(ctx: &GpuContext, pool: &ExpertPool, slots: usize) -> Result<ExpertSlots> {
+        ExpertSlots::make(ctx, pool, slots, None)
+    }
+
+    /// A layer's whole pool file (`pool.experts` blobs, `pool.stride` apart), as
+    /// mapped, uploaded once: slot `e` is expert `e` (resident experts).
+    pub fn whole_pool(ctx: &GpuContext, pool: &ExpertPool, bytes: &[u8]) -> Result<ExpertSlots> {
+        let experts = usize::try_from(pool.experts).unwrap_or(usize::MAX);
+        if bytes.len() as u64 != pool.file_bytes {
+            return Err(GpuError::Shape {
+                op: "expert pool",
+                message: format!(
+                    "pool {}: {} bytes mapped, the manifest says {}",
+                    pool.file,
+                    bytes.len(),
+                    pool.file_bytes
+                ),
+            });
+        }
+        ExpertSlots::make(ctx, pool, experts, Some(bytes))
+    }
+
+    fn make(
+        ctx: &GpuContext,
+        pool: &ExpertPool,
+        slots: usize,
+        whole: Option<&[u8]>,
+    ) -> Result<ExpertSlots> {
         let bad = |message: String| GpuError::Shape {
             op: "expert slots",
             message: format!("pool {}: {message}", pool.file),
@@ -355,7 +385,7 @@ impl ExpertSlots {
         let encoding = match (pool.scheme.bits(), pool.dtype) {
             (Some(bits), _) => Encoding::Affine {
                 bits,
-                group: GROUP as u32,
+                group: pool.scheme.group().unwrap_or(GROUP as u32),
             },
             (None, Dtype::BF16) => Encoding::Bf16,
             (None, Dtype::F16) => Encoding::F16,
@@ -404,12 +434,20 @@ impl ExpertSlots {
             )));
         }
         let blob_bytes = to(pool.blob_bytes)?;
-        let slot_bytes = blob_bytes.next_multiple_of(256);
+        let slot_bytes = match whole {
+            // layout_errors checked that the stride is the blob rounded up to a page.
+            Some(_) => to(pool.stride)?,
+            None => blob_bytes.next_multiple_of(256),
+        };
         let total = slot_bytes
             .checked_mul(slots)
             .ok_or_else(|| bad("slot buffer size overflows".into()))?;
+        let buf = match whole {
+            Some(bytes) => ctx.upload_bytes("expert pool", bytes)?,
+            None => ctx.buffer("expert slots", total as u64)?,
+        };
         Ok(ExpertSlots {
-            buf: ctx.buffer("expert slots", total as u64)?,
+            buf,
             slots,
             slot_bytes,
             blob_bytes,

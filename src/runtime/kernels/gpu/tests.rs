@@ -16,7 +16,7 @@ use crate::format::{PAGE, Scheme, align_up};
 use crate::header::Dtype;
 use crate::runtime::kernels::expert_matrices;
 use crate::runtime::kernels::{Cpu, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
-use crate::transform::quant::{Bits, GROUP, f32_to_bf16, quantize_rows};
+use crate::transform::quant::{Bits, Group, Spec, f32_to_bf16, quantize_rows};
 
 // ---------------------------------------------------------------- shader check
 
@@ -218,6 +218,7 @@ impl Rng {
 struct Fixture {
     kind: &'static str,
     bits: u32,
+    group: usize,
     parts: Vec<Vec<u8>>,
     rows: usize,
     cols: usize,
@@ -226,21 +227,27 @@ struct Fixture {
 
 impl Fixture {
     fn quant(bits: Bits, rows: usize, cols: usize, rng: &mut Rng) -> Fixture {
+        Fixture::quant_g(bits, Group::G64, rows, cols, rng)
+    }
+
+    fn quant_g(bits: Bits, group: Group, rows: usize, cols: usize, rng: &mut Rng) -> Fixture {
         let n = rows * cols;
+        let g = group.size();
+        let spec = Spec::new(bits, group);
         let mut src: Vec<u16> = (0..n)
             .map(|i| f32_to_bf16(rng.unit() * (0.02 + (i / cols % 7) as f32 * 0.05)))
             .collect();
-        src[..GROUP].fill(0);
+        src[..g].fill(0);
         let mut w = vec![0u8; n * bits.bits() as usize / 8];
-        let mut s = vec![0u8; n / GROUP * 2];
-        let mut b = vec![0u8; n / GROUP * 2];
-        quantize_rows(&src, cols, bits, &mut w, &mut s, &mut b).unwrap();
+        let mut s = vec![0u8; n / g * 2];
+        let mut b = vec![0u8; n / g * 2];
+        quantize_rows(&src, cols, spec, &mut w, &mut s, &mut b).unwrap();
         let mut dense = vec![0f32; n];
-        crate::transform::quant::dequantize_rows(&w, &s, &b, cols, bits, &mut dense).unwrap();
+        crate::transform::quant::dequantize_rows(&w, &s, &b, cols, spec, &mut dense).unwrap();
         let bias = |i: usize| {
             crate::transform::quant::bf16_to_f32(u16::from_le_bytes([
-                b[2 * (i / GROUP)],
-                b[2 * (i / GROUP) + 1],
+                b[2 * (i / g)],
+                b[2 * (i / g) + 1],
             ]))
         };
         let mag = (0..n)
@@ -249,6 +256,7 @@ impl Fixture {
         Fixture {
             kind: "quant",
             bits: bits.bits(),
+            group: g,
             parts: vec![w, s, b],
             rows,
             cols,
@@ -280,6 +288,7 @@ impl Fixture {
         Fixture {
             kind,
             bits: 0,
+            group: 0,
             parts: vec![bytes],
             rows,
             cols,
@@ -293,7 +302,7 @@ impl Fixture {
         match self.kind {
             "quant" => Matrix::Quant {
                 bits: self.bits,
-                group: 64,
+                group: self.group,
                 weights: &self.parts[0],
                 scales: &self.parts[1],
                 biases: &self.parts[2],
@@ -360,7 +369,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
         "{}{} [{}x{}] n={n} ({})",
         f.kind,
         if f.bits > 0 {
-            f.bits.to_string()
+            format!("{}_g{}", f.bits, f.group)
         } else {
             String::new()
         },
@@ -384,9 +393,11 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
         2e-5 * bound[i] + 1e-30
     });
     if f.kind == "quant" {
-        assert!(
-            n > 1 || ops::qmatvec_fast_path(&w),
-            "{what}: fast path expected"
+        let fast = matches!(f.bits, 2 | 4 | 8) && f.group.is_multiple_of(128 / f.bits as usize);
+        assert_eq!(
+            ops::qmatvec_fast_path(&w),
+            fast,
+            "{what}: fast path expected for 2/4/8 bits whose 16-byte words stay in a group"
         );
         // The same codes one word further into their buffer: off the 16-byte
         // boundary, so the matrix-vector product takes the scalar kernel.
@@ -440,6 +451,17 @@ fn quantized_products_match_cpu() {
             }
         }
     }
+    // Every MLX width and group, at one group and at rows no workgroup divides.
+    for bits in Bits::ALL {
+        for group in Group::ALL {
+            for (rows, cols, ns) in [(1, group.size(), &[1, 2][..]), (13, 384, &[1, 3])] {
+                let f = Fixture::quant_g(bits, group, rows, cols, &mut rng);
+                for &n in ns {
+                    check_product(ctx, &f, n, &mut rng);
+                }
+            }
+        }
+    }
     // SmolLM2's vocabulary head at INT4.
     let f = Fixture::quant(Bits::Four, 49152, 576, &mut rng);
     check_product(ctx, &f, 1, &mut rng);
@@ -479,6 +501,10 @@ fn embedding_rows_match_cpu() {
     let tables = [
         Fixture::quant(Bits::Four, 49152, 576, &mut rng),
         Fixture::quant(Bits::Eight, 5, 128, &mut rng),
+        Fixture::quant_g(Bits::Three, Group::G128, 3, 256, &mut rng),
+        Fixture::quant_g(Bits::Five, Group::G32, 2, 96, &mut rng),
+        Fixture::quant_g(Bits::Six, Group::G64, 4, 192, &mut rng),
+        Fixture::quant_g(Bits::Two, Group::G32, 2, 64, &mut rng),
         Fixture::float("bf16", 11, 9, &mut rng),
         Fixture::float("f16", 3, 5, &mut rng),
         Fixture::float("f32", 3, 5, &mut rng),
@@ -898,6 +924,58 @@ fn expert_ref(
     cpu.matmul(&down, &g, m, &mut d);
     for (r, &(t, w)) in toks.iter().enumerate() {
         axpy(w, &d[r * h..(r + 1) * h], &mut out[t * h..(t + 1) * h]);
+    }
+}
+
+#[test]
+fn moe_on_the_device_matches_cpu_routing_and_experts() {
+    let Some(ctx) = gpu("moe_on_the_device_matches_cpu_routing_and_experts") else {
+        return;
+    };
+    let mut rng = Rng(31);
+    let (experts, h, inter, k) = (6, 128, 64, 3);
+    let (pool, blobs) = pool_fixture(experts, h, inter, &mut rng);
+    let stride = pool.stride as usize;
+    let mut file = vec![0u8; experts * stride];
+    for (e, b) in blobs.iter().enumerate() {
+        file[e * stride..e * stride + b.len()].copy_from_slice(b);
+    }
+    let whole = ExpertSlots::whole_pool(ctx, &pool, &file).unwrap();
+    let router = Fixture::quant(Bits::Eight, experts, h, &mut rng);
+    let gr = GpuMatrix::upload(ctx, &router.matrix(), "router").unwrap();
+    let cpu = Cpu::new(1);
+    for renorm in [false, true] {
+        let x = rng.vec(h);
+        let gx = ctx.upload_f32(&[1, h], &x).unwrap();
+        let out = ctx.upload_f32(&[h], &vec![GUARD; h]).unwrap();
+        let mut bufs = Vec::new();
+        let mut scratch = |len: usize| -> crate::runtime::kernels::gpu::Result<_> {
+            let b = ctx.zeros(&[len], DType::F32)?.buf;
+            bufs.push(b.clone());
+            Ok(b)
+        };
+        let ran = ctx
+            .moe_resident(&whole, &gr, &gx, k, renorm, &out, &mut scratch)
+            .unwrap();
+        assert!(ran, "the INT4 pool takes the fused kernels");
+        let got = ctx.download_f32(&out).unwrap();
+        // The CPU runner's path: route, then each chosen expert's FFN, weighted.
+        let mut logits = vec![0f32; experts];
+        cpu.matmul(&router.matrix(), &x, 1, &mut logits);
+        let (ids, wts) = route_ref(&logits, k, renorm);
+        let gpu_ids = ctx
+            .download_u32(&GpuTensor::new(bufs[1].clone(), &[k], DType::U32))
+            .unwrap();
+        assert_eq!(
+            gpu_ids, ids,
+            "renorm={renorm}: the device routes as the host"
+        );
+        let mut want = vec![0f32; h];
+        for (&e, &w) in ids.iter().zip(&wts) {
+            expert_ref(&pool, &blobs[e as usize], &x, h, &[(0, w)], &mut want);
+        }
+        let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_close(&format!("moe renorm={renorm}"), &got, &want, |_| 1e-4 * max);
     }
 }
 

@@ -1,5 +1,5 @@
 // Embedding gather: out row t = row tokens[t] of the table, decoded to f32. The table
-// is affine-quantized (ENCODING 3, BITS / GROUP as in qmatvec.wgsl: w = s·q + b) or
+// is affine-quantized (ENCODING 3, BITS / GROUP as in qmatvec.wgsl, any MLX width: w = s·q + b) or
 // f32 / BF16 / F16 (ENCODING 0 / 1 / 2). Token ids are checked on the host.
 
 override ENCODING: u32 = 3u;
@@ -55,9 +55,13 @@ fn embed(@builtin(global_invocation_id) gid: vec3<u32>,
     let row = tokens[t];
     var v = 0.0;
     if (ENCODING == 3u) {
-        let pw = 32u / BITS;
-        let word = mat[p.w_off + row * (p.cols / pw) + c / pw];
-        let q = (word >> ((c % pw) * BITS)) & ((1u << BITS) - 1u);
+        // Code c of the row's little-endian bit stream (3, 5, 6 bits straddle words).
+        let o = c * BITS;
+        let wi = p.w_off + row * (p.cols * BITS / 32u) + (o >> 5u);
+        let sh = o & 31u;
+        var bitsv = mat[wi] >> sh;
+        if (sh + BITS > 32u) { bitsv |= mat[wi + 1u] << (32u - sh); }
+        let q = bitsv & ((1u << BITS) - 1u);
         let g = row * (p.cols / GROUP) + c / GROUP;
         v = bf16_at(p.s_off + g) * f32(q) + bf16_at(p.b_off + g);
     } else if (ENCODING == 0u) {

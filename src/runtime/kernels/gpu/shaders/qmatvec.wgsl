@@ -1,13 +1,27 @@
 // Affine-quantized matrix-vector (decode) and matrix-matrix (prefill) products over
-// MLX's layout: row r's codes are `row_words` little-endian u32 words, code k of a word
-// at bits BITS·k; BF16 scale and bias per group of GROUP codes. Each group contributes
-// s·Σ q·x + b·Σ x, accumulated in f32 (`# Arithmetic` in runtime/kernels/mod.rs).
+// MLX's layout: each row's codes are a dense little-endian bit stream over u32 words
+// (code k at bits BITS·k .. BITS·k + BITS of the row, so 3-, 5- and 6-bit codes
+// straddle words), BF16 scale and bias per group of GROUP codes. Each group
+// contributes s·Σ q·x + b·Σ x, accumulated in f32 (`# Arithmetic` in
+// runtime/kernels/mod.rs).
 //
-// BITS must divide 32 (2, 4, 8) and GROUP must be a multiple of 32/BITS; the dense
-// bit streams of 3, 5 and 6 bits need their own code fetch (see the module doc).
+// Codes become floats without an integer-to-float conversion (a slow instruction on
+// many GPUs): `bitcast<f32>(0x4B000000 | v) − 2^23` is exactly v for v < 2^23.
 
 override BITS: u32 = 4u;
 override GROUP: u32 = 64u;
+// `qmatvec_fast`: invocations per row set (a power of two dividing 256) and rows per
+// set, so a workgroup computes (256 / LANES) · RPS rows.
+override LANES: u32 = 32u;
+override RPS: u32 = 2u;
+// `qmatvec_fast`: 1 fuses SwiGLU: the set's two rows are row r of the gate (binding
+// 4) and row r of the up projection (binding 6), and y[r] = silu(gate·x) · (up·x).
+override GLU: u32 = 0u;
+// `qmatvec_fast` over routed experts held in one buffer (expert e's matrix `e_stride`
+// words after expert 0's): 0 off; 1: product `i` (of n·moe_k) is expert `ids[i]` on
+// x row `i / moe_k` (gate/up); 2: expert `ids[i]` on x row `i` (down). Output row
+// block `i` either way.
+override MOE: u32 = 0u;
 
 struct Params {
     rows: u32,
@@ -18,6 +32,13 @@ struct Params {
     b_off: u32,
     x_off: u32,
     y_off: u32,
+    // The second matrix of the fused SwiGLU (`GLU = 1`): codes, scales, biases.
+    w2_off: u32,
+    s2_off: u32,
+    b2_off: u32,
+    // Routed experts (`MOE`, `moe_combine`): experts per token, words between experts.
+    moe_k: u32,
+    e_stride: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -27,8 +48,12 @@ struct Params {
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 
-fn per_word() -> u32 { return 32u / BITS; }
+const MAGIC: u32 = 0x4B000000u;
+const TWO23: f32 = 8388608.0;
+
 fn mask() -> u32 { return (1u << BITS) - 1u; }
+
+fn code_f32(v: u32) -> f32 { return bitcast<f32>(MAGIC | v) - TWO23; }
 
 // BF16 element `i` (a half-word index) of `mat`.
 fn bf16_at(i: u32) -> f32 {
@@ -36,47 +61,54 @@ fn bf16_at(i: u32) -> f32 {
     return bitcast<f32>(((w >> ((i & 1u) * 16u)) & 0xffffu) << 16u);
 }
 
-// One workgroup computes ROWS rows of one token: LANES invocations per row stride over
-// the row's words (adjacent lanes read adjacent words), then a tree sum.
-const LANES: u32 = 32u;
-const ROWS: u32 = 8u;
-var<workgroup> red: array<f32, 256>;
+// Code `k` of the bit stream starting at word `base` of `mat` (any width).
+fn code_at(base: u32, k: u32) -> u32 {
+    let o = k * BITS;
+    let wi = base + (o >> 5u);
+    let sh = o & 31u;
+    var v = mat[wi] >> sh;
+    if (sh + BITS > 32u) { v |= mat[wi + 1u] << (32u - sh); }
+    return v & mask();
+}
 
+var<workgroup> red: array<f32, 1024>;
+
+// Any width and group: one row per 32 invocations, each taking 32-code chunks (BITS
+// words) in turn, then a tree sum. The fallback of `qmatvec_fast`.
 @compute @workgroup_size(256)
 fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>,
            @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) li: u32) {
-    let blocks = (p.rows + ROWS - 1u) / ROWS;
+    let blocks = (p.rows + 7u) / 8u;
     let lin = wid.x + wid.y * nwg.x;
     if (lin >= blocks * p.n) { return; }
     let tok = lin / blocks;
-    let row = (lin % blocks) * ROWS + li / LANES;
-    let lane = li % LANES;
-    let pw = per_word();
-    let row_words = p.cols / pw;
-    let wpg = GROUP / pw;
+    let row = (lin % blocks) * 8u + li / 32u;
+    let lane = li % 32u;
+    let row_words = p.cols * BITS / 32u;
     let groups = p.cols / GROUP;
+    let chunks = p.cols / 32u;
     var acc = 0.0;
     if (row < p.rows) {
         let wbase = p.w_off + row * row_words;
         let xbase = p.x_off + tok * p.cols;
-        for (var wi = lane; wi < row_words; wi += LANES) {
-            let word = mat[wbase + wi];
-            let g = row * groups + wi / wpg;
-            let c0 = xbase + wi * pw;
+        for (var c = lane; c < chunks; c += 32u) {
+            let cb = wbase + c * BITS;
+            let x0 = xbase + c * 32u;
             var dq = 0.0;
             var sx = 0.0;
-            for (var k = 0u; k < pw; k++) {
-                let xv = x[c0 + k];
-                dq += f32((word >> (k * BITS)) & mask()) * xv;
+            for (var k = 0u; k < 32u; k++) {
+                let xv = x[x0 + k];
+                dq += code_f32(code_at(cb, k)) * xv;
                 sx += xv;
             }
+            let g = row * groups + c * 32u / GROUP;
             acc += bf16_at(p.s_off + g) * dq + bf16_at(p.b_off + g) * sx;
         }
     }
     red[li] = acc;
     workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+    for (var s = 16u; s > 0u; s >>= 1u) {
         if (lane < s) { red[li] += red[li + s]; }
         workgroupBarrier();
     }
@@ -85,63 +117,147 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>,
     }
 }
 
-// The same product reading 16 bytes of codes and of x per load: taken when the codes
-// start on a 16-byte boundary and a row is a whole number of vec4 words (the host's
-// `qmatvec_fast_path`), else `qmatvec` above. Needs 32/BITS to be a multiple of 4.
+// Widths dividing 16 (2, 4, 8) whose 16-byte code words lie inside one group: the
+// codes and x are read 16 bytes at a time, RPS rows share each x load, and a code is
+// taken out of its half-word without a shift: code k of a half-word h is
+// `h & (mask << BITS·k)`, which is q·2^(BITS·k), multiplied by x·2^-(BITS·k) (exact
+// powers of two, so the product is q·x unless x·2^-(BITS·k) underflows, below
+// 2^-112 · |x|'s smallest normal). The host's `qmatvec_fast_path` picks it.
 @group(0) @binding(4) var<storage, read> mat4: array<vec4<u32>>;
 @group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
+// The up projection's buffer (`GLU = 1`; codes as vec4 words, scales as half-words).
+@group(0) @binding(6) var<storage, read> up4: array<vec4<u32>>;
+@group(0) @binding(7) var<storage, read> up: array<u32>;
+
+fn up_bf16_at(i: u32) -> f32 {
+    let w = up[i >> 1u];
+    return bitcast<f32>(((w >> ((i & 1u) * 16u)) & 0xffffu) << 16u);
+}
+
+// The router's choice (`MOE`): `[n, moe_k]` expert ids and weights.
+@group(0) @binding(8) var<storage, read> ids: array<u32>;
+@group(0) @binding(9) var<storage, read> wts: array<f32>;
+
+const MAX_RPS: u32 = 4u;
+// Codes per 16-byte word at the widest fast case (2 bits).
+const MAX_CPV: u32 = 64u;
 
 @compute @workgroup_size(256)
-fn qmatvec4(@builtin(workgroup_id) wid: vec3<u32>,
-            @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) li: u32) {
-    let blocks = (p.rows + ROWS - 1u) / ROWS;
+fn qmatvec_fast(@builtin(workgroup_id) wid: vec3<u32>,
+                @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) li: u32) {
+    let sets = 256u / LANES;
+    let rps = select(RPS, 2u, GLU == 1u);
+    let out_rows = select(rps, 1u, GLU == 1u);
+    let per_wg = sets * out_rows;
+    let blocks = (p.rows + per_wg - 1u) / per_wg;
     let lin = wid.x + wid.y * nwg.x;
     if (lin >= blocks * p.n) { return; }
     let tok = lin / blocks;
-    let row = (lin % blocks) * ROWS + li / LANES;
+    let rset = li / LANES;
     let lane = li % LANES;
-    let pw = per_word();
-    let row_v = p.cols / pw / 4u;
-    let wpg = GROUP / pw;
+    let row0 = (lin % blocks) * per_wg + rset * out_rows;
+    // Codes per 16-byte word, codes per half-word.
+    let cpv = 128u / BITS;
+    let half = 16u / BITS;
+    let row_v = p.cols / cpv;
     let groups = p.cols / GROUP;
-    var acc = 0.0;
-    if (row < p.rows) {
-        let wbase = p.w_off / 4u + row * row_v;
-        let xbase = (p.x_off + tok * p.cols) / 4u;
-        for (var vi = lane; vi < row_v; vi += LANES) {
-            let words = mat4[wbase + vi];
+    // Routed experts: which expert's matrix (a word offset) and which x row.
+    var xrow = tok;
+    var eo = 0u;
+    if (MOE != 0u) {
+        eo = ids[tok] * p.e_stride;
+        if (MOE == 1u) { xrow = tok / p.moe_k; }
+    }
+    let xbase = (p.x_off + xrow * p.cols) / 4u;
+    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+    var xs = array<f32, 64>();
+    for (var vi = lane; vi < row_v; vi += LANES) {
+        // x for this word's codes, scaled by 2^-(BITS·k) for code k of its half-word.
+        var sx = 0.0;
+        for (var j = 0u; j < cpv / 4u; j++) {
+            let xv = x4[xbase + vi * (cpv / 4u) + j];
+            sx += (xv.x + xv.y) + (xv.z + xv.w);
+            for (var e = 0u; e < 4u; e++) {
+                let c = j * 4u + e;
+                let k = c % half;
+                xs[c] = xv[e] * bitcast<f32>((127u - BITS * k) << 23u);
+            }
+        }
+        let g = vi * cpv / GROUP;
+        for (var r = 0u; r < rps; r++) {
+            // The GLU's second row is the up projection's row0; others are row0 + r.
+            let row = min(select(row0 + r, row0, GLU == 1u && r == 1u), p.rows - 1u);
+            var words: vec4<u32>;
+            var s: f32;
+            var b: f32;
+            if (GLU == 1u && r == 1u) {
+                words = up4[(p.w2_off + eo) / 4u + row * row_v + vi];
+                s = up_bf16_at(p.s2_off + 2u * eo + row * groups + g);
+                b = up_bf16_at(p.b2_off + 2u * eo + row * groups + g);
+            } else {
+                words = mat4[(p.w_off + eo) / 4u + row * row_v + vi];
+                s = bf16_at(p.s_off + 2u * eo + row * groups + g);
+                b = bf16_at(p.b_off + 2u * eo + row * groups + g);
+            }
+            var dq = 0.0;
             for (var j = 0u; j < 4u; j++) {
-                let wi = vi * 4u + j;
-                let word = words[j];
-                let g = row * groups + wi / wpg;
-                let c4 = xbase + wi * (pw / 4u);
-                var dq = 0.0;
-                var sx = 0.0;
-                for (var v = 0u; v < pw / 4u; v++) {
-                    let xv = x4[c4 + v];
-                    let sh = v * 4u * BITS;
-                    let q = vec4<f32>(
-                        f32((word >> sh) & mask()),
-                        f32((word >> (sh + BITS)) & mask()),
-                        f32((word >> (sh + 2u * BITS)) & mask()),
-                        f32((word >> (sh + 3u * BITS)) & mask()));
-                    dq += dot(q, xv);
-                    sx += (xv.x + xv.y) + (xv.z + xv.w);
+                let w = words[j];
+                for (var h = 0u; h < 2u; h++) {
+                    let hw = select(w, w >> 16u, h == 1u);
+                    for (var k = 0u; k < half; k++) {
+                        let c = (j * 2u + h) * half + k;
+                        let v = hw & (mask() << (BITS * k));
+                        dq += code_f32(v) * xs[c];
+                    }
                 }
-                acc += bf16_at(p.s_off + g) * dq + bf16_at(p.b_off + g) * sx;
+            }
+            acc[r] += s * dq + b * sx;
+        }
+    }
+    for (var r = 0u; r < rps; r++) {
+        red[r * 256u + li] = acc[r];
+    }
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            for (var r = 0u; r < rps; r++) {
+                red[r * 256u + li] += red[r * 256u + li + s];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u) {
+        if (GLU == 1u) {
+            if (row0 < p.rows) {
+                let gv = red[li];
+                y[p.y_off + tok * p.rows + row0] = gv / (1.0 + exp(-gv)) * red[256u + li];
+            }
+        } else {
+            for (var r = 0u; r < rps; r++) {
+                if (row0 + r < p.rows) {
+                    y[p.y_off + tok * p.rows + row0 + r] = red[r * 256u + li];
+                }
             }
         }
     }
-    red[li] = acc;
-    workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) { red[li] += red[li + s]; }
-        workgroupBarrier();
+}
+
+// The routed experts' sum: y row t = Σ_j wts[t·moe_k + j] · x row (t·moe_k + j), for
+// `n` tokens of width `rows`, adding the experts in rank order.
+@compute @workgroup_size(256)
+fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>,
+               @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = gid.x + gid.y * nwg.x * 256u;
+    if (i >= p.n * p.rows) { return; }
+    let t = i / p.rows;
+    let c = i % p.rows;
+    var acc = 0.0;
+    for (var j = 0u; j < p.moe_k; j++) {
+        let pair = t * p.moe_k + j;
+        acc += wts[pair] * x[p.x_off + pair * p.rows + c];
     }
-    if (lane == 0u && row < p.rows) {
-        y[p.y_off + tok * p.rows + row] = red[li];
-    }
+    y[p.y_off + i] = acc;
 }
 
 // Tiled product for n > 1 tokens: a workgroup computes TR rows × TN tokens, one output
@@ -166,21 +282,16 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>,
     let t0 = (lin / rblocks) * TN;
     let r = li / TN;
     let t = li % TN;
-    let pw = per_word();
-    let row_words = p.cols / pw;
-    let wpg = GROUP / pw;
+    let row_words = p.cols * BITS / 32u;
     let groups = p.cols / GROUP;
     var acc = 0.0;
     for (var g = 0u; g < groups; g++) {
         // Codes of the TR rows for group g.
-        for (var i = li; i < TR * wpg; i += 64u) {
-            let rr = i / wpg;
-            let wi = i % wpg;
+        for (var i = li; i < TR * GROUP; i += 64u) {
+            let rr = i / GROUP;
+            let k = i % GROUP;
             let row = min(r0 + rr, p.rows - 1u);
-            let word = mat[p.w_off + row * row_words + g * wpg + wi];
-            for (var k = 0u; k < pw; k++) {
-                wq[rr * GROUP + wi * pw + k] = f32((word >> (k * BITS)) & mask());
-            }
+            wq[rr * GROUP + k] = code_f32(code_at(p.w_off + row * row_words, g * GROUP + k));
         }
         for (var i = li; i < TN * GROUP; i += 64u) {
             let tt = i / GROUP;
