@@ -22,10 +22,10 @@ use crate::support::{gturbo_bin, temp_dir};
 
 /// The relative tolerance on logits: at every position, `max |gpu − cpu| ≤ LOGIT_RTOL ·
 /// max |cpu|` (FORMAT.md, "GPU numerics").
-const LOGIT_RTOL: f64 = 1e-3;
+pub(crate) const LOGIT_RTOL: f64 = 1e-3;
 
 /// The first adapter wgpu offers (llvmpipe here), or `None` after recording the skip.
-fn gpu(test: &str) -> Option<Gpu> {
+pub(crate) fn gpu(test: &str) -> Option<Gpu> {
     require_or_skip(
         test,
         Gpu::new(&GpuOptions::default()).map_err(|e| format!("no GPU adapter: {e}")),
@@ -43,9 +43,21 @@ fn greedy<B: Backend>(
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     let install = load::open(dir, LoadOptions { experts }).unwrap();
     let model = Model::new(&install, b).unwrap();
-    let vocab = model.cfg.vocab;
     let mut s = model.session();
-    let all = model.forward(&mut s, prompt, true).unwrap();
+    rollout(model.cfg.vocab, prompt, steps, |ids, prefill| {
+        model.forward(&mut s, ids, prefill).unwrap()
+    })
+}
+
+/// Greedy decoding of `steps` tokens after `prompt` through `forward(ids, prefill)`
+/// (the prompt at once, then one token at a time), with the logits of every position.
+pub(crate) fn rollout(
+    vocab: usize,
+    prompt: &[u32],
+    steps: usize,
+    mut forward: impl FnMut(&[u32], bool) -> Vec<f32>,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let all = forward(prompt, true);
     let mut rows: Vec<Vec<f32>> = all.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
     let mut tokens = Vec::new();
     while tokens.len() < steps {
@@ -54,13 +66,13 @@ fn greedy<B: Backend>(
         if tokens.len() == steps {
             break;
         }
-        rows.push(model.forward(&mut s, &[t], false).unwrap());
+        rows.push(forward(&[t], false));
     }
     (tokens, rows)
 }
 
 /// Largest `max |a − b| / max |b|` over the positions.
-fn worst_relative(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, usize) {
+pub(crate) fn worst_relative(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, usize) {
     assert_eq!(got.len(), want.len(), "positions");
     let mut worst = (0.0, 0);
     for (p, (g, w)) in got.iter().zip(want).enumerate() {

@@ -14,18 +14,13 @@ use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::flash_next::install::{self, DEFAULT_ROW_CACHE_ROWS, FlashOptions};
 use gturbo::runtime::flash_next::model::FlashModel;
 use gturbo::runtime::flash_next::ops::FlashOps;
-use gturbo::runtime::generate::argmax;
-use gturbo::runtime::kernels::gpu::{Gpu, GpuOptions};
 use gturbo::runtime::kernels::{Backend, Cpu};
 use gturbo_testkit::replica::{self, FlashNextSpec};
-use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
+use crate::gpu::{LOGIT_RTOL, gpu, rollout, worst_relative};
 use crate::runtime::{install as install_snapshot, text};
 use crate::support::gturbo_bin;
-
-/// At every position `max |gpu − cpu| ≤ LOGIT_RTOL · max |cpu|` (docs/GPU.md).
-const LOGIT_RTOL: f64 = 1e-3;
 
 /// The scaled replica installed at INT4 once for this test binary (kept for the run).
 fn scaled_install() -> &'static Path {
@@ -38,13 +33,6 @@ fn scaled_install() -> &'static Path {
         install_snapshot("qwen38flashnext", &snap, &out, &[]);
         out
     })
-}
-
-fn gpu(test: &str) -> Option<Gpu> {
-    require_or_skip(
-        test,
-        Gpu::new(&GpuOptions::default()).map_err(|e| format!("no GPU adapter: {e}")),
-    )
 }
 
 /// 100 prompt ids: past the indexer's dense range (budget 64 plus the tail), so the
@@ -73,37 +61,10 @@ fn greedy<B: FlashOps>(
     )
     .unwrap();
     let model = FlashModel::new(&fi, b).unwrap();
-    let vocab = model.cfg.vocab;
     let mut s = model.session();
-    let all = model.forward(&mut s, prompt, true).unwrap();
-    let mut rows: Vec<Vec<f32>> = all.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
-    let mut tokens = Vec::new();
-    while tokens.len() < steps {
-        let t = argmax(rows.last().unwrap());
-        tokens.push(t);
-        if tokens.len() == steps {
-            break;
-        }
-        rows.push(model.forward(&mut s, &[t], false).unwrap());
-    }
-    (tokens, rows)
-}
-
-/// Largest `max |a − b| / max |b|` over the positions, and where.
-fn worst_relative(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, usize) {
-    assert_eq!(got.len(), want.len(), "positions");
-    let mut worst = (0.0, 0);
-    for (p, (g, w)) in got.iter().zip(want).enumerate() {
-        let scale = w.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
-        let diff = g
-            .iter()
-            .zip(w)
-            .fold(0f64, |m, (a, b)| m.max(f64::from(a - b).abs()));
-        if diff / scale > worst.0 {
-            worst = (diff / scale, p);
-        }
-    }
-    worst
+    rollout(model.cfg.vocab, prompt, steps, |ids, prefill| {
+        model.forward(&mut s, ids, prefill).unwrap()
+    })
 }
 
 #[test]
