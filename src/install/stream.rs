@@ -689,6 +689,12 @@ pub(super) struct Links {
     /// Source bytes received so far (as they arrive, before the window hands them on).
     received: AtomicU64,
     peak_busy: AtomicU64,
+    /// Set by the first sub-range that fails for good. Every such failure ends the
+    /// install, so no request may start after it: a sub-range queued behind the
+    /// failed one would otherwise take its connection and ask the server again before
+    /// the install's shutdown aborts it (after a refusal such as a `Retry-After` over
+    /// the limit, issue 13, item 7).
+    failed: std::sync::atomic::AtomicBool,
 }
 
 /// The reorder window's share of the install's memory budget (256 MiB of RSS at any
@@ -710,6 +716,7 @@ impl Links {
             busy: AtomicU64::new(0),
             received: AtomicU64::new(0),
             peak_busy: AtomicU64::new(0),
+            failed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -851,11 +858,17 @@ async fn fetch_piece(
     range: std::ops::Range<u64>,
     place: OwnedSemaphorePermit,
 ) -> Result<Piece, SourceError> {
-    let _conn = links
+    let conn = links
         .connections
         .acquire()
         .await
         .map_err(|_| SourceError::Config("connection budget closed".into()))?;
+    if links.failed.load(Ordering::Acquire) {
+        // The install is ending with another sub-range's error; park until the
+        // shutdown aborts this task rather than add an error or a request of its own.
+        drop(conn);
+        std::future::pending::<()>().await;
+    }
     let busy = links.busy.fetch_add(1, Ordering::Relaxed) + 1;
     links.peak_busy.fetch_max(busy, Ordering::Relaxed);
     let result = async {
@@ -870,6 +883,10 @@ async fn fetch_piece(
     }
     .await;
     links.busy.fetch_sub(1, Ordering::Relaxed);
+    if result.is_err() {
+        // Before the connection is given back, so whoever takes it next sees it.
+        links.failed.store(true, Ordering::Release);
+    }
     result.map(|chunks| Piece {
         chunks,
         _place: place,

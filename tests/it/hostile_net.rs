@@ -402,7 +402,8 @@ async fn issue13_retry_after_over_the_limit_is_not_re_requested_and_retries_are_
         "{err}"
     );
     // The header read, the refused weight read, and nothing after it.
-    assert_eq!(hub.stats().file(REPO, SHARD).ranges.len(), 2, "{err}");
+    let ranges = hub.stats().file(REPO, SHARD).ranges;
+    assert_eq!(ranges.len(), 2, "{ranges:?} {err}");
     assert_not_published(&out);
 
     // Two 503s on weight reads of SHARD: retried, and counted.
