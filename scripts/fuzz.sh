@@ -86,6 +86,10 @@ seed_config_axes() {
     printf '%s' '{"model_type":"llama","hidden_size":576,"num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"intermediate_size":1536,"vocab_size":49152,"rope_theta":100000,"rms_norm_eps":1e-5,"tie_word_embeddings":true}' >"$dir/seed-llama"
 }
 
+# cargo-fuzz builds with one codegen unit by default: the gturbo crate alone then
+# optimises on one core for minutes. 16 units build it on every core, at a somewhat
+# slower execution rate, which a 30-second budget per target hardly notices.
+CODEGEN_UNITS="${CODEGEN_UNITS:-16}"
 targets=$(cargo +nightly fuzz list)
 if [ "$total" = 1 ]; then
     count=$(printf '%s\n' "$targets" | grep -c .)
@@ -101,7 +105,7 @@ for target in $targets; do
     esac
     mkdir -p "fuzz/corpus/$target"
     echo "== fuzz $target for ${seconds}s" >&2
-    if ! cargo +nightly fuzz run --sanitizer none "$target" -- \
+    if ! cargo +nightly fuzz run --sanitizer none --codegen-units "$CODEGEN_UNITS" "$target" -- \
         -max_total_time="$seconds" -timeout=10 -print_final_stats=1; then
         failed+=("$target")
     fi

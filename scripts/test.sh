@@ -11,12 +11,16 @@ cd "$(dirname "$0")/.."
 # The whole fuzz budget, split over the targets (three since issue 13: 30 s each, the
 # 90 s two targets had before).
 FUZZ_SECONDS="${FUZZ_SECONDS:-90}"
+# Seconds since the run began, for the stage lines (.ci/run passes its own start).
+T0="${CI_T0:-0}"
+stage() { echo "test.sh: $1 done at $((SECONDS + T0)) s"; }
 
 # shellcheck source=venv.sh
 source scripts/venv.sh test
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+stage lint
 
 mkdir -p target/peers
 if [ -f scripts/mlx_crosscheck.py ]; then
@@ -38,6 +42,7 @@ fi
 # Tests append `GTURBO-SKIP <test>: <reason>` here (gturbo_testkit::skip).
 export GTURBO_SKIP_LOG="$PWD/target/peers/skips.log"
 : > "$GTURBO_SKIP_LOG"
+stage peers
 status=0
 cargo test --workspace --all-targets 2>&1 | tee target/peers/cargo-test.log || status=$?
 
@@ -59,6 +64,7 @@ summary=$(awk -v skips="$GTURBO_SKIP_LOG" '
     printf "%d passed, %d failed, %d skipped\n", p - s, f, s + i
   }' target/peers/cargo-test.log)
 echo "$summary"
+stage "cargo test"
 [ "$status" = 0 ] || exit "$status"
 
 if [ "$FUZZ_SECONDS" != 0 ] && [ -x scripts/fuzz.sh ]; then
@@ -69,5 +75,6 @@ if [ "$FUZZ_SECONDS" != 0 ] && [ -x scripts/fuzz.sh ]; then
     exit 1
   fi
   grep -E "^(Done|fuzz:)|stat::number_of_executed_units" target/peers/fuzz.log || true
+  stage fuzz
 fi
 echo "$summary" | tail -n 1

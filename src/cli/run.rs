@@ -187,11 +187,7 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
         if let Some(gpu) = gpu_backend(&args, auto)? {
             if install.runner.name == FLASH_NEXT {
                 let fi = FlashInstall::new(install, args.row_cache_rows as usize)?;
-                // As below: whether the model fits is learnt by uploading it.
-                let model = FlashModel::new(&fi, &gpu)
-                    .map_err(|e| e.to_string())
-                    .and_then(|m| gpu.finish().map(|()| m).map_err(|e| e.to_string()));
-                match model {
+                match loaded_on_gpu(FlashModel::new(&fi, &gpu), &gpu)? {
                     Ok(m) => {
                         let on = OnBackend::of(&gpu);
                         return run_on(&args, &dir, &fi, &m, &on, &quality, |g| {
@@ -206,12 +202,7 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
                 drop(gpu);
                 return on_cpu(fi.install);
             }
-            // wgpu reports no memory size: whether the model fits is learnt by
-            // uploading it (an allocation failure surfaces at `finish`).
-            let model = Model::new(&install, &gpu)
-                .map_err(|e| e.to_string())
-                .and_then(|m| gpu.finish().map(|()| m).map_err(|e| e.to_string()));
-            match model {
+            match loaded_on_gpu(Model::new(&install, &gpu), &gpu)? {
                 Ok(m) => {
                     let on = OnBackend::of(&gpu);
                     return run_on(&args, &dir, &install, &m, &on, &quality, |_| Vec::new());
@@ -231,6 +222,23 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
             "this gturbo was built without the `gpu` feature".into(),
         )?;
         on_cpu(install)
+    }
+}
+
+/// A model built on the GPU, its uploads finished: `Ok(Err(why))` when the device
+/// failed (wgpu reports no memory size, so whether a model fits is learnt by uploading
+/// it; an allocation failure surfaces at `finish`), and the CPU path's own failure
+/// (same message, same exit code) when the install or the input is at fault, which no
+/// backend would change.
+#[cfg(feature = "gpu")]
+fn loaded_on_gpu<M>(
+    made: Result<M, RunError>,
+    gpu: &crate::runtime::kernels::gpu::Gpu,
+) -> Result<Result<M, String>, Failure> {
+    match made {
+        Ok(m) => Ok(gpu.finish().map(|()| m).map_err(|e| e.to_string())),
+        Err(RunError::Backend(e)) => Ok(Err(e.to_string())),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -637,9 +645,12 @@ pub fn eval_cmd(args: EvalArgs) -> Result<(), Failure> {
                 .duration_since(std::time::SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
         };
-        // The installs' locks are released before writing into A.
+        // A's shared lock (taken when it was loaded) is held through the write, as
+        // verify-install holds it while it replaces the receipt: an `install
+        // --overwrite` of A cannot start between the measurement and its record, so
+        // the result is never written into a directory being replaced.
         let dir = ia.dir.clone();
-        drop((ia, ib));
+        drop(ib);
         verify::record_quality(&dir, &q).map_err(|f| Failure {
             code: 1,
             message: f.to_string(),

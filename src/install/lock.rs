@@ -4,7 +4,11 @@
 //! # The rule
 //! - Readers — `gturbo run` and `gturbo eval` (through [`crate::runtime::load::open`])
 //!   and `gturbo verify-install` — hold a **shared** `flock(2)` on the directory itself
-//!   for as long as they use it. Many readers may hold it at once.
+//!   for as long as they use it. Many readers may hold it at once. The two that
+//!   write into an install, `verify-install` (the receipt) and `eval --record`
+//!   (`quality.json` and the receipt), do so under that shared lock, by renaming new
+//!   files into place: readers never see a half-written file, and no overwrite can
+//!   start in between.
 //! - The one writer that replaces a published directory, `gturbo install --overwrite`,
 //!   takes it **exclusively** before it changes anything (before the staging directory
 //!   or the journal is touched) and holds it until the new directory is in place.

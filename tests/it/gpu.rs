@@ -245,3 +245,41 @@ fn run_backend_gpu_names_the_adapter_and_auto_skips_software_adapters() {
         "{list}"
     );
 }
+
+/// An install the runner refuses gets the same error and exit code on either backend:
+/// the GPU path reports the install's fault, not "does not load on <adapter>".
+#[test]
+fn an_install_the_runner_refuses_fails_alike_on_cpu_and_gpu() {
+    const TEST: &str = "an_install_the_runner_refuses_fails_alike_on_cpu_and_gpu";
+    let Some(g) = gpu(TEST) else {
+        return;
+    };
+    drop(g);
+    let tmp = temp_dir();
+    let out = moe_install(tmp.path());
+    // The expert width the runner derives the pools' shapes from, edited: the pools on
+    // disk no longer match it (a check of the model, after the install has opened).
+    let path = out.join("manifest.json");
+    let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    m["arch"]["axes"]["moe_intermediate_size"] = Value::from(128);
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let dir = out.to_str().unwrap();
+    let on = |backend: &str| run(&[dir, "--prompt-ids", "5,17", "--backend", backend]);
+    let (cpu, gpu) = (on("cpu"), on("gpu"));
+    let err = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        err(&cpu).contains("experts of shapes"),
+        "the refusal this test is about: {}",
+        err(&cpu)
+    );
+    assert_eq!(gpu.status.code(), cpu.status.code(), "{}", err(&gpu));
+    // gturbo's own lines (a software Vulkan driver may add its own warnings).
+    let ours = |o: &std::process::Output| -> Vec<String> {
+        err(o)
+            .lines()
+            .filter(|l| l.starts_with("gturbo:"))
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(ours(&gpu), ours(&cpu));
+}
