@@ -68,7 +68,7 @@ pub fn coalesce<'a>(
             });
             continue;
         }
-        let row = t.shape.last().copied().unwrap_or(1).max(1) * t.dtype.size();
+        let row = t.src_row_bytes();
         let piece = if row <= max { max / row * row } else { max };
         let mut s = start;
         while end - s > piece {
@@ -108,12 +108,29 @@ pub fn cover_shard(
             end = te;
             continue;
         }
-        if end > start {
+        if end > start && ts - start > max {
             reads.push(RangeRead { shard, start, end });
             start = end;
         }
-        debug_assert_eq!(start, ts);
-        let row = t.shape.last().copied().unwrap_or(1).max(1) * t.dtype.size();
+        // Bytes before the tensor that no planned tensor holds (a requantized
+        // module's staged scales and biases): read for the hash, cut anywhere.
+        while ts - start > max {
+            reads.push(RangeRead {
+                shard,
+                start,
+                end: start + max,
+            });
+            start += max;
+        }
+        if ts > start {
+            reads.push(RangeRead {
+                shard,
+                start,
+                end: ts,
+            });
+            start = ts;
+        }
+        let row = t.src_row_bytes();
         let piece = if row <= max { max / row * row } else { max };
         while te - start > max {
             reads.push(RangeRead {
@@ -147,6 +164,7 @@ mod tests {
             src: [start, end],
             scheme: Scheme::Passthrough,
             packed: None,
+            requant: None,
             dest: if excluded {
                 Dest::Excluded { why: "x".into() }
             } else {
