@@ -9,8 +9,9 @@
 # `gturbo-dev hub` over loopback, and `gturbo install` (default settings: every shard
 # hashed against the hub's LFS SHA-256, no quantization to do) is timed against
 # `hf download` of the same repo: medians of RUNS (3), wall s, MB/s of the repo's
-# shards, peak RSS (/usr/bin/time -v), and the ratio gturbo / hf. The "link rate" is
-# a plain `curl` of the largest shard from the same hub to /dev/null.
+# shards, peak RSS (/usr/bin/time -v), and the ratio gturbo / hf; also gturbo with
+# `--no-verify-source` (what the hash costs). The "link rate" is a plain `curl` of the
+# largest shard from the same hub to /dev/null.
 #
 # The peers (hf, mlx_lm) come from the pinned venv `scripts/venv.sh test` under
 # target/ (GTURBO_VENV_ROOT moves it). Knobs: LAYERS, RUNS, BENCH_SNAPSHOT,
@@ -100,6 +101,10 @@ for i in $(seq 1 "$runs"); do
         --index-sha256 "$idx" --out "$out" --no-progress
     grep -h "gturbo: installed" "$work/gturbo install.time" | tail -n1 >&2 || true
     rm -rf "$out"
+    # The same without the whole-shard SHA-256 (what the hash costs).
+    timed "gturbo --no-verify-source" "$gturbo" -q install --family qwen3_moe "$repo" \
+        --endpoint "$url" --index-sha256 "$idx" --out "$out" --no-progress --no-verify-source
+    rm -rf "$out"
     dest="$work/hf-download"
     rm -rf "$dest" "$work/hf-home"
     HF_HOME="$work/hf-home" HF_ENDPOINT="$url" HF_HUB_DISABLE_TELEMETRY=1 \
@@ -114,6 +119,7 @@ machine="$(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /p
     echo "| what | wall s | MB/s | peak RSS MiB | runs |"
     echo "|---|---|---|---|---|"
     row "gturbo install"
+    row "gturbo --no-verify-source"
     row "hf download"
     echo
     g=$(median "gturbo install" 1); h=$(median "hf download" 1); c=$(median curl 1)
