@@ -210,4 +210,27 @@ mod tests {
         let covered: u64 = r.iter().map(|r| r.end - r.start).sum();
         assert_eq!(covered, 200 + 90 + 100 + 200 + 700);
     }
+
+    #[test]
+    fn covering_a_shard_reads_bytes_no_planned_tensor_holds_and_cuts_tensors_at_their_rows() {
+        // A requantized module's scales and biases are not planned tensors: 700 bytes
+        // of them lie between the two tensors (more than max 256).
+        let ts = [t(0, 0, 100, false), t(0, 800, 1200, false)];
+        let refs: Vec<&PlannedTensor> = ts.iter().collect();
+        let spans: Vec<(u64, u64)> = cover_shard(0, 1300, &refs, 256)
+            .iter()
+            .map(|r| (r.start, r.end))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                (0, 100),
+                (100, 356),
+                (356, 612),
+                (612, 800),
+                (800, 1056),
+                (1056, 1300)
+            ]
+        );
+    }
 }
