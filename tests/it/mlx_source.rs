@@ -124,8 +124,11 @@ pub(crate) fn smol_cases(test: &str) -> Option<&'static PathBuf> {
     require_or_skip(test, r.clone()).map(|_| r.as_ref().unwrap())
 }
 
+/// Tensors by name: (dtype, shape, bytes).
+pub(crate) type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+
 /// A safetensors file's tensors: name → (dtype, shape, bytes).
-fn read_st(path: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
+fn read_st(path: &Path) -> Tensors {
     let bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let head: BTreeMap<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
@@ -541,10 +544,7 @@ pub(crate) fn mlx_requantized(
     test: &str,
     mlx: &Path,
     plan_file: &Path,
-) -> Option<(
-    BTreeMap<String, (String, Vec<u64>, Vec<u8>)>,
-    BTreeMap<String, String>,
-)> {
+) -> Option<(Tensors, BTreeMap<String, String>)> {
     let plan: Value = serde_json::from_slice(&std::fs::read(plan_file).unwrap()).unwrap();
     let targets: BTreeMap<String, String> = plan["tensors"]
         .as_array()
