@@ -6,6 +6,12 @@
 //! output stream (weights, scales, biases) in row order, so [`digest_on_disk`]
 //! recomputes it from the files alone: that is how the *resume* stage tells an intact
 //! journaled read from a damaged one.
+//!
+//! A module of a pre-quantized source installed with `--requantize` streams its packed
+//! weights like any tensor; the scales and biases of the rows a read covers are fetched
+//! first ([`stage`]), so each tile is dequantized and quantized again on its own. What
+//! a read writes still depends on the source alone, so a resumed read rewrites the
+//! same bytes.
 
 use std::collections::BTreeSet;
 use std::fs::File;

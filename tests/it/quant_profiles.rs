@@ -11,7 +11,9 @@
 //!   passes each.
 //! - `auto` follows the RAM rule at its boundaries (RAM injected with
 //!   GTURBO_TEST_RAM_BYTES) and says why; a pre-quantized source refuses a named
-//!   profile, naming its quantization.
+//!   profile, naming its quantization, unless `--requantize` is given: then it is
+//!   planned as the BF16 model it dequantizes to and installed as MLX's
+//!   `mx.quantize(mx.dequantize(..))`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
