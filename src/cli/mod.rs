@@ -137,9 +137,15 @@ struct InstallArgs {
     /// policy), int8, bf16 (everything at its source dtype), mixed-3-4, mixed-3-6,
     /// mixed-4-6 (mlx-lm's mixed predicates), or auto (chosen from this machine's RAM;
     /// the README gives the rule). A pre-quantized source keeps its own widths and
-    /// refuses a named profile.
+    /// refuses a named profile unless `--requantize` is given.
     #[arg(long, value_name = "PROFILE", value_parser = QuantMode::new)]
     quant: Option<QuantMode>,
+    /// With `--quant`, on a pre-quantized (MLX) source: dequantize its modules as
+    /// `mx.dequantize` does and quantize them again at the profile, as `mx.quantize`
+    /// does (quantizing twice loses quality; a warning says so). An error on a source
+    /// that is not pre-quantized.
+    #[arg(long, requires = "quant")]
+    requantize: bool,
     /// Drop the multi-token-prediction sidecar.
     #[arg(long)]
     skip_mtp: bool,
@@ -398,6 +404,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     let mut options = PlanOptions {
         quant,
         quant_requested: args.quant.is_some(),
+        requantize: args.requantize,
         machine,
         coalesce_max: args.range_mib << 20,
         verify_source: !args.no_verify_source,
@@ -458,6 +465,20 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     reporter.phase("plan", &detail);
     for w in &prepared.warnings {
         warn(quiet, w);
+    }
+    if let Some(q) = &plan.requantized_from {
+        warn(
+            quiet,
+            &format!(
+                "--requantize: the source is pre-quantized ({}: {} by default, {} module \
+                 entries); its modules are dequantized and quantized again at --quant {}, \
+                 which loses quality against quantizing the unquantized original",
+                q.format,
+                q.scheme.label(),
+                q.modules.len(),
+                plan.options.quant
+            ),
+        );
     }
     if let Some(path) = &args.emit_plan {
         let text = serde_json::to_vec_pretty(&prepared.plan)

@@ -360,9 +360,18 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
                 overrides,
                 parity_gate: format!(
                     "quant profile {} ({}); bit-exact with MLX 0.32.4 mx.quantize \
-                     (tests/data/mlx_q4g64_golden.json, tests/data/mlx_quant_widths_golden.json)",
+                     (tests/data/mlx_q4g64_golden.json, tests/data/mlx_quant_widths_golden.json){}",
                     plan.options.quant,
-                    crate::plan::profile::PROFILES_FILE
+                    crate::plan::profile::PROFILES_FILE,
+                    // --requantize: what the profile was applied to.
+                    plan.requantized_from
+                        .as_ref()
+                        .map_or(String::new(), |q| format!(
+                            "; requantized from a pre-quantized source ({}: {} by default), \
+                         dequantized as mx.dequantize",
+                            q.format,
+                            q.scheme.label()
+                        ))
                 ),
                 // FORMAT.md "quality.json": the family's requirement travels with the
                 // install (a passthrough install is its own reference and needs none).

@@ -6,6 +6,12 @@
 //! output stream (weights, scales, biases) in row order, so [`digest_on_disk`]
 //! recomputes it from the files alone: that is how the *resume* stage tells an intact
 //! journaled read from a damaged one.
+//!
+//! A module of a pre-quantized source installed with `--requantize` streams its packed
+//! weights like any tensor; the scales and biases of the rows a read covers are fetched
+//! first ([`stage`]), so each tile is dequantized and quantized again on its own. What
+//! a read writes still depends on the source alone, so a resumed read rewrites the
+//! same bytes.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -103,6 +109,85 @@ struct ReadWriter<'a> {
     digest: Sha256,
     touched: BTreeSet<usize>,
     written: u64,
+    /// Scales and biases of the requantized modules this read covers ([`stage`]).
+    staged: std::collections::BTreeMap<usize, Staged>,
+    /// Scratch: a requantized tile dequantized to BF16 (little-endian bytes).
+    deq: Vec<u8>,
+}
+
+/// One requantized module's scales and biases for the rows `row0..` one read covers,
+/// as the source stores them (BF16, one per group).
+struct Staged {
+    row0: u64,
+    scales: bytes::Bytes,
+    biases: bytes::Bytes,
+}
+
+/// Fetch the scales and biases of every requantized module among `segs` (their rows
+/// only), before the read's packed weights stream through. They are small next to
+/// the weights (4 bytes per group against `group·bits/8`), so a read stages at most
+/// half its own size (2-bit g32) and an eighth at 4-bit g64. Returns them and the
+/// source bytes fetched.
+async fn stage(
+    ctx: &JobContext,
+    segs: &[Segment],
+) -> Result<(std::collections::BTreeMap<usize, Staged>, u64), InstallError> {
+    let plan = &ctx.plan;
+    let mut out = std::collections::BTreeMap::new();
+    let mut fetched = 0u64;
+    for seg in segs {
+        let t = &plan.tensors[seg.tensor];
+        let (Some(r), Some(Some(p))) = (&t.requant, ctx.placements.get(seg.tensor)) else {
+            continue;
+        };
+        let per = p
+            .requant
+            .and_then(|a| a.row_sizes(p.cols))
+            .map(|s| s.scales)
+            .ok_or_else(|| InstallError::Internal(format!("{}: requant layout", t.name)))?;
+        let rows = seg.row0..seg.row1;
+        let scales = stage_rows(ctx, &r.scales, rows.clone(), per).await?;
+        let biases = stage_rows(ctx, &r.biases, rows, per).await?;
+        fetched += 2 * (seg.row1 - seg.row0) * per;
+        out.insert(
+            seg.tensor,
+            Staged {
+                row0: seg.row0,
+                scales,
+                biases,
+            },
+        );
+    }
+    Ok((out, fetched))
+}
+
+/// Rows `rows` (of `per` bytes each) of a staged source tensor, checked to lie inside
+/// it and to come back whole.
+async fn stage_rows(
+    ctx: &JobContext,
+    part: &crate::plan::SourcePart,
+    rows: std::ops::Range<u64>,
+    per: u64,
+) -> Result<bytes::Bytes, InstallError> {
+    let range = part.src[0] + rows.start * per..part.src[0] + rows.end * per;
+    let path = &ctx.plan.shards[part.shard].path;
+    if range.end > part.src[1] {
+        return Err(InstallError::Internal(format!(
+            "{}: staged rows past the tensor",
+            part.name
+        )));
+    }
+    let want = range.end - range.start;
+    let bytes = ctx.source.read_range(path, range.clone()).await?;
+    if bytes.len() as u64 != want {
+        return Err(SourceError::BadRange {
+            path: path.clone(),
+            range,
+            detail: format!("{} bytes for `{}`, not {want}", bytes.len(), part.name),
+        }
+        .into());
+    }
+    Ok(bytes)
 }
 
 impl<'a> ReadWriter<'a> {
@@ -150,6 +235,40 @@ impl<'a> ReadWriter<'a> {
             .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
         let n = self.tile_rows;
         let (ow, os, ob) = p.out_row;
+        // A requantized module's tile is packed words: dequantize it to the BF16
+        // matrix `mx.dequantize` gives, which is then quantized (or kept) like a
+        // BF16 source's.
+        let mut deq = std::mem::take(&mut self.deq);
+        if let Some(from) = p.requant {
+            let st = self
+                .staged
+                .get(&seg.tensor)
+                .ok_or_else(|| InstallError::Internal(format!("{}: not staged", t.name)))?;
+            let per = from.row_sizes(p.cols).map_or(0, |s| s.scales) as usize;
+            let at = (self.tile_row0 - st.row0) as usize * per;
+            let len = n as usize * per;
+            let (s, b) = (&st.scales[at..at + len], &st.biases[at..at + len]);
+            let mut vals = vec![0u16; (n * p.cols) as usize];
+            quant::dequantize_rows_bf16(
+                &self.tile,
+                s,
+                b,
+                p.cols as usize,
+                Spec::from_affine(from),
+                &mut vals,
+            )
+            .map_err(|e| InstallError::Transform {
+                tensor: t.name.clone(),
+                detail: format!("dequantizing: {e}"),
+            })?;
+            deq.clear();
+            deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        let input: &[u8] = if p.requant.is_some() {
+            &deq
+        } else {
+            &self.tile
+        };
         match p.scheme {
             // A pre-quantized part: its bytes are its stream's, unchanged.
             _ if p.stream.is_some() => {
@@ -158,16 +277,15 @@ impl<'a> ReadWriter<'a> {
                 self.out[k].extend_from_slice(&self.tile);
             }
             Scheme::Passthrough => {
-                if let Some(i) = crate::transform::first_non_finite(&self.tile, t.dtype) {
-                    let per_row = p.src_row_bytes / t.dtype.size();
+                if let Some(i) = crate::transform::first_non_finite(input, t.dtype) {
                     return Err(InstallError::NonFinite {
                         shard: self.plan.shards[t.shard].path.clone(),
                         tensor: t.name.clone(),
-                        element: self.tile_row0 * per_row + i as u64,
+                        element: self.tile_row0 * p.cols + i as u64,
                     });
                 }
                 self.out[0].clear();
-                self.out[0].extend_from_slice(&self.tile);
+                self.out[0].extend_from_slice(input);
             }
             Scheme::Affine(affine) => {
                 let spec = Spec::from_affine(affine);
@@ -176,7 +294,7 @@ impl<'a> ReadWriter<'a> {
                     buf.resize((per * n) as usize, 0);
                 }
                 let [w, s, b] = &mut self.out;
-                quant::quantize_rows_le_bytes(&self.tile, p.cols as usize, spec, w, s, b).map_err(
+                quant::quantize_rows_le_bytes(input, p.cols as usize, spec, w, s, b).map_err(
                     |e| match e {
                         quant::QuantError::NonFinite { index } => InstallError::NonFinite {
                             shard: self.plan.shards[t.shard].path.clone(),
@@ -204,6 +322,7 @@ impl<'a> ReadWriter<'a> {
                 self.written += len;
             }
         }
+        self.deq = deq;
         self.tile.clear();
         self.tile_row0 += n;
         self.tile_rows = 0;
@@ -599,12 +718,17 @@ async fn fetch_read(
     let plan = &ctx.plan;
     let read = &plan.reads[ri];
     let shard = &plan.shards[read.shard].path;
+    let segs = segments(plan, &ctx.placements, read);
+    let (staged, staged_bytes) = stage(ctx, &segs).await?;
+    ctx.counters
+        .bytes_read
+        .fetch_add(staged_bytes, Ordering::Relaxed);
     let mut w = ReadWriter {
         plan,
         placements: &ctx.placements,
         files: &ctx.files,
         paths: &ctx.paths,
-        segs: segments(plan, &ctx.placements, read),
+        segs,
         seg: 0,
         pos: read.start,
         tile: Vec::new(),
@@ -615,6 +739,8 @@ async fn fetch_read(
         digest: Sha256::new(),
         touched: BTreeSet::new(),
         written: 0,
+        staged,
+        deq: Vec::new(),
     };
     let mut at = read.start;
     while at < read.end {

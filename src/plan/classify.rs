@@ -45,6 +45,9 @@ pub(super) struct Draft {
     /// The module's source parts, for a pre-quantized tensor (its bytes are copied,
     /// never quantized again).
     pub packed: Option<Packed>,
+    /// The module's source parts, for a pre-quantized tensor installed with
+    /// `--requantize` (planned like a BF16 matrix, dequantized by the executor).
+    pub requant: Option<Packed>,
 }
 
 /// Which stage places a tensor.
@@ -90,8 +93,15 @@ pub(super) fn classify(
 ) -> Result<Vec<Draft>, PlanError> {
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     let mut drafts = Vec::new();
-    for t in sources {
+    for mut t in sources {
         let (si, h) = (t.shard, &headers[t.shard]);
+        // Under --requantize a module is the matrix it dequantizes to: the policy
+        // gives its scheme, as for a BF16 source.
+        let requant = if policy.requantize {
+            t.packed.take()
+        } else {
+            None
+        };
         {
             let (m, name) =
                 family
@@ -177,7 +187,7 @@ pub(super) fn classify(
                         }
                     }
                     Role::Rows => {
-                        if t.packed.is_some() {
+                        if t.packed.is_some() || requant.is_some() {
                             return Err(tensor_err(
                                 "dtype",
                                 "a row table is installed from unquantized rows; this one is \
@@ -215,6 +225,7 @@ pub(super) fn classify(
                 layer: m.captures.layer,
                 sidecar: m.rule.sidecar.clone(),
                 packed: t.packed,
+                requant,
             });
         }
     }

@@ -68,7 +68,7 @@ pub fn coalesce<'a>(
             });
             continue;
         }
-        let row = t.shape.last().copied().unwrap_or(1).max(1) * t.dtype.size();
+        let row = t.src_row_bytes();
         let piece = if row <= max { max / row * row } else { max };
         let mut s = start;
         while end - s > piece {
@@ -108,12 +108,29 @@ pub fn cover_shard(
             end = te;
             continue;
         }
-        if end > start {
+        if end > start && ts - start > max {
             reads.push(RangeRead { shard, start, end });
             start = end;
         }
-        debug_assert_eq!(start, ts);
-        let row = t.shape.last().copied().unwrap_or(1).max(1) * t.dtype.size();
+        // Bytes before the tensor that no planned tensor holds (a requantized
+        // module's staged scales and biases): read for the hash, cut anywhere.
+        while ts - start > max {
+            reads.push(RangeRead {
+                shard,
+                start,
+                end: start + max,
+            });
+            start += max;
+        }
+        if ts > start {
+            reads.push(RangeRead {
+                shard,
+                start,
+                end: ts,
+            });
+            start = ts;
+        }
+        let row = t.src_row_bytes();
         let piece = if row <= max { max / row * row } else { max };
         while te - start > max {
             reads.push(RangeRead {
@@ -147,6 +164,7 @@ mod tests {
             src: [start, end],
             scheme: Scheme::Passthrough,
             packed: None,
+            requant: None,
             dest: if excluded {
                 Dest::Excluded { why: "x".into() }
             } else {
@@ -191,5 +209,28 @@ mod tests {
         // Every included byte is covered exactly once.
         let covered: u64 = r.iter().map(|r| r.end - r.start).sum();
         assert_eq!(covered, 200 + 90 + 100 + 200 + 700);
+    }
+
+    #[test]
+    fn covering_a_shard_reads_bytes_no_planned_tensor_holds_and_cuts_tensors_at_their_rows() {
+        // A requantized module's scales and biases are not planned tensors: 700 bytes
+        // of them lie between the two tensors (more than max 256).
+        let ts = [t(0, 0, 100, false), t(0, 800, 1200, false)];
+        let refs: Vec<&PlannedTensor> = ts.iter().collect();
+        let spans: Vec<(u64, u64)> = cover_shard(0, 1300, &refs, 256)
+            .iter()
+            .map(|r| (r.start, r.end))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                (0, 100),
+                (100, 356),
+                (356, 612),
+                (612, 800),
+                (800, 1056),
+                (1056, 1300)
+            ]
+        );
     }
 }

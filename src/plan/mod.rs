@@ -67,6 +67,12 @@ pub struct PlanOptions {
     /// for by name). Not part of the plan.
     #[serde(skip)]
     pub quant_requested: bool,
+    /// `--requantize`: a pre-quantized source's modules are dequantized (as
+    /// `mx.dequantize`) and quantized again at the profile (as `mx.quantize`) instead
+    /// of kept as published. Absent from the plan's JSON when not set, so plans made
+    /// without it keep their fingerprints.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub requantize: bool,
     /// The machine `auto` measures against (required for `auto`). Not part of the plan.
     #[serde(skip)]
     pub machine: Option<Machine>,
@@ -86,6 +92,7 @@ impl Default for PlanOptions {
         PlanOptions {
             quant: QuantMode::default(),
             quant_requested: false,
+            requantize: false,
             machine: None,
             skip_sidecars: BTreeSet::new(),
             coalesce_max: coalesce::COALESCE_MAX,
@@ -181,6 +188,57 @@ pub struct PlannedTensor {
     /// stored matrix its bytes are copied into, unchanged. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub packed: Option<PackedPart>,
+    /// For a module of a pre-quantized source installed with `--requantize`: how it
+    /// was quantized and where its scales and biases are. The tensor itself is the
+    /// logical `[.., out, in]` matrix (dtype that of the scales) and `src` is its
+    /// packed weights; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requant: Option<Requant>,
+}
+
+impl PlannedTensor {
+    /// Source bytes of one row (the last axis) as stored: the packed row of a
+    /// requantized module, else the row at the tensor's dtype. Reads that split a
+    /// tensor cut at multiples of this.
+    pub fn src_row_bytes(&self) -> u64 {
+        let cols = self.shape.last().copied().unwrap_or(1).max(1);
+        match &self.requant {
+            Some(r) => r
+                .from
+                .affine()
+                .and_then(|a| a.row_sizes(cols))
+                .map_or(cols * self.dtype.size(), |s| s.weights),
+            None => cols * self.dtype.size(),
+        }
+    }
+}
+
+/// The source of a module that `--requantize` dequantizes: its layout and its scales
+/// and biases, which the executor stages (they may sit anywhere in the shards) before
+/// the packed weights stream through.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Requant {
+    /// The source's scheme for the module (always an affine one).
+    pub from: Scheme,
+    /// `P.scales`.
+    pub scales: SourcePart,
+    /// `P.biases`.
+    pub biases: SourcePart,
+}
+
+/// One source tensor that is read but not itself placed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourcePart {
+    /// Name in the source.
+    pub name: String,
+    /// Index into `shards`.
+    pub shard: usize,
+    /// Dtype.
+    pub dtype: Dtype,
+    /// Shape as stored.
+    pub shape: Vec<u64>,
+    /// Absolute byte range in the shard file.
+    pub src: [u64; 2],
 }
 
 /// Which part of a stored quantized matrix a pre-quantized source tensor is.
@@ -293,6 +351,11 @@ pub struct Plan {
     /// a source gturbo quantizes itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_quant: Option<mlx::SourceQuant>,
+    /// How a pre-quantized source installed with `--requantize` was quantized (its
+    /// `config.json` block): its modules were dequantized and quantized again at the
+    /// profile. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requantized_from: Option<mlx::SourceQuant>,
     /// What `--quant auto` chose and why (not part of the plan's canonical form: the
     /// profile it chose is, in `options.quant`).
     #[serde(skip)]
@@ -549,6 +612,9 @@ pub(super) struct Policy<'a> {
     profile: &'static profile::Profile,
     num_layers: u64,
     prequantized: bool,
+    /// `--requantize` on a pre-quantized source: its modules are planned as the
+    /// BF16 matrices they dequantize to.
+    pub(super) requantize: bool,
 }
 
 /// `scheme` if rows of `cols` elements are whole groups of it, else passthrough.
@@ -619,7 +685,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         return build_at(input);
     }
     let quant = mlx::read_quant(input.config)?;
-    if quant.is_some() {
+    if quant.is_some() && !input.options.requantize {
         // A pre-quantized source keeps its own widths; auto asks for nothing else.
         let options = PlanOptions {
             quant: QuantMode::default(),
@@ -686,6 +752,7 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     })?;
     if let Some(q) = &quant
         && options.quant_requested
+        && !options.requantize
     {
         let rec = q.record();
         return Err(PlanError::Config {
@@ -693,7 +760,8 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             detail: format!(
                 "the source is pre-quantized ({}: {} by default, {} module entries); it is \
                  installed with its own widths, not at --quant {} (quantizing twice loses \
-                 quality); leave --quant out to install it as published",
+                 quality); leave --quant out to install it as published, or add \
+                 --requantize to dequantize and requantize it",
                 rec.format,
                 rec.scheme.label(),
                 rec.modules.len(),
@@ -701,8 +769,22 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
+    if quant.is_none() && options.requantize {
+        // Decided: an error, not a silent no-op, so a script that meant another
+        // repo finds out (README, quant profiles).
+        return Err(PlanError::Config {
+            field: "quantization".into(),
+            detail: format!(
+                "--requantize: the source is not pre-quantized (config.json has no \
+                 `quantization` block), so there is nothing to dequantize; leave \
+                 --requantize out to quantize it at --quant {}",
+                options.quant
+            ),
+        });
+    }
+    let requantize = quant.is_some() && options.requantize;
     let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
-    if profile.needs_layers() && num_layers.is_none() && quant.is_none() {
+    if profile.needs_layers() && num_layers.is_none() && (quant.is_none() || requantize) {
         return Err(PlanError::Config {
             field: "num_layers".into(),
             detail: format!(
@@ -717,7 +799,8 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         family,
         profile,
         num_layers: num_layers.unwrap_or(0),
-        prequantized: quant.is_some(),
+        prequantized: quant.is_some() && !requantize,
+        requantize,
     };
     let drafts = classify::classify(family, options, &policy, input.headers, sources)?;
     let (resident, resident_placed) = place_resident(&drafts)?;
@@ -744,13 +827,14 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         reads,
         outputs,
         census,
-        profile_default: quant
-            .is_none()
-            .then(|| match profile.is_passthrough(family) {
+        profile_default: (quant.is_none() || requantize).then(|| {
+            match profile.is_passthrough(family) {
                 true => Scheme::Passthrough,
                 false => profile.default_scheme(family),
-            }),
-        source_quant: quant.map(|q| q.record()),
+            }
+        }),
+        source_quant: quant.as_ref().filter(|_| !requantize).map(|q| q.record()),
+        requantized_from: quant.as_ref().filter(|_| requantize).map(|q| q.record()),
         auto: None,
     })
 }
@@ -826,6 +910,22 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
              all, a pool stage refuses a pool with a member it has no slot for",
         );
         let Some(packed) = d.packed else {
+            // A requantized module: one logical matrix whose `src` is its packed
+            // weights; its scales and biases are staged by the executor.
+            let requant = d.requant.map(|p| {
+                let [_, s, b] = p.parts.map(|part| SourcePart {
+                    name: part.name,
+                    shard: part.shard,
+                    dtype: part.dtype,
+                    shape: part.shape,
+                    src: part.src,
+                });
+                Requant {
+                    from: Scheme::Affine(p.affine),
+                    scales: s,
+                    biases: b,
+                }
+            });
             out.push(PlannedTensor {
                 name: d.name,
                 shard: d.shard,
@@ -835,6 +935,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 scheme,
                 dest,
                 packed: None,
+                requant,
             });
             continue;
         };
@@ -864,6 +965,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                     stream: stream as u8,
                     cols,
                 }),
+                requant: None,
             });
         }
     }
@@ -1084,6 +1186,9 @@ impl Plan {
             format!("{} bytes", self.options.coalesce_gap),
         );
         put("--no-verify-source".into(), on(!self.options.verify_source));
+        if self.options.requantize {
+            put("--requantize".into(), on(true));
+        }
         for s in &self.options.skip_sidecars {
             put(format!("--skip-{s}"), on(true));
         }
@@ -1102,11 +1207,20 @@ impl Plan {
             put(format!("{}: size", sh.path), format!("{} bytes", sh.size));
             // The header's tensors (names, dtypes, shapes, offsets), not what the
             // plan makes of them (that follows from the flags above).
+            // A requantized module's staged scales and biases are header tensors too.
+            let staged = self
+                .tensors
+                .iter()
+                .filter_map(|t| t.requant.as_ref())
+                .flat_map(|r| [&r.scales, &r.biases])
+                .filter(|p| p.shard == i)
+                .map(|p| (p.name.as_str(), p.dtype, p.shape.as_slice(), p.src));
             let tensors: Vec<(&str, Dtype, &[u64], [u64; 2])> = self
                 .tensors
                 .iter()
                 .filter(|t| t.shard == i)
                 .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.src))
+                .chain(staged)
                 .collect();
             let digest = crate::format::json::to_compact(&tensors)
                 .map(|b| crate::format::digest::sha256_hex(&b))

@@ -49,6 +49,9 @@ pub struct TensorPlacement {
     /// 2 biases) its rows are copied into; `None` when every stream is written from
     /// the tensor (quantized or passed through).
     pub stream: Option<usize>,
+    /// For a module dequantized and quantized again (`--requantize`): the source's
+    /// layout; its source rows are packed words, its scales and biases staged.
+    pub requant: Option<crate::format::Affine>,
     kind: Kind,
 }
 
@@ -86,7 +89,11 @@ impl TensorPlacement {
             elems / src_cols
         };
         let elem = t.dtype.size();
-        let src_row_bytes = src_cols * elem;
+        let src_row_bytes = t.src_row_bytes();
+        let requant = match &t.requant {
+            Some(r) => Some(r.from.affine()?),
+            None => None,
+        };
         // A pre-quantized part: the logical matrix's columns, and its stream's bytes
         // per row must be the source's.
         let (cols, stream) = match t.packed {
@@ -172,6 +179,7 @@ impl TensorPlacement {
             rows,
             out_row,
             stream,
+            requant,
             kind,
         })
     }

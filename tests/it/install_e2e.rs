@@ -53,7 +53,7 @@ fn text(o: &Output) -> String {
 
 /// path → sha256 of every file under `dir`, except the receipt, which records the time
 /// of the install by design.
-fn tree_hashes(dir: &Path) -> BTreeMap<String, String> {
+pub(crate) fn tree_hashes(dir: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {

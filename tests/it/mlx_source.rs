@@ -124,8 +124,11 @@ pub(crate) fn smol_cases(test: &str) -> Option<&'static PathBuf> {
     require_or_skip(test, r.clone()).map(|_| r.as_ref().unwrap())
 }
 
+/// Tensors by name: (dtype, shape, bytes).
+pub(crate) type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+
 /// A safetensors file's tensors: name → (dtype, shape, bytes).
-fn read_st(path: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
+fn read_st(path: &Path) -> Tensors {
     let bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let head: BTreeMap<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
@@ -171,6 +174,17 @@ pub(crate) fn source_tensors(mlx: &Path) -> BTreeMap<String, (String, Vec<u64>, 
 /// Install `mlx` served by the local hub as `repo`, pinned; the dry run's JSON and the
 /// install's directory.
 pub(crate) fn install_over_hub(mlx: &Path, family: &str, out: &Path) -> Value {
+    install_over_hub_with(mlx, family, out, &[]).0
+}
+
+/// [`install_over_hub`] with `extra` flags on both the dry run and the install; the
+/// dry run's JSON and the install's output.
+pub(crate) fn install_over_hub_with(
+    mlx: &Path,
+    family: &str,
+    out: &Path,
+    extra: &[&str],
+) -> (Value, Output) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -190,6 +204,7 @@ pub(crate) fn install_over_hub(mlx: &Path, family: &str, out: &Path) -> Value {
                 &index_sha,
                 "--json",
             ])
+            .args(extra)
             .arg("--out")
             .arg(out);
         if dry {
@@ -223,7 +238,7 @@ pub(crate) fn install_over_hub(mlx: &Path, family: &str, out: &Path) -> Value {
         text(&o)
     );
     drop(hub);
-    serde_json::from_slice(&dry.stdout).unwrap()
+    (serde_json::from_slice(&dry.stdout).unwrap(), o)
 }
 
 /// The first number under key `k` anywhere in `v`.
@@ -518,4 +533,181 @@ fn mlx_smollm2_mixed_3_6_installs_unchanged_and_runs_like_mlx_lm() {
         return;
     };
     run_case(dir, "llama", "mixed_3_6", Tolerance::RelativeToPosition);
+}
+
+/// What `--requantize` should have written, by MLX: the source's tensors, with every
+/// module the plan at `plan_file` requantizes replaced by
+/// `mx.quantize(mx.dequantize(..))` at the plan's scheme for it
+/// (`scripts/mlx_requant.py`); `None` after the skip. Also the plan's choice, module
+/// path → scheme.
+pub(crate) fn mlx_requantized(
+    test: &str,
+    mlx: &Path,
+    plan_file: &Path,
+) -> Option<(Tensors, BTreeMap<String, String>)> {
+    let plan: Value = serde_json::from_slice(&std::fs::read(plan_file).unwrap()).unwrap();
+    let targets: BTreeMap<String, String> = plan["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| {
+            let scheme = t["scheme"].as_str().unwrap().to_string();
+            // A requantized module, or a tensor the source left unquantized that the
+            // profile quantizes (MLX quantizes it from its BF16 bytes).
+            let module = match t["requant"]["scales"]["name"].as_str() {
+                Some(scales) => scales.strip_suffix(".scales").unwrap(),
+                None if scheme.starts_with("int") && t["dest"]["kind"] != "excluded" => {
+                    t["name"].as_str().unwrap().strip_suffix(".weight")?
+                }
+                None => return None,
+            };
+            Some((module.to_string(), scheme))
+        })
+        .collect();
+    let dir = plan_file.parent().unwrap();
+    let (targets_file, expected) = (dir.join("targets.json"), dir.join("expected.safetensors"));
+    std::fs::write(&targets_file, serde_json::to_vec(&targets).unwrap()).unwrap();
+    let o = Command::new("python3")
+        .arg(root().join("scripts/mlx_requant.py"))
+        .arg(mlx)
+        .arg(&targets_file)
+        .arg(&expected)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run python3: {e}"));
+    if !o.status.success() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        let why = Err::<(), _>(format!(
+            "mlx is not importable ({})",
+            err.lines().last().unwrap_or("").trim()
+        ));
+        if err.contains("No module named") {
+            require_or_skip(test, why);
+            return None;
+        }
+        panic!("scripts/mlx_requant.py failed: {}", text(&o));
+    }
+    let mut src = source_tensors(mlx);
+    src.extend(read_st(&expected));
+    Some((src, targets))
+}
+
+/// The warning `--requantize` prints, naming the source's quantization and the target.
+fn assert_requant_warning(o: &Output, source: &str, profile: &str) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "warning: --requantize: the source is pre-quantized (mlx: {source} by default"
+        )) && err.contains(&format!(
+            "its modules are dequantized and quantized again at --quant {profile}, which \
+             loses quality"
+        )),
+        "{err}"
+    );
+}
+
+/// A 4-bit g64 MLX MoE installed with `--quant int8 --requantize` over the hub:
+/// every module at INT8 g64, every installed byte what MLX's
+/// `mx.quantize(mx.dequantize(..))` gives, the dry run exact, the warning printed.
+#[test]
+fn mlx_moe_4bit_requantized_to_int8_is_mlx_dequantize_then_quantize() {
+    let test = "mlx_moe_4bit_requantized_to_int8_is_mlx_dequantize_then_quantize";
+    let Some(dir) = moe_cases(test) else {
+        return;
+    };
+    let tmp = temp_dir();
+    let (src, out) = (dir.join("q4g64"), tmp.path().join("r.gturbo"));
+    let plan_file = tmp.path().join("plan.json");
+    let plan_arg = plan_file.to_str().unwrap();
+    let (dry, o) = install_over_hub_with(
+        &src,
+        "qwen3_moe",
+        &out,
+        &["--quant", "int8", "--requantize", "--emit-plan", plan_arg],
+    );
+    assert_requant_warning(&o, "int4_g64", "int8");
+    check_dry_run(&dry, &out);
+    assert_eq!(dry["quant"]["profile"], "int8");
+    let Some((expected, targets)) = mlx_requantized(test, &src, &plan_file) else {
+        return;
+    };
+    // Every quantized module of the source (attention, routers, experts), at INT8.
+    let source_modules = source_tensors(&src)
+        .keys()
+        .filter(|k| k.ends_with(".scales"))
+        .count();
+    assert_eq!(targets.len(), source_modules);
+    assert!(targets.values().all(|s| s == "int8_g64"), "{targets:?}");
+    let (resident, experts) = compare_with_sources(&expected, &out);
+    assert!(resident > 0 && experts > 0, "{resident} {experts}");
+    eprintln!("{resident} resident tensors and {experts} expert parts equal MLX's requantization");
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    let q = &m["quantized_at_install"];
+    assert_eq!(q["scheme"], "int8_g64");
+    assert!(
+        q["parity_gate"]
+            .as_str()
+            .unwrap()
+            .contains("requantized from a pre-quantized source (mlx: int4_g64 by default)"),
+        "{q}"
+    );
+}
+
+/// SmolLM2's 4-bit MLX conversion requantized to INT8 from a local folder, killed
+/// after two journaled reads and resumed: byte for byte the uninterrupted install,
+/// which is byte for byte MLX's `mx.quantize(mx.dequantize(..))`.
+#[test]
+fn mlx_smollm2_requantize_resumes_byte_identical_and_matches_mlx() {
+    let test = "mlx_smollm2_requantize_resumes_byte_identical_and_matches_mlx";
+    let Some(dir) = smol_cases(test) else {
+        return;
+    };
+    let tmp = temp_dir();
+    let src = dir.join("q4g64");
+    let plan_file = tmp.path().join("plan.json");
+    let install = |out: &Path, abort: Option<&str>| {
+        let mut c = Command::new(gturbo_bin());
+        c.args(["-q", "install", "--family", "llama", "x/smol", "--from"])
+            .arg(&src)
+            .args(["--quant", "int8", "--requantize", "--range-mib", "8"])
+            .args(["--emit-plan", plan_file.to_str().unwrap(), "--out"])
+            .arg(out)
+            .env_remove("GTURBO_TEST_ABORT_AFTER_READS");
+        if let Some(n) = abort {
+            c.env("GTURBO_TEST_ABORT_AFTER_READS", n);
+        }
+        c.output().unwrap()
+    };
+    let reference = tmp.path().join("ref.gturbo");
+    let o = install(&reference, None);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_requant_warning(&o, "int4_g64", "int8");
+    let plan: Value = serde_json::from_slice(&std::fs::read(&plan_file).unwrap()).unwrap();
+    assert!(
+        plan["reads"].as_array().unwrap().len() > 2,
+        "too few reads to interrupt"
+    );
+    let out = tmp.path().join("resumed.gturbo");
+    let killed = install(&out, Some("2"));
+    assert_eq!(killed.status.code(), Some(137), "{}", text(&killed));
+    let resumed = install(&out, None);
+    assert!(resumed.status.success(), "{}", text(&resumed));
+    assert!(
+        String::from_utf8_lossy(&resumed.stderr).contains("2 kept from a previous run"),
+        "{}",
+        text(&resumed)
+    );
+    assert_eq!(
+        crate::install_e2e::tree_hashes(&out),
+        crate::install_e2e::tree_hashes(&reference)
+    );
+    let Some((expected, targets)) = mlx_requantized(test, &src, &plan_file) else {
+        return;
+    };
+    assert!(!targets.is_empty());
+    let (resident, _) = compare_with_sources(&expected, &out);
+    assert_eq!(
+        resident,
+        targets.values().filter(|s| *s != "passthrough").count()
+    );
 }

@@ -11,7 +11,9 @@
 //!   passes each.
 //! - `auto` follows the RAM rule at its boundaries (RAM injected with
 //!   GTURBO_TEST_RAM_BYTES) and says why; a pre-quantized source refuses a named
-//!   profile, naming its quantization.
+//!   profile, naming its quantization, unless `--requantize` is given: then it is
+//!   planned as the BF16 model it dequantizes to and installed as MLX's
+//!   `mx.quantize(mx.dequantize(..))`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -55,22 +57,23 @@ fn install(
 
 /// The dry run's JSON and the whole plan at `profile`.
 fn dry_plan(snap: &Path, family: &str, profile: &str) -> (Value, Value) {
+    dry_plan_with(snap, family, profile, &[])
+}
+
+/// [`dry_plan`] with `extra` flags.
+fn dry_plan_with(snap: &Path, family: &str, profile: &str, extra: &[&str]) -> (Value, Value) {
     let tmp = temp_dir();
     let plan_file = tmp.path().join("plan.json");
-    let o = install(
-        snap,
-        family,
-        &tmp.path().join("o.gturbo"),
-        &[
-            "--dry-run",
-            "--json",
-            "--quant",
-            profile,
-            "--emit-plan",
-            plan_file.to_str().unwrap(),
-        ],
-        &[],
-    );
+    let mut args = vec![
+        "--dry-run",
+        "--json",
+        "--quant",
+        profile,
+        "--emit-plan",
+        plan_file.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let o = install(snap, family, &tmp.path().join("o.gturbo"), &args, &[]);
     assert!(o.status.success(), "{profile}: {}", text(&o));
     (
         serde_json::from_slice(&o.stdout).unwrap(),
@@ -414,7 +417,8 @@ fn prequantized_source_refuses_a_named_profile() {
         assert!(
             err.contains("config.json: field `quantization`")
                 && err.contains("pre-quantized (mlx: int4_g64 by default")
-                && err.contains(&format!("not at --quant {profile}")),
+                && err.contains(&format!("not at --quant {profile}"))
+                && err.contains("or add --requantize to dequantize and requantize it"),
             "{err}"
         );
     }
@@ -432,4 +436,86 @@ fn prequantized_source_refuses_a_named_profile() {
         let v: Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["quant"]["profile"], "source");
     }
+}
+
+/// `--requantize` plans a pre-quantized source as the BF16 model it dequantizes to:
+/// at every profile, each module gets the scheme the BF16 original gets (so mlx-lm's
+/// choice, by the tests above). A 4-bit g64 MoE at `mixed-3-6` is installed, every
+/// byte MLX's `mx.quantize(mx.dequantize(..))` at those schemes.
+#[test]
+fn requantize_plans_as_the_bf16_original_and_installs_mlx_bytes() {
+    let test = "requantize_plans_as_the_bf16_original_and_installs_mlx_bytes";
+    let Some(dir) = moe_cases(test) else {
+        return;
+    };
+    let src = dir.join("q4g64");
+    for profile in PROFILES.iter().chain(&["bf16"]) {
+        let (dry, plan) = dry_plan_with(&src, "qwen3_moe", profile, &["--requantize"]);
+        let (bf16_dry, bf16_plan) = dry_plan(&dir.join("snapshot"), "qwen3_moe", profile);
+        assert_eq!(plan_choice(&plan), plan_choice(&bf16_plan), "{profile}");
+        // The same weight files, to the byte (config.json, copied, differs).
+        for k in ["resident", "experts"] {
+            assert_eq!(dry["outputs"][k], bf16_dry["outputs"][k], "{profile} {k}");
+        }
+        assert_eq!(dry["quant"]["profile"], *profile);
+    }
+    let tmp = temp_dir();
+    let (out, plan_file) = (tmp.path().join("m.gturbo"), tmp.path().join("plan.json"));
+    let args = ["--quant", "mixed-3-6", "--requantize", "--emit-plan"];
+    let mut args = args.to_vec();
+    args.push(plan_file.to_str().unwrap());
+    let o = install(&src, "qwen3_moe", &out, &args, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--requantize: the source is pre-quantized (mlx: int4_g64 by default")
+            && err.contains("quantized again at --quant mixed-3-6"),
+        "{err}"
+    );
+    let Some((expected, targets)) = crate::mlx_source::mlx_requantized(test, &src, &plan_file)
+    else {
+        return;
+    };
+    assert!(targets.values().any(|s| s == "int6_g64") && targets.values().any(|s| s == "int3_g64"));
+    let (resident, experts) = compare_with_sources(&expected, &out);
+    assert_eq!((resident, experts), (12, 2 * 3 * 8));
+}
+
+/// `--requantize` on a source that is not pre-quantized is an error naming why (not a
+/// silent no-op); without `--quant` it is a usage error.
+#[test]
+fn requantize_on_a_bf16_source_is_refused() {
+    let tmp = temp_dir();
+    let snap = tmp.path().join("snap");
+    write_qwen3_moe(&snap, &Qwen3MoeSpec::tiny()).unwrap();
+    let out = tmp.path().join("o.gturbo");
+    let o = install(
+        &snap,
+        "qwen3_moe",
+        &out,
+        &["--quant", "int8", "--requantize", "--dry-run"],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(
+            "config.json: field `quantization`: --requantize: the source is not pre-quantized"
+        ) && err.contains("leave --requantize out to quantize it at --quant int8"),
+        "{err}"
+    );
+    let o = install(
+        &snap,
+        "qwen3_moe",
+        &out,
+        &["--requantize", "--dry-run"],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--quant"),
+        "{}",
+        text(&o)
+    );
+    assert!(!out.exists());
 }
