@@ -721,13 +721,15 @@ const MALLOC_ARENAS: i32 = 2;
 /// happened to be scheduled and grew with the install's length (default arenas,
 /// release build, loopback: 51–71 MiB at 1.2 GB, 64–88 MiB at 3.4 GB; with 2 arenas
 /// 48 and 54–55 MiB, at the same speed).
+#[allow(unsafe_code)]
 pub fn bound_malloc_arenas() {
     if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
         return;
     }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets an allocator parameter; `M_ARENA_MAX` accepts any
-    // positive count, and glibc applies it to arenas created after the call.
+    // SAFETY: `mallopt` takes no pointers and only sets an allocator parameter under
+    // glibc's own lock; `M_ARENA_MAX` accepts any positive count (a constant here), and
+    // glibc applies it to arenas created after the call.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, MALLOC_ARENAS);
     }
