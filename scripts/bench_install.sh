@@ -9,14 +9,21 @@
 #    `mlx_lm.convert -q --q-bits 4 --q-group-size 64`: wall s, MB/s of source, peak RSS
 #    (/usr/bin/time -v).
 # 2. Capped link: the same snapshot through the hub at CONN_RATE (50 MB/s) per
-#    connection with LATENCY_MS (40) to first byte, AGG_RATE (unset: no aggregate cap):
-#    gturbo --jobs 1/4/16/auto vs `hf download`.
+#    connection with LATENCY_MS (40) to first byte, AGG_RATE (unset: no aggregate cap,
+#    the hub's own shaper) or AGG_CAP (see below): gturbo --jobs 1/4/16/auto vs
+#    `hf download`.
 # 3. Scaling: gturbo's peak RSS at SMALL_LAYERS (5: 1.2 GB) and LAYERS.
 #
 # The peers (hf, mlx_lm) come from the pinned venv `scripts/venv.sh test`, under
 # target/. Knobs (environment): LAYERS, SMALL_LAYERS, RUNS, CAP_RUNS (1), CONN_RATE,
-# LATENCY_MS, AGG_RATE, SKIP_PEERS=1 (gturbo only), SKIP_CAPPED=1, SKIP_SCALING=1,
-# NO_BUILD=1 (use the release binaries already built).
+# LATENCY_MS, AGG_RATE, AGG_CAP, SKIP_PEERS=1 (gturbo only), SKIP_LOOPBACK=1 (the
+# capped part then judges against LOOP_RATE B/s, default unbounded), SKIP_CAPPED=1,
+# SKIP_SCALING=1, NO_BUILD=1 (use the release binaries already built).
+#
+# AGG_CAP=BYTES/S caps the capped link's aggregate in the kernel instead: the hub runs
+# in a network namespace of its own, reached over a veth pair whose hub side has a
+# `tbf` qdisc at that rate; the script makes both and removes them on exit (root, `ip`
+# and `tc` needed). Traffic stays on 10.203.0.0/30.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -43,14 +50,39 @@ fi
 
 hub_pid=""
 stop_hub() { if [ -n "$hub_pid" ]; then kill "$hub_pid" 2>/dev/null || true; wait "$hub_pid" 2>/dev/null || true; hub_pid=""; fi; }
-trap stop_hub EXIT
+# AGG_CAP: the hub's namespace and the veth pair (names at most 15 characters).
+netns="" hub_ns=() hub_bind=()
+ns_name="gtb-hub-$$" veth_c="gtbc$$" veth_h="gtbh$$" ns_client=10.203.0.1 ns_hub=10.203.0.2
+drop_netns() { if [ -n "$netns" ]; then ip netns del "$netns" 2>/dev/null || true; netns=""; fi; }
+cleanup() { stop_hub; drop_netns; }
+trap cleanup EXIT
+# make_netns RATE: the hub's namespace behind a veth pair capped at RATE bytes/s (tbf on
+# the hub side, so it shapes what the hub sends). Hubs started after it run inside.
+make_netns() {
+    local rate="$1" burst
+    # The bucket must hold at least one timer tick of traffic at the rate (1 MiB floor).
+    burst=$(awk -v r="$rate" 'BEGIN { b = r / 100; if (b < 1048576) b = 1048576; printf "%d", b }')
+    netns="$ns_name"
+    ip netns add "$netns"
+    ip link add "$veth_c" type veth peer name "$veth_h"
+    ip link set "$veth_h" netns "$netns"
+    ip addr add "$ns_client/30" dev "$veth_c"
+    ip link set "$veth_c" up
+    ip -n "$netns" addr add "$ns_hub/30" dev "$veth_h"
+    ip -n "$netns" link set "$veth_h" up
+    ip -n "$netns" link set lo up
+    tc -n "$netns" qdisc add dev "$veth_h" root tbf rate "$((rate * 8))bit" burst "$burst" latency 100ms
+    hub_ns=(ip netns exec "$netns")
+    hub_bind=(--bind "$ns_hub")
+    echo "== aggregate cap: $(tc -n "$netns" qdisc show dev "$veth_h")" >&2
+}
 # start_hub SNAPSHOT [hub flags...]: sets $url.
 start_hub() {
     local snap="$1"; shift
     stop_hub
     local fifo="$work/hub.url"
     rm -f "$fifo"
-    "$dev" hub --repo "$repo=$snap" --cdn "$@" >"$fifo" 2>"$work/hub.log" &
+    "${hub_ns[@]}" "$dev" hub --repo "$repo=$snap" --cdn "${hub_bind[@]}" "$@" >"$fifo" 2>"$work/hub.log" &
     hub_pid=$!
     for _ in $(seq 1 600); do
         url=$(head -n1 "$fifo" 2>/dev/null || true)
@@ -155,6 +187,7 @@ rm -f "$work"/*.times "$work"/*.md
 echo "== snapshot $snap: $bytes bytes of shards" >&2
 machine="$(nproc) cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2/1048576 }' /proc/meminfo)"
 
+if [ "${SKIP_LOOPBACK:-0}" != 1 ]; then
 echo "== loopback" >&2
 start_hub "$snap"
 for i in $(seq 1 "$runs"); do
@@ -184,11 +217,20 @@ done
         ratio "(hf download + mlx_lm.convert) / gturbo, wall" "$(median "hf download + mlx_lm.convert -q" 1)" "$g" 5 ">="
     fi
 } | tee "$work/loopback.md"
+loop_rate=$(awk -v b="$bytes" -v w="$(median "gturbo" 1)" 'BEGIN { print b / w }')
+else
+loop_rate="${LOOP_RATE:-1e18}"
+fi
 
 if [ "${SKIP_CAPPED:-0}" != 1 ]; then
     echo "== capped link" >&2
     agg=()
     [ -n "${AGG_RATE:-}" ] && agg=(--aggregate-rate "$AGG_RATE")
+    aggregate="${AGG_RATE:-uncapped}"
+    if [ -n "${AGG_CAP:-}" ]; then
+        make_netns "$AGG_CAP"
+        aggregate="$AGG_CAP B/s (tbf on a veth pair)"
+    fi
     start_hub "$snap" --conn-rate "$conn_rate" --latency-ms "$latency" "${agg[@]}"
     for i in $(seq 1 "$cap_runs"); do
         for j in 1 4 16 auto; do
@@ -199,23 +241,25 @@ if [ "${SKIP_CAPPED:-0}" != 1 ]; then
         fi
     done
     {
-        header "Capped link: $conn_rate B/s per connection, $latency ms to first byte, aggregate ${AGG_RATE:-uncapped}"
+        header "Capped link: $conn_rate B/s per connection, $latency ms to first byte, aggregate $aggregate"
         for j in 1 4 16 auto; do row "capped gturbo --jobs $j" "$bytes"; done
         if [ "${SKIP_PEERS:-0}" != 1 ]; then row "capped hf download" "$bytes"; fi
         echo
         # The target: 90 % of min(aggregate cap, connections × per-connection rate),
         # and no more than the CPU-bound loopback rate of the same install.
-        loop_rate=$(awk -v b="$bytes" -v w="$(median "gturbo" 1)" 'BEGIN { print b / w }')
         for j in 4 16 auto; do
             w=$(median "capped gturbo --jobs $j" 1)
             c=$(awk -v w="$w" '$1 == w { print $3; exit }' "$work/capped gturbo --jobs $j.times")
-            bound=$(awk -v r="$conn_rate" -v c="$c" -v a="${AGG_RATE:-0}" -v l="$loop_rate" 'BEGIN {
+            bound=$(awk -v r="$conn_rate" -v c="$c" -v a="${AGG_RATE:-${AGG_CAP:-0}}" -v l="$loop_rate" 'BEGIN {
                 b = r * c; if (a > 0 && a < b) b = a; if (l < b) b = l; print b }')
             ratio "capped --jobs $j MB/s / min(aggregate, $c × per-connection, loopback rate)" \
                 "$(awk -v b="$bytes" -v w="$w" 'BEGIN { print b / w }')" "$bound" 0.9 ">="
         done
         ratio "capped --jobs auto / --jobs 16, MB/s" "$(median "capped gturbo --jobs 16" 1)" "$(median "capped gturbo --jobs auto" 1)" 0.9 ">="
     } | tee "$work/capped.md"
+    stop_hub
+    drop_netns
+    hub_ns=() hub_bind=()
 fi
 
 if [ "${SKIP_SCALING:-0}" != 1 ]; then
@@ -240,5 +284,5 @@ fi
     max_rss=$(cat "$work"/gturbo*.times "$work"/capped\ gturbo*.times 2>/dev/null | awk '$2 > m { m = $2 } END { print m / 1024 }')
     ratio "largest gturbo peak RSS, MiB / 256" "$max_rss" 256 1.0 "<="
 } | tee "$work/rss.md"
-cat "$work"/loopback.md "$work"/capped.md "$work"/scaling.md "$work"/rss.md 2>/dev/null >"$work/bench.md"
+cat "$work"/loopback.md "$work"/capped.md "$work"/scaling.md "$work"/rss.md 2>/dev/null >"$work/bench.md" || true  # parts skipped
 echo "== all tables: $work/bench.md" >&2

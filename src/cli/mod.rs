@@ -251,6 +251,9 @@ impl From<family::FamilyError> for Failure {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.global.verbose);
+    if matches!(cli.command, Command::Install(_)) {
+        crate::install::bound_malloc_arenas();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -19,6 +19,7 @@ mod stream;
 /// Free space an install keeps beyond its bytes (its preflight's rule; `gturbo doctor`
 /// checks the same).
 pub use stage::space_reserve;
+pub use stream::bound_malloc_arenas;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};

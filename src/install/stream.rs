@@ -487,8 +487,11 @@ pub(super) async fn run(
     // would only wait.
     let cap = Links::max_connections(ctx.links.sub_range);
     let limit = connections.max().min(cap);
-    let at_once = jobs_at_once(connections, limit);
-    tracing::debug!(connections = limit, jobs_at_once = at_once, "stream");
+    tracing::debug!(
+        connections = limit,
+        jobs_at_once = jobs_at_once(connections, &ctx.links, limit),
+        "stream"
+    );
     let mut waiting = jobs.into_iter();
     let mut running = tokio::task::JoinSet::new();
     let mut outcome = Ok(());
@@ -496,7 +499,8 @@ pub(super) async fn run(
     let mut tick = tokio::time::interval(autojobs::TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        while running.len() < at_once {
+        // Under `--jobs auto` this rises as the connections grow.
+        while running.len() < jobs_at_once(connections, &ctx.links, limit) {
             let Some(job) = waiting.next() else { break };
             let ctx = ctx.clone();
             running.spawn(async move { run_job(&ctx, job).await });
@@ -538,18 +542,16 @@ pub(super) async fn run(
 }
 
 /// Shard jobs that run at once. A fixed `--jobs N` runs up to N (each with its own
-/// connections, as before); `--jobs auto` runs one per available core: each job
-/// transforms its reads in order with its hash on a thread beside it, so more jobs
-/// than cores only contend for them (on this 2-core machine, 4 jobs at once were
-/// slower on loopback than 1), while one job's reorder window alone can keep every
-/// connection busy.
-fn jobs_at_once(jobs: Jobs, connections: usize) -> usize {
+/// connections, as before; `limit` is N held to the window budget); `--jobs auto`
+/// runs [`autojobs::shard_jobs`] of the connections it has grown to: one per core
+/// while the consumer is the bound, more once the link is.
+fn jobs_at_once(jobs: Jobs, links: &Links, limit: usize) -> usize {
     match jobs {
-        Jobs::Fixed(_) => connections,
-        Jobs::Auto => std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(connections)
-            .max(1),
+        Jobs::Fixed(_) => limit,
+        Jobs::Auto => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            autojobs::shard_jobs(cores as u64, links.limit()) as usize
+        }
     }
 }
 
@@ -622,6 +624,7 @@ impl Grower {
                 }
                 tracing::debug!(
                     connections = n,
+                    shard_jobs = jobs_at_once(Jobs::Auto, links, n as usize),
                     level_mb_s = c.last_rate().unwrap_or(0.0) / 1e6,
                     busy = sample.busy,
                     "jobs auto: more connections"
@@ -748,7 +751,7 @@ async fn fetch_read(
             break;
         };
         let piece = piece?;
-        let n: u64 = piece.chunks.iter().map(|c| c.len() as u64).sum();
+        let n = piece.bytes.len() as u64;
         at += n;
         ctx.counters.bytes_read.fetch_add(n, Ordering::Relaxed);
         let tile = ctx.tile;
@@ -757,10 +760,10 @@ async fn fetch_read(
         tokio::task::block_in_place(|| -> Result<(), InstallError> {
             std::thread::scope(|scope| {
                 let hashing = hash.as_deref_mut().map(|h| {
-                    let chunks = &piece.chunks;
-                    scope.spawn(move || chunks.iter().for_each(|c| h.update(c)))
+                    let bytes = &piece.bytes[..];
+                    scope.spawn(move || h.update(bytes))
                 });
-                let fed = piece.chunks.iter().try_for_each(|c| w.feed(c, tile));
+                let fed = w.feed(&piece.bytes, tile);
                 if let Some(t) = hashing {
                     t.join().map_err(|_| {
                         InstallError::Internal("source hash thread panicked".into())
@@ -821,11 +824,42 @@ pub(super) struct Links {
     /// the install's shutdown aborts it (after a refusal such as a `Retry-After` over
     /// the limit, issue 13, item 7).
     failed: std::sync::atomic::AtomicBool,
+    /// Piece buffers not in use, each of capacity `sub_range`. A buffer is made only
+    /// when none is spare and comes back when its piece is consumed (or its request
+    /// fails), so at most one exists per window place ever granted: the window's
+    /// memory is at most `places × sub_range`, allocated once and reused.
+    spare: std::sync::Mutex<Vec<Vec<u8>>>,
 }
 
 /// The reorder window's share of the install's memory budget (256 MiB of RSS at any
 /// `--jobs`, issue 9): the rest is tiles, HTTP buffers and the runtime.
 pub(super) const WINDOW_BUDGET: u64 = 128 << 20;
+
+/// glibc malloc arenas an install allocates from ([`bound_malloc_arenas`]).
+const MALLOC_ARENAS: i32 = 2;
+
+/// Hold the process to [`MALLOC_ARENAS`] glibc malloc arenas (unless the user set
+/// `MALLOC_ARENA_MAX`); called before the install's runtime starts.
+///
+/// The install's transforms run on whichever thread `block_in_place` hands them, and
+/// each new thread may get an arena of its own (up to 8 per core), which keeps the
+/// tiles and buffers freed on it: the peak RSS then depended on how the threads
+/// happened to be scheduled and grew with the install's length (default arenas,
+/// release build, loopback: 51–71 MiB at 1.2 GB, 64–88 MiB at 3.4 GB; with 2 arenas
+/// 48 and 54–55 MiB, at the same speed).
+#[allow(unsafe_code)]
+pub fn bound_malloc_arenas() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` takes no pointers and only sets an allocator parameter under
+    // glibc's own lock; `M_ARENA_MAX` accepts any positive count (a constant here), and
+    // glibc applies it to arenas created after the call.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, MALLOC_ARENAS);
+    }
+}
 
 /// Window places beyond the connections: one sub-range being consumed per job while
 /// the connections fetch the next ones.
@@ -843,7 +877,22 @@ impl Links {
             received: AtomicU64::new(0),
             peak_busy: AtomicU64::new(0),
             failed: std::sync::atomic::AtomicBool::new(false),
+            spare: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// An empty piece buffer of capacity `sub_range`: a spare one, or a new one.
+    fn take_buffer(&self) -> Vec<u8> {
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        spare.unwrap_or_else(|| Vec::with_capacity(self.sub_range as usize))
+    }
+
+    fn give_back(&self, mut buf: Vec<u8>) {
+        buf.clear();
+        self.spare
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(buf);
     }
 
     /// Allow one more connection (and one more window place).
@@ -871,11 +920,28 @@ impl Links {
     }
 }
 
-/// One fetched sub-range: its chunks as they arrived (never copied together) and the
-/// window place it holds until dropped.
+/// One fetched sub-range, in one buffer of the window's pool, and the window place it
+/// holds until dropped.
+///
+/// The body's chunks are copied into the buffer as they arrive and dropped at once.
+/// Keeping them instead (as before) kept alive the HTTP client's whole read buffer
+/// behind each chunk: every socket read that returned less than the buffer size the
+/// client had reserved for it leaves that allocation pinned by its chunk, and the
+/// next read reserves a fresh one; measured at 16 connections, the window's 72 MiB
+/// of data held ~240 MiB of RSS. One copy of each source byte (memcpy speed, a few
+/// per cent of the hash's cost) buys a window whose memory is exactly its bound.
 struct Piece {
-    chunks: Vec<bytes::Bytes>,
+    bytes: Vec<u8>,
+    links: Arc<Links>,
     _place: OwnedSemaphorePermit,
+}
+
+impl Drop for Piece {
+    fn drop(&mut self) {
+        // Back to the pool before the place is released (the fields drop after this),
+        // so the request that takes the place finds the buffer spare.
+        self.links.give_back(std::mem::take(&mut self.bytes));
+    }
 }
 
 /// The bounded reorder window of one read: its sub-ranges are fetched concurrently,
@@ -938,7 +1004,7 @@ impl<'a> Window<'a> {
             let (index, source, path) = (self.spawned, self.ctx.source.clone(), self.path.clone());
             let links = self.ctx.links.clone();
             self.tasks.spawn(async move {
-                let got = fetch_piece(source.as_ref(), &links, &path, range, place).await;
+                let got = fetch_piece(source.as_ref(), links, &path, range, place).await;
                 (index, got)
             });
             self.spawned += 1;
@@ -976,10 +1042,10 @@ impl<'a> Window<'a> {
     }
 }
 
-/// Fetch one sub-range under a connection permit, keeping its chunks as they came.
+/// Fetch one sub-range under a connection permit into a piece buffer.
 async fn fetch_piece(
     source: &dyn RangeSource,
-    links: &Links,
+    links: Arc<Links>,
     path: &str,
     range: std::ops::Range<u64>,
     place: OwnedSemaphorePermit,
@@ -993,28 +1059,42 @@ async fn fetch_piece(
         // The install is ending with another sub-range's error; park until the
         // shutdown aborts this task rather than add an error or a request of its own.
         drop(conn);
-        std::future::pending::<()>().await;
+        return std::future::pending().await;
     }
     let busy = links.busy.fetch_add(1, Ordering::Relaxed) + 1;
     links.peak_busy.fetch_max(busy, Ordering::Relaxed);
+    let mut buf = links.take_buffer();
+    let want = range.end - range.start;
     let result = async {
-        let mut body = source.stream_range(path, range).await?;
-        let mut chunks = Vec::new();
+        let mut body = source.stream_range(path, range.clone()).await?;
         while let Some(c) = body.next().await {
             let c = c?;
             links.received.fetch_add(c.len() as u64, Ordering::Relaxed);
-            chunks.push(c);
+            if (buf.len() + c.len()) as u64 > want {
+                // The sources refuse a long body themselves; this keeps the buffer
+                // within its capacity whatever a source does.
+                return Err(SourceError::BadRange {
+                    path: path.to_string(),
+                    range: range.clone(),
+                    detail: format!("more than the {want} bytes asked for"),
+                });
+            }
+            buf.extend_from_slice(&c);
         }
-        Ok(chunks)
+        Ok(())
     }
     .await;
     links.busy.fetch_sub(1, Ordering::Relaxed);
-    if result.is_err() {
+    if let Err(e) = result {
         // Before the connection is given back, so whoever takes it next sees it.
         links.failed.store(true, Ordering::Release);
+        links.give_back(buf);
+        return Err(e);
     }
-    result.map(|chunks| Piece {
-        chunks,
+    drop(conn);
+    Ok(Piece {
+        bytes: buf,
+        links,
         _place: place,
     })
 }

@@ -112,8 +112,11 @@ pub struct HubConfig {
     pub lfs_threshold: u64,
     /// Tree entries per page; clients must follow `Link` to get the rest.
     pub tree_page_size: usize,
-    /// TCP port on 127.0.0.1 (0: any free port).
+    /// TCP port on [`HubConfig::bind`] (0: any free port).
     pub port: u16,
+    /// The address both listeners (hub and CDN) bind: 127.0.0.1 unless a benchmark
+    /// serves from another network namespace (scripts/bench_install.sh `AGG_CAP`).
+    pub bind: std::net::IpAddr,
     /// Hash a file whose SHA-256 is not known yet when a tree listing needs it. Off
     /// for header-only replicas (hundreds of GB of holes): their listing then carries
     /// `lfs` only for files whose hash `oids.json` gives, like a server that has not
@@ -165,6 +168,7 @@ impl Default for HubConfig {
             lfs_threshold: DEFAULT_LFS_THRESHOLD,
             tree_page_size: DEFAULT_TREE_PAGE_SIZE,
             port: 0,
+            bind: std::net::Ipv4Addr::LOCALHOST.into(),
             hash_on_listing: true,
             published_hashes: PublishedHashes::Everywhere,
             link: LinkShape::default(),
@@ -326,7 +330,7 @@ impl Shared {
     }
 }
 
-/// Start serving `config` on 127.0.0.1 on a tokio task of the current runtime.
+/// Start serving `config` on its bind address (127.0.0.1 by default) on a tokio task of the current runtime.
 pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
     let mut repos = HashMap::new();
     for r in &config.repos {
@@ -364,9 +368,9 @@ pub async fn start(config: HubConfig) -> Result<Hub, HubError> {
             return Err(HubError::Config(format!("repo {} given twice", r.repo)));
         }
     }
-    let (listener, base) = bind(config.port).await?;
+    let (listener, base) = bind(config.bind, config.port).await?;
     let cdn_listener = if config.redirect_to_cdn {
-        Some(bind(0).await?)
+        Some(bind(config.bind, 0).await?)
     } else {
         None
     };
@@ -458,8 +462,11 @@ async fn rate_limit(
     resp
 }
 
-async fn bind(port: u16) -> Result<(tokio::net::TcpListener, String), HubError> {
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+async fn bind(
+    ip: std::net::IpAddr,
+    port: u16,
+) -> Result<(tokio::net::TcpListener, String), HubError> {
+    let addr = SocketAddr::from((ip, port));
     let io = |source| HubError::Io {
         path: addr.to_string(),
         source,
@@ -1477,9 +1484,14 @@ pub struct HubArgs {
     /// (default: derived from the repo name).
     #[arg(long = "commit", value_name = "HEX")]
     commits: Vec<String>,
-    /// Port on 127.0.0.1 (0: any free port).
+    /// Port on the bind address (0: any free port).
     #[arg(long, default_value_t = 0)]
     port: u16,
+    /// Address to listen on (both the hub and, with `--cdn`, the CDN port). Keep the
+    /// default unless the hub runs in a network namespace of its own, as the install
+    /// benchmark's aggregate-cap mode does.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::IpAddr,
     /// Redirect LFS downloads to a separate `/cdn/...` location, as the hub does.
     #[arg(long)]
     cdn: bool,
@@ -1570,6 +1582,7 @@ fn run_cli(args: HubArgs) -> Result<(), HubError> {
         lfs_threshold: args.lfs_threshold,
         tree_page_size: args.page_size,
         port: args.port,
+        bind: args.bind,
         hash_on_listing: !args.no_hash,
         published_hashes: args.published_hashes,
         link: LinkShape {
