@@ -438,7 +438,7 @@ impl GpuContext {
             super::tensor::Encoding::Affine { bits, .. } => bits as usize,
             _ => 4,
         };
-        super::ops::matvec_tiling(w.cols * bits / 128)
+        super::ops::matvec_tiling(w.cols * bits / 128, w.rows)
     }
 
     /// What the context has done so far (dispatches, submits, waits, times).

@@ -200,7 +200,7 @@ impl Kernel {
         }
         for bits in [2, 4, 8] {
             for group in [64, 128] {
-                for (lanes, rps) in [(32, 1), (16, 2), (8, 4)] {
+                for (lanes, rps) in [(32, 1), (16, 2), (8, 4), (64, 3), (256, 4)] {
                     v.push(Kernel::qmat_fast(bits, group, lanes, rps, false));
                 }
                 v.push(Kernel::qmat_fast(bits, group, 32, 2, true));

@@ -392,6 +392,37 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     assert_close(&format!("{what}{path}"), &got, &want, |i| {
         2e-5 * bound[i] + 1e-30
     });
+    // The fast kernel at tilings the shape-based choice may not take: one lane per
+    // few words to a whole workgroup per row, 1 to 4 rows per set.
+    if let (true, Encoding::Affine { bits, group }) =
+        (n == 1 && ops::qmatvec_fast_path(&w) && f.rows <= 2048, w.encoding)
+    {
+        for (lanes, rps) in [(4, 1), (8, 3), (32, 4), (64, 2), (256, 4)] {
+            let x = ctx.upload_f32(&[1, f.cols], &xs).unwrap();
+            let mut init = vec![0f32; f.rows + GUARDS];
+            init[f.rows..].fill(GUARD);
+            let y = ctx.upload_f32(&[f.rows + GUARDS], &init).unwrap();
+            let p = super::shaders::QmatvecParams {
+                rows: f.rows as u32,
+                cols: f.cols as u32,
+                n: 1,
+                w_off: w.w_off,
+                s_off: w.s_off,
+                b_off: w.b_off,
+                ..Default::default()
+            };
+            ctx.fast_matvec(&w, &p, &x.buf, &y.buf, lanes, rps, bits, group)
+                .unwrap();
+            let mut out = ctx.download_f32(&y).unwrap();
+            let label = format!("{what} fast {lanes}x{rps}");
+            assert!(
+                out[f.rows..].iter().all(|&g| g == GUARD),
+                "{label}: a kernel wrote past its output"
+            );
+            out.truncate(f.rows);
+            assert_close(&label, &out, &want, |i| 2e-5 * bound[i] + 1e-30);
+        }
+    }
     if f.kind == "quant" {
         let fast = matches!(f.bits, 2 | 4 | 8) && f.group.is_multiple_of(128 / f.bits as usize);
         assert_eq!(
