@@ -66,6 +66,15 @@ pub(crate) fn matvec_tiling(row_v: usize, rows: usize) -> (u32, u32) {
 /// of a large GPU (the H200 has 132).
 const MIN_MATVEC_WGS: usize = 512;
 
+/// Positions per workgroup of the split attention for `n` tokens of `heads` heads
+/// whose last token attends to `upto` positions, or `None` for one workgroup per
+/// (token, head): split only when those would be too few to fill a GPU (decode) and
+/// the context spans more than one 64-position block. Chunks are a multiple of 32
+/// positions, at most 32 per (token, head), so the combine stays short.
+pub(crate) fn split_chunk(n: usize, heads: usize, upto: usize) -> Option<usize> {
+    (n * heads < 256 && upto > 64).then(|| upto.div_ceil(32).next_multiple_of(32))
+}
+
 /// The experts a router chose: `[n, k]` ids (best first) and their weights.
 #[derive(Debug, Clone)]
 pub struct RouterOutput {
@@ -456,7 +465,36 @@ impl GpuContext {
             q_off: 0,
             out_off: 0,
             scale,
+            ..Default::default()
         };
+        if self.attn_split
+            && let Some(chunk) = split_chunk(n, heads, pos0 + n)
+        {
+            let chunks = (pos0 + n).div_ceil(chunk);
+            let part = self.attn_partials(n * heads * chunks * (2 + hd))?;
+            let p = AttnParams {
+                chunk: u32_of(OP, chunk)?,
+                chunks: u32_of(OP, chunks)?,
+                ..p
+            };
+            self.dispatch_at(
+                &Kernel::plain(Shader::Attn, "attention_part"),
+                &p.bytes(),
+                &[
+                    (1, &q.buf),
+                    (2, &cache.k.buf),
+                    (3, &cache.v.buf),
+                    (5, &part),
+                ],
+                n * heads * chunks,
+            )?;
+            return self.dispatch_at(
+                &Kernel::plain(Shader::Attn, "attention_combine"),
+                &p.bytes(),
+                &[(4, &out.buf), (5, &part)],
+                n * heads,
+            );
+        }
         self.dispatch(
             &Kernel::plain(Shader::Attn, "attention"),
             &p.bytes(),

@@ -394,9 +394,10 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     });
     // The fast kernel at tilings the shape-based choice may not take: one lane per
     // few words to a whole workgroup per row, 1 to 4 rows per set.
-    if let (true, Encoding::Affine { bits, group }) =
-        (n == 1 && ops::qmatvec_fast_path(&w) && f.rows <= 2048, w.encoding)
-    {
+    if let (true, Encoding::Affine { bits, group }) = (
+        n == 1 && ops::qmatvec_fast_path(&w) && f.rows <= 2048,
+        w.encoding,
+    ) {
         for (lanes, rps) in [(4, 1), (8, 3), (32, 4), (64, 2), (256, 4)] {
             let x = ctx.upload_f32(&[1, f.cols], &xs).unwrap();
             let mut init = vec![0f32; f.rows + GUARDS];
@@ -748,6 +749,26 @@ fn attention_matches_cpu_prefill_then_decode() {
         let out = ctx.zeros(&[cap, heads * hd], DType::F32).unwrap();
         assert!(ctx.attention(&q, &cache, heads, 1, 0.125, &out).is_err());
     }
+    // A long context: decode splits it into chunks of 96 positions (more than one
+    // 64-key block each, the last one partial), combined across 22 workgroups.
+    let (heads, kv_heads, hd, pos) = (2, 1, 64, 2100);
+    assert_eq!(ops::split_chunk(1, heads, pos + 1), Some(96));
+    let cache = KvCache::new(ctx, pos + 1, kv_heads, hd).unwrap();
+    let k = rng.vec((pos + 1) * hd);
+    let v = rng.vec((pos + 1) * hd);
+    let (gk, gv) = (
+        ctx.upload_f32(&[pos + 1, hd], &k).unwrap(),
+        ctx.upload_f32(&[pos + 1, hd], &v).unwrap(),
+    );
+    ctx.kv_append(&cache, &gk, &gv, 0).unwrap();
+    let q: Vec<f32> = rng.vec(heads * hd).iter().map(|v| v * 3.0).collect();
+    let want = attention_ref(&q, &k, &v, 1, pos, heads, kv_heads, hd);
+    let gq = ctx.upload_f32(&[1, heads * hd], &q).unwrap();
+    let out = ctx.zeros(&[1, heads * hd], DType::F32).unwrap();
+    ctx.attention(&gq, &cache, heads, pos, 1.0 / (hd as f32).sqrt(), &out)
+        .unwrap();
+    let got = ctx.download_f32(&out).unwrap();
+    assert_close("attention split over 2101 positions", &got, &want, |_| 1e-5);
 }
 
 // ---------------------------------------------------------------- element-wise
