@@ -21,7 +21,9 @@
 # GTURBO_GPU_STATS, as the difference of a 1-token and a 33-token run, with the
 # kernels fused and submitted in pieces as shipped, and with neither:
 # GTURBO_GPU_FUSE=0 GTURBO_GPU_SUBMIT_EVERY=4096, the previous structure),
-# PEER (0: skip the transformers peer), BACKENDS (default "gpu cpu").
+# PEER (0: skip the transformers peer), BACKENDS (default "gpu cpu"),
+# VARIANTS (extra GPU rows, resident experts, each under its own environment;
+# ';'-separated, e.g. "GTURBO_GPU_ATTN_SPLIT=0; GTURBO_GPU_TILING=32x2").
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 cd "$HERE/.."
@@ -88,6 +90,19 @@ for spec in "smollm2 llama smollm2" "moe qwen3_moe moe"; do
     [ "$backend" = cpu ] && label="gturbo --backend cpu ($(nproc) thr)"
     say "$(printf '%-34s %12.1f %12.1f %14s' "$label" "$(printf '%s\n' "${pre[@]}" | median)" "$(printf '%s\n' "${dec[@]}" | median)" "$mem")"
     say "    $(tail -1 "$WORK/footer")"
+  done
+  IFS=';' read -ra variants <<< "${VARIANTS:-}"
+  for variant in "${variants[@]}"; do
+    read -ra venv <<< "$variant"
+    [ "${#venv[@]}" = 0 ] && continue
+    pre=() dec=()
+    for _ in $(seq "$RUNS"); do
+      env "${venv[@]}" "$G" run "$WORK/$name.gturbo" --backend gpu --resident-experts --json \
+        --prompt-ids "$ids" --max-tokens "$TOKENS" > "$WORK/run.json" 2> "$WORK/footer" || { say "$variant failed: $(tail -3 "$WORK/footer")"; continue 2; }
+      pre+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["prefill_tok_s"])' "$WORK/run.json")")
+      dec+=("$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode_tok_s"])' "$WORK/run.json")")
+    done
+    say "$(printf '%-34s %12.1f %12.1f %14s' "gpu, ${venv[*]}" "$(printf '%s\n' "${pre[@]}" | median)" "$(printf '%s\n' "${dec[@]}" | median)" -)"
   done
   if [ "$name" = moe ]; then
     for slots in $SLOTS; do

@@ -322,10 +322,22 @@ impl<'a, B: Backend> Model<'a, B> {
             ExpertMode::Slots(n) => Some(n),
             ExpertMode::Resident => None,
         };
+        let expert_slots = b.expert_slots(slots, &pools)?;
+        for l in 0..cfg.layers {
+            if let (Some(bytes), Some(pool)) = (install.experts.mapped(l), install.experts.pool(l))
+            {
+                let layer = LayerExperts {
+                    pool,
+                    layer: l,
+                    bytes,
+                };
+                b.load_experts(&expert_slots, layer)?;
+            }
+        }
         Ok(Model {
             final_norm: vector("model.norm.weight", h)?,
             rope: b.rope_table(&inv_freq, cfg.max_positions)?,
-            slots: b.expert_slots(slots, &pools)?,
+            slots: expert_slots,
             cfg,
             install,
             backend,

@@ -288,6 +288,12 @@ pub trait Backend {
         slots: &'e Self::Slots,
         blob: ExpertRef<'e>,
     ) -> OpResult<Self::Expert<'e>>;
+    /// Called once at load for each layer whose pool is mapped (resident experts), so
+    /// a backend that keeps whole pools in its own memory (a GPU) uploads them before
+    /// the first prompt instead of inside it. The default does nothing.
+    fn load_experts(&self, _slots: &Self::Slots, _experts: LayerExperts<'_>) -> OpResult {
+        Ok(())
+    }
     /// Routing and the routed experts of one MoE layer in one call, with the
     /// routing never leaving the device: `out = Σ_j w_j · down_j(silu(gate_j x) ·
     /// up_j x)` over each row's chosen experts, routed as [`Backend::route`] routes.

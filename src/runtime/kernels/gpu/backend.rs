@@ -227,6 +227,27 @@ impl Gpu {
         ])
     }
 
+    /// The layer's whole pool on the device, uploaded on first use (at load, through
+    /// [`Backend::load_experts`]) and kept; `None` for a pool the fused kernels cannot
+    /// take (float experts), remembered as such.
+    fn whole_pool(
+        &self,
+        slots: &GpuSlots,
+        experts: &LayerExperts<'_>,
+    ) -> Result<Option<Arc<ExpertSlots>>> {
+        let mut pools = lock(&slots.pools);
+        if let Some(p) = pools.get(&experts.layer) {
+            return Ok(p.clone());
+        }
+        let p = match ExpertSlots::whole_pool(&self.ctx, experts.pool, experts.bytes) {
+            Ok(p) => Some(Arc::new(p)),
+            Err(GpuError::Shape { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        pools.insert(experts.layer, p.clone());
+        Ok(p)
+    }
+
     fn expert_in_slot(
         &self,
         slots: &GpuSlots,
@@ -497,6 +518,15 @@ impl Backend for Gpu {
         })
     }
 
+    fn load_experts(&self, slots: &GpuSlots, experts: LayerExperts<'_>) -> OpResult {
+        if !self.ctx.fuse_moe {
+            return Ok(());
+        }
+        self.whole_pool(slots, &experts)
+            .map(drop)
+            .map_err(|e| self.err("load experts", e))
+    }
+
     fn moe_resident(
         &self,
         slots: &GpuSlots,
@@ -511,24 +541,7 @@ impl Backend for Gpu {
             if !self.ctx.fuse_moe {
                 return Ok(false);
             }
-            let pool = {
-                let mut pools = lock(&slots.pools);
-                match pools.get(&experts.layer) {
-                    Some(p) => p.clone(),
-                    None => {
-                        // A pool the fused kernels cannot take (float experts) is
-                        // remembered as such.
-                        let p =
-                            match ExpertSlots::whole_pool(&self.ctx, experts.pool, experts.bytes) {
-                                Ok(p) => Some(Arc::new(p)),
-                                Err(GpuError::Shape { .. }) => None,
-                                Err(e) => return Err(e),
-                            };
-                        pools.insert(experts.layer, p.clone());
-                        p
-                    }
-                }
-            };
+            let pool = self.whole_pool(slots, &experts)?;
             // Decode only: a prompt's tokens share experts, which the host path runs
             // once per expert over all its tokens (from this pool: see `expert`).
             let Some(pool) = pool.filter(|_| x.len() == router.cols()) else {

@@ -256,6 +256,11 @@ pub struct GpuContext {
     /// Whether a resident MoE layer routes and runs its experts on the device with
     /// no read-back (`GTURBO_GPU_FUSE=0` turns it off too).
     pub(crate) fuse_moe: bool,
+    /// Whether decode attention over a long context splits its positions across
+    /// workgroups (`GTURBO_GPU_ATTN_SPLIT=0` turns it off, for before/after figures).
+    pub(crate) attn_split: bool,
+    /// The split attention's partial results, grown by doubling and reused.
+    attn_part: Mutex<Option<Arc<wgpu::Buffer>>>,
 }
 
 impl fmt::Debug for GpuContext {
@@ -373,6 +378,8 @@ impl GpuContext {
             tiling: Mutex::new(env_tiling()),
             fuse_glu: env_usize("GTURBO_GPU_FUSE") != Some(0),
             fuse_moe: env_usize("GTURBO_GPU_FUSE") != Some(0),
+            attn_split: env_usize("GTURBO_GPU_ATTN_SPLIT") != Some(0),
+            attn_part: Mutex::new(None),
             device,
             queue,
             summary,
@@ -429,6 +436,19 @@ impl GpuContext {
         Ok(())
     }
 
+    /// A buffer of at least `floats` f32s for the split attention's partials (one
+    /// buffer, reused: wgpu orders each dispatch's writes before the next one's reads).
+    pub(crate) fn attn_partials(&self, floats: usize) -> Result<Arc<wgpu::Buffer>> {
+        let bytes = (floats as u64 * 4).next_power_of_two().max(1 << 16);
+        let mut held = lock(&self.attn_part);
+        if let Some(b) = held.as_ref().filter(|b| b.size() >= bytes) {
+            return Ok(b.clone());
+        }
+        let b = self.buffer("attention partials", bytes)?;
+        *held = Some(b.clone());
+        Ok(b)
+    }
+
     /// The tiling `qmatvec_fast` takes for `w`.
     pub(crate) fn tiling(&self, w: &super::tensor::GpuMatrix) -> (u32, u32) {
         if let Some(t) = *lock(&self.tiling) {
@@ -438,7 +458,7 @@ impl GpuContext {
             super::tensor::Encoding::Affine { bits, .. } => bits as usize,
             _ => 4,
         };
-        super::ops::matvec_tiling(w.cols * bits / 128)
+        super::ops::matvec_tiling(w.cols * bits / 128, w.rows)
     }
 
     /// What the context has done so far (dispatches, submits, waits, times).

@@ -45,14 +45,34 @@ pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
     }
 }
 
-/// Invocations per row and rows per set of `qmatvec_fast` for a row of `row_v`
-/// 16-byte words: enough lanes that each takes a few words (short rows, such as
-/// SmolLM2's 576 columns or an expert's 256, would leave most of 32 lanes idle),
-/// at most 32.
-pub(crate) fn matvec_tiling(row_v: usize) -> (u32, u32) {
-    let want = (row_v / 2).clamp(4, 32);
+/// Invocations per row and rows per set of `qmatvec_fast` for `rows` rows of `row_v`
+/// 16-byte words each. Lanes: about a quarter of a row's words (each lane takes ~4
+/// steps, so short rows such as SmolLM2's 576 columns or an expert's 256 do not
+/// leave lanes idle), 4 to 64. Rows per set: as many as keep at least
+/// [`MIN_MATVEC_WGS`] workgroups, up to 4 (more rows per lane put more loads in
+/// flight and share each x load; more workgroups fill more of a large GPU).
+pub(crate) fn matvec_tiling(row_v: usize, rows: usize) -> (u32, u32) {
+    let want = (row_v / 4).clamp(4, 64);
     let lanes = 1u32 << (usize::BITS - 1 - want.leading_zeros());
-    (lanes, 2)
+    let wgs = |rps: u32| rows.div_ceil((256 / lanes * rps) as usize);
+    let rps = [4, 2]
+        .into_iter()
+        .find(|&r| wgs(r) >= MIN_MATVEC_WGS)
+        .unwrap_or(1);
+    (lanes, rps)
+}
+
+/// Workgroups a matrix-vector product should have at least: a few per compute unit
+/// of a large GPU (the H200 has 132).
+const MIN_MATVEC_WGS: usize = 512;
+
+/// Positions per workgroup of the split attention for `n` tokens of `heads` heads
+/// whose last token attends to `upto` positions, or `None` for one workgroup per
+/// (token, head): split only when those would be too few to fill a GPU (decode) and
+/// the context spans more than one 64-position block. Chunks are a multiple of 32
+/// positions, at most 32 per (token, head), so the combine stays short.
+pub(crate) fn split_chunk(n: usize, heads: usize, upto: usize) -> Option<usize> {
+    (n * heads < 256 && upto > 64).then(|| upto.div_ceil(32).next_multiple_of(32))
 }
 
 /// The experts a router chose: `[n, k]` ids (best first) and their weights.
@@ -155,24 +175,7 @@ impl GpuContext {
                 };
                 if !tiled && qmatvec_fast_path(w) {
                     let (lanes, rps) = self.tiling(w);
-                    // Codes and scales are the same buffer at two bindings (u32 and
-                    // vec4 views); the up-projection bindings of the fused SwiGLU
-                    // (unused here) take it too.
-                    let per_wg = (256 / lanes * rps) as usize;
-                    self.dispatch_at(
-                        &Kernel::qmat_fast(bits, group, lanes, rps, false),
-                        &p.bytes(),
-                        &[
-                            (1, &w.buf),
-                            (3, y),
-                            (4, &w.buf),
-                            (5, x),
-                            (6, &w.buf),
-                            (7, &w.buf),
-                            (8, &w.buf),
-                        ],
-                        w.rows.div_ceil(per_wg) * n,
-                    )
+                    self.fast_matvec(w, &p, x, y, lanes, rps, bits, group)
                 } else {
                     self.dispatch(
                         &Kernel::qmat(bits, group, tiled),
@@ -199,6 +202,39 @@ impl GpuContext {
                 )
             }
         }
+    }
+
+    /// `qmatvec_fast` at a given tiling (`lanes` a power of two, 4 to 256; `rps` 1 to
+    /// 4 rows per set), for `p.n` tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fast_matvec(
+        &self,
+        w: &GpuMatrix,
+        p: &QmatvecParams,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        lanes: u32,
+        rps: u32,
+        bits: u32,
+        group: u32,
+    ) -> Result<()> {
+        // Codes and scales are the same buffer at two bindings (u32 and vec4 views);
+        // the up-projection bindings of the fused SwiGLU (unused here) take it too.
+        let per_wg = (256 / lanes * rps) as usize;
+        self.dispatch_at(
+            &Kernel::qmat_fast(bits, group, lanes, rps, false),
+            &p.bytes(),
+            &[
+                (1, &w.buf),
+                (3, y),
+                (4, &w.buf),
+                (5, x),
+                (6, &w.buf),
+                (7, &w.buf),
+                (8, &w.buf),
+            ],
+            w.rows.div_ceil(per_wg) * p.n as usize,
+        )
     }
 
     /// `y = silu(gate·x) · (up·x)` for one token in one dispatch, when both matrices
@@ -429,7 +465,36 @@ impl GpuContext {
             q_off: 0,
             out_off: 0,
             scale,
+            ..Default::default()
         };
+        if self.attn_split
+            && let Some(chunk) = split_chunk(n, heads, pos0 + n)
+        {
+            let chunks = (pos0 + n).div_ceil(chunk);
+            let part = self.attn_partials(n * heads * chunks * (2 + hd))?;
+            let p = AttnParams {
+                chunk: u32_of(OP, chunk)?,
+                chunks: u32_of(OP, chunks)?,
+                ..p
+            };
+            self.dispatch_at(
+                &Kernel::plain(Shader::Attn, "attention_part"),
+                &p.bytes(),
+                &[
+                    (1, &q.buf),
+                    (2, &cache.k.buf),
+                    (3, &cache.v.buf),
+                    (5, &part),
+                ],
+                n * heads * chunks,
+            )?;
+            return self.dispatch_at(
+                &Kernel::plain(Shader::Attn, "attention_combine"),
+                &p.bytes(),
+                &[(4, &out.buf), (5, &part)],
+                n * heads,
+            );
+        }
         self.dispatch(
             &Kernel::plain(Shader::Attn, "attention"),
             &p.bytes(),

@@ -200,7 +200,7 @@ impl Kernel {
         }
         for bits in [2, 4, 8] {
             for group in [64, 128] {
-                for (lanes, rps) in [(32, 1), (16, 2), (8, 4)] {
+                for (lanes, rps) in [(32, 1), (16, 2), (8, 4), (64, 3), (256, 4)] {
                     v.push(Kernel::qmat_fast(bits, group, lanes, rps, false));
                 }
                 v.push(Kernel::qmat_fast(bits, group, 32, 2, true));
@@ -217,6 +217,8 @@ impl Kernel {
         v.push(Kernel::plain(Shader::Norm, "rms_norm"));
         v.push(Kernel::plain(Shader::Rope, "rope"));
         v.push(Kernel::plain(Shader::Attn, "attention"));
+        v.push(Kernel::plain(Shader::Attn, "attention_part"));
+        v.push(Kernel::plain(Shader::Attn, "attention_combine"));
         v.push(Kernel::plain(Shader::Softmax, "softmax"));
         v.push(Kernel::plain(Shader::Softmax, "router_topk"));
         for e in ["swiglu", "add", "gather_rows", "scatter_add"] {
@@ -291,7 +293,7 @@ params! {
 }
 params! {
     /// `attn.wgsl`.
-    AttnParams { n: u32, heads: u32, kv_heads: u32, head_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32 }
+    AttnParams { n: u32, heads: u32, kv_heads: u32, head_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32, chunk: u32, chunks: u32 }
 }
 params! {
     /// `softmax.wgsl`.

@@ -392,6 +392,38 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     assert_close(&format!("{what}{path}"), &got, &want, |i| {
         2e-5 * bound[i] + 1e-30
     });
+    // The fast kernel at tilings the shape-based choice may not take: one lane per
+    // few words to a whole workgroup per row, 1 to 4 rows per set.
+    if let (true, Encoding::Affine { bits, group }) = (
+        n == 1 && ops::qmatvec_fast_path(&w) && f.rows <= 2048,
+        w.encoding,
+    ) {
+        for (lanes, rps) in [(4, 1), (8, 3), (32, 4), (64, 2), (256, 4)] {
+            let x = ctx.upload_f32(&[1, f.cols], &xs).unwrap();
+            let mut init = vec![0f32; f.rows + GUARDS];
+            init[f.rows..].fill(GUARD);
+            let y = ctx.upload_f32(&[f.rows + GUARDS], &init).unwrap();
+            let p = super::shaders::QmatvecParams {
+                rows: f.rows as u32,
+                cols: f.cols as u32,
+                n: 1,
+                w_off: w.w_off,
+                s_off: w.s_off,
+                b_off: w.b_off,
+                ..Default::default()
+            };
+            ctx.fast_matvec(&w, &p, &x.buf, &y.buf, lanes, rps, bits, group)
+                .unwrap();
+            let mut out = ctx.download_f32(&y).unwrap();
+            let label = format!("{what} fast {lanes}x{rps}");
+            assert!(
+                out[f.rows..].iter().all(|&g| g == GUARD),
+                "{label}: a kernel wrote past its output"
+            );
+            out.truncate(f.rows);
+            assert_close(&label, &out, &want, |i| 2e-5 * bound[i] + 1e-30);
+        }
+    }
     if f.kind == "quant" {
         let fast = matches!(f.bits, 2 | 4 | 8) && f.group.is_multiple_of(128 / f.bits as usize);
         assert_eq!(
@@ -717,6 +749,26 @@ fn attention_matches_cpu_prefill_then_decode() {
         let out = ctx.zeros(&[cap, heads * hd], DType::F32).unwrap();
         assert!(ctx.attention(&q, &cache, heads, 1, 0.125, &out).is_err());
     }
+    // A long context: decode splits it into chunks of 96 positions (more than one
+    // 64-key block each, the last one partial), combined across 22 workgroups.
+    let (heads, kv_heads, hd, pos) = (2, 1, 64, 2100);
+    assert_eq!(ops::split_chunk(1, heads, pos + 1), Some(96));
+    let cache = KvCache::new(ctx, pos + 1, kv_heads, hd).unwrap();
+    let k = rng.vec((pos + 1) * hd);
+    let v = rng.vec((pos + 1) * hd);
+    let (gk, gv) = (
+        ctx.upload_f32(&[pos + 1, hd], &k).unwrap(),
+        ctx.upload_f32(&[pos + 1, hd], &v).unwrap(),
+    );
+    ctx.kv_append(&cache, &gk, &gv, 0).unwrap();
+    let q: Vec<f32> = rng.vec(heads * hd).iter().map(|v| v * 3.0).collect();
+    let want = attention_ref(&q, &k, &v, 1, pos, heads, kv_heads, hd);
+    let gq = ctx.upload_f32(&[1, heads * hd], &q).unwrap();
+    let out = ctx.zeros(&[1, heads * hd], DType::F32).unwrap();
+    ctx.attention(&gq, &cache, heads, pos, 1.0 / (hd as f32).sqrt(), &out)
+        .unwrap();
+    let got = ctx.download_f32(&out).unwrap();
+    assert_close("attention split over 2101 positions", &got, &want, |_| 1e-5);
 }
 
 // ---------------------------------------------------------------- element-wise

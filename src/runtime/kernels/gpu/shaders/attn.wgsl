@@ -3,6 +3,12 @@
 // KV head h / (heads / kv_heads). One workgroup per (token, head) walks the keys in
 // blocks of WG with an online softmax (running max and sum, f32), so any context
 // length fits in workgroup memory. Scores are q·k · scale.
+//
+// Split (`attention_part` then `attention_combine`, for long contexts): workgroup
+// (token, head, c) walks positions c·chunk .. (c+1)·chunk only and writes its running
+// max m_c, sum l_c and unnormalised output a_c to `part`; the combine takes
+// M = max m_c and writes Σ_c e^(m_c − M) a_c / Σ_c e^(m_c − M) l_c. Same arithmetic
+// per chunk, so only the order of the sums differs from the one-workgroup walk.
 
 struct Params {
     n: u32,
@@ -13,6 +19,9 @@ struct Params {
     q_off: u32,
     out_off: u32,
     scale: f32,
+    // Split: positions per `attention_part` workgroup, and chunks per (token, head).
+    chunk: u32,
+    chunks: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -57,28 +66,32 @@ fn reduce_sum(li: u32, v: f32) -> f32 {
     return r;
 }
 
-@compute @workgroup_size(64)
-fn attention(@builtin(workgroup_id) wid: vec3<u32>,
-             @builtin(num_workgroups) nwg: vec3<u32>,
-             @builtin(local_invocation_index) li: u32) {
-    let lin = wid.x + wid.y * nwg.x;
-    if (lin >= p.n * p.heads) { return; }
-    let tok = lin / p.heads;
-    let h = lin % p.heads;
+// One workgroup's online softmax over positions lo .. hi of token `tok`'s head `h`
+// (`qs` must hold the query): running max, sum and the unnormalised output for
+// dimensions li + t·WG.
+struct Attended {
+    m: f32,
+    l: f32,
+    acc: vec4<f32>,
+}
+
+fn load_query(li: u32, tok: u32, h: u32) {
+    let qbase = p.q_off + (tok * p.heads + h) * p.head_dim;
+    for (var d = li; d < p.head_dim; d += WG) { qs[d] = q[qbase + d]; }
+    workgroupBarrier();
+}
+
+fn attend(li: u32, h: u32, lo: u32, hi: u32) -> Attended {
     let kvh = h / (p.heads / p.kv_heads);
     let hd = p.head_dim;
     let kvw = p.kv_heads * hd;
-    let qbase = p.q_off + (tok * p.heads + h) * hd;
-    for (var d = li; d < hd; d += WG) { qs[d] = q[qbase + d]; }
-    workgroupBarrier();
-    let upto = p.pos0 + tok + 1u;
     var m = NEG_BIG;
     var l = 0.0;
-    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
-    for (var j0 = 0u; j0 < upto; j0 += WG) {
+    var acc = vec4<f32>(0.0);
+    for (var j0 = lo; j0 < hi; j0 += WG) {
         let j = j0 + li;
         var sc = NEG_BIG;
-        if (j < upto) {
+        if (j < hi) {
             let kb = j * kvw + kvh * hd;
             var dotv = 0.0;
             for (var d = 0u; d < hd; d++) { dotv += qs[d] * kc[kb + d]; }
@@ -86,10 +99,10 @@ fn attention(@builtin(workgroup_id) wid: vec3<u32>,
         }
         let m_new = max(m, reduce_max(li, sc));
         let corr = exp(m - m_new);
-        let pj = select(0.0, exp(sc - m_new), j < upto);
+        let pj = select(0.0, exp(sc - m_new), j < hi);
         pr[li] = pj;
         l = l * corr + reduce_sum(li, pj);
-        let cnt = min(WG, upto - j0);
+        let cnt = min(WG, hi - j0);
         for (var t = 0u; t < PER_LANE; t++) {
             let d = li + t * WG;
             if (d < hd) {
@@ -103,10 +116,82 @@ fn attention(@builtin(workgroup_id) wid: vec3<u32>,
         m = m_new;
         workgroupBarrier();
     }
-    let obase = p.out_off + (tok * p.heads + h) * hd;
+    return Attended(m, l, acc);
+}
+
+@compute @workgroup_size(64)
+fn attention(@builtin(workgroup_id) wid: vec3<u32>,
+             @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) li: u32) {
+    let lin = wid.x + wid.y * nwg.x;
+    if (lin >= p.n * p.heads) { return; }
+    let tok = lin / p.heads;
+    let h = lin % p.heads;
+    load_query(li, tok, h);
+    let r = attend(li, h, 0u, p.pos0 + tok + 1u);
+    let obase = p.out_off + (tok * p.heads + h) * p.head_dim;
+    let inv = 1.0 / r.l;
+    for (var t = 0u; t < PER_LANE; t++) {
+        let d = li + t * WG;
+        if (d < p.head_dim) { out[obase + d] = r.acc[t] * inv; }
+    }
+}
+
+// `[n · heads · chunks, 2 + head_dim]`: m, l, then the unnormalised output.
+@group(0) @binding(5) var<storage, read_write> part: array<f32>;
+
+@compute @workgroup_size(64)
+fn attention_part(@builtin(workgroup_id) wid: vec3<u32>,
+                  @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) li: u32) {
+    let lin = wid.x + wid.y * nwg.x;
+    if (lin >= p.n * p.heads * p.chunks) { return; }
+    let th = lin / p.chunks;
+    let c = lin % p.chunks;
+    let tok = th / p.heads;
+    let h = th % p.heads;
+    let upto = p.pos0 + tok + 1u;
+    let lo = min(c * p.chunk, upto);
+    let hi = min(lo + p.chunk, upto);
+    load_query(li, tok, h);
+    // A chunk past the token's last position gives m = NEG_BIG, l = 0, a = 0.
+    let r = attend(li, h, lo, hi);
+    let base = lin * (2u + p.head_dim);
+    if (li == 0u) {
+        part[base] = r.m;
+        part[base + 1u] = r.l;
+    }
+    for (var t = 0u; t < PER_LANE; t++) {
+        let d = li + t * WG;
+        if (d < p.head_dim) { part[base + 2u + d] = r.acc[t]; }
+    }
+}
+
+@compute @workgroup_size(64)
+fn attention_combine(@builtin(workgroup_id) wid: vec3<u32>,
+                     @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) li: u32) {
+    let th = wid.x + wid.y * nwg.x;
+    if (th >= p.n * p.heads) { return; }
+    let stride = 2u + p.head_dim;
+    let base = th * p.chunks * stride;
+    var mx = NEG_BIG;
+    for (var c = 0u; c < p.chunks; c++) { mx = max(mx, part[base + c * stride]); }
+    var l = 0.0;
+    var acc = vec4<f32>(0.0);
+    for (var c = 0u; c < p.chunks; c++) {
+        let b = base + c * stride;
+        let e = exp(part[b] - mx);
+        l += e * part[b + 1u];
+        for (var t = 0u; t < PER_LANE; t++) {
+            let d = li + t * WG;
+            if (d < p.head_dim) { acc[t] += e * part[b + 2u + d]; }
+        }
+    }
+    let obase = p.out_off + th * p.head_dim;
     let inv = 1.0 / l;
     for (var t = 0u; t < PER_LANE; t++) {
         let d = li + t * WG;
-        if (d < hd) { out[obase + d] = acc[t] * inv; }
+        if (d < p.head_dim) { out[obase + d] = acc[t] * inv; }
     }
 }

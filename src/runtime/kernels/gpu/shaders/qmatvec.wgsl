@@ -117,12 +117,17 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>,
     }
 }
 
-// Widths dividing 16 (2, 4, 8) whose 16-byte code words lie inside one group: the
-// codes and x are read 16 bytes at a time, RPS rows share each x load, and a code is
-// taken out of its half-word without a shift: code k of a half-word h is
-// `h & (mask << BITS·k)`, which is q·2^(BITS·k), multiplied by x·2^-(BITS·k) (exact
-// powers of two, so the product is q·x unless x·2^-(BITS·k) underflows, below
-// 2^-112 · |x|'s smallest normal). The host's `qmatvec_fast_path` picks it.
+// Widths dividing 16 (2, 4, 8) whose 16-byte code words lie inside one group: each
+// lane reads one 16-byte code word of each of its set's RPS rows per step (a set's
+// LANES lanes read LANES consecutive words of a row, so loads coalesce), all RPS
+// loads issued before any is used, and the x values of that word once for the RPS
+// rows. A code is taken out of its half-word without a shift: code k of a half-word
+// h is `h & (mask << BITS·k)`, which is q·2^(BITS·k) (below 2^16, so exact through
+// `code_f32`), multiplied by x·2^-(BITS·k) (an exact power-of-two scaling, so the
+// product is q·x unless x·2^-(BITS·k) underflows, below 2^-112 · |x|'s smallest
+// normal). Everything a lane holds is a scalar or a vector indexed by constants once
+// the override loops unroll (no per-lane arrays that could live in local memory).
+// Partial sums meet in workgroup memory. The host's `qmatvec_fast_path` picks it.
 @group(0) @binding(4) var<storage, read> mat4: array<vec4<u32>>;
 @group(0) @binding(5) var<storage, read> x4: array<vec4<f32>>;
 // The up projection's buffer (`GLU = 1`; codes as vec4 words, scales as half-words).
@@ -138,16 +143,53 @@ fn up_bf16_at(i: u32) -> f32 {
 @group(0) @binding(8) var<storage, read> ids: array<u32>;
 @group(0) @binding(9) var<storage, read> wts: array<f32>;
 
-const MAX_RPS: u32 = 4u;
-// Codes per 16-byte word at the widest fast case (2 bits).
-const MAX_CPV: u32 = 64u;
+// Codes per half-word and 16-byte x vectors per code word (u32).
+fn half_codes() -> u32 { return 16u / BITS; }
+fn xv_per_word() -> u32 { return 8u / BITS; }
+
+// Σ over codes 4v .. 4v+3 of the u32 code word `w` of q·x, where `xs` holds those
+// codes' x already scaled by 2^-(BITS·k) for the code's place k in its half-word.
+fn qdot(w: u32, v: u32, xs: vec4<f32>) -> f32 {
+    let c = vec4<u32>(4u * v) + vec4<u32>(0u, 1u, 2u, 3u);
+    let hc = vec4<u32>(half_codes());
+    let src = select(vec4<u32>(w), vec4<u32>(w >> 16u), c >= hc);
+    let m = vec4<u32>(mask()) << ((c % hc) * BITS);
+    let f = bitcast<vec4<f32>>((src & m) | vec4<u32>(MAGIC)) - vec4<f32>(TWO23);
+    return dot(f, xs);
+}
+
+// 2^-(BITS·k) for codes 4v .. 4v+3 of a word (k: place in the half-word).
+fn xscale(v: u32) -> vec4<f32> {
+    let c = vec4<u32>(4u * v) + vec4<u32>(0u, 1u, 2u, 3u);
+    let k = c % vec4<u32>(half_codes());
+    return bitcast<vec4<f32>>((vec4<u32>(127u) - k * BITS) << vec4<u32>(23u));
+}
+
+// Set row `r`'s code word `vi` (the GLU's row 1 is the up projection's row0).
+fn fast_word(r: u32, row0: u32, eo: u32, row_v: u32, vi: u32) -> vec4<u32> {
+    if (GLU == 1u && r == 1u) {
+        return up4[(p.w2_off + eo) / 4u + row0 * row_v + vi];
+    }
+    let row = min(row0 + r, p.rows - 1u);
+    return mat4[(p.w_off + eo) / 4u + row * row_v + vi];
+}
+
+// Set row `r`'s scale and bias for group `g`.
+fn fast_sb(r: u32, row0: u32, eo: u32, groups: u32, g: u32) -> vec2<f32> {
+    if (GLU == 1u && r == 1u) {
+        let i = 2u * eo + row0 * groups + g;
+        return vec2<f32>(up_bf16_at(p.s2_off + i), up_bf16_at(p.b2_off + i));
+    }
+    let i = 2u * eo + min(row0 + r, p.rows - 1u) * groups + g;
+    return vec2<f32>(bf16_at(p.s_off + i), bf16_at(p.b_off + i));
+}
 
 @compute @workgroup_size(256)
 fn qmatvec_fast(@builtin(workgroup_id) wid: vec3<u32>,
                 @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) li: u32) {
     let sets = 256u / LANES;
-    let rps = select(RPS, 2u, GLU == 1u);
+    let rps = select(min(RPS, 4u), 2u, GLU == 1u);
     let out_rows = select(rps, 1u, GLU == 1u);
     let per_wg = sets * out_rows;
     let blocks = (p.rows + per_wg - 1u) / per_wg;
@@ -157,9 +199,7 @@ fn qmatvec_fast(@builtin(workgroup_id) wid: vec3<u32>,
     let rset = li / LANES;
     let lane = li % LANES;
     let row0 = (lin % blocks) * per_wg + rset * out_rows;
-    // Codes per 16-byte word, codes per half-word.
     let cpv = 128u / BITS;
-    let half = 16u / BITS;
     let row_v = p.cols / cpv;
     let groups = p.cols / GROUP;
     // Routed experts: which expert's matrix (a word offset) and which x row.
@@ -170,49 +210,44 @@ fn qmatvec_fast(@builtin(workgroup_id) wid: vec3<u32>,
         if (MOE == 1u) { xrow = tok / p.moe_k; }
     }
     let xbase = (p.x_off + xrow * p.cols) / 4u;
-    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
-    var xs = array<f32, 64>();
+    let xpw = xv_per_word();
+    var acc = vec4<f32>(0.0);
     for (var vi = lane; vi < row_v; vi += LANES) {
-        // x for this word's codes, scaled by 2^-(BITS·k) for code k of its half-word.
+        // Every row's code word first, so the loads are in flight together.
+        let w0 = fast_word(0u, row0, eo, row_v, vi);
+        var w1 = vec4<u32>(0u);
+        var w2 = vec4<u32>(0u);
+        var w3 = vec4<u32>(0u);
+        if (rps > 1u) { w1 = fast_word(1u, row0, eo, row_v, vi); }
+        if (rps > 2u) { w2 = fast_word(2u, row0, eo, row_v, vi); }
+        if (rps > 3u) { w3 = fast_word(3u, row0, eo, row_v, vi); }
+        let g = vi * cpv / GROUP;
         var sx = 0.0;
-        for (var j = 0u; j < cpv / 4u; j++) {
-            let xv = x4[xbase + vi * (cpv / 4u) + j];
-            sx += (xv.x + xv.y) + (xv.z + xv.w);
-            for (var e = 0u; e < 4u; e++) {
-                let c = j * 4u + e;
-                let k = c % half;
-                xs[c] = xv[e] * bitcast<f32>((127u - BITS * k) << 23u);
+        var dq = vec4<f32>(0.0);
+        for (var j = 0u; j < 4u; j++) {
+            for (var v = 0u; v < xpw; v++) {
+                let xv = x4[xbase + (vi * 4u + j) * xpw + v];
+                sx += (xv.x + xv.y) + (xv.z + xv.w);
+                let xs = xv * xscale(v);
+                dq.x += qdot(w0[j], v, xs);
+                if (rps > 1u) { dq.y += qdot(w1[j], v, xs); }
+                if (rps > 2u) { dq.z += qdot(w2[j], v, xs); }
+                if (rps > 3u) { dq.w += qdot(w3[j], v, xs); }
             }
         }
-        let g = vi * cpv / GROUP;
-        for (var r = 0u; r < rps; r++) {
-            // The GLU's second row is the up projection's row0; others are row0 + r.
-            let row = min(select(row0 + r, row0, GLU == 1u && r == 1u), p.rows - 1u);
-            var words: vec4<u32>;
-            var s: f32;
-            var b: f32;
-            if (GLU == 1u && r == 1u) {
-                words = up4[(p.w2_off + eo) / 4u + row * row_v + vi];
-                s = up_bf16_at(p.s2_off + 2u * eo + row * groups + g);
-                b = up_bf16_at(p.b2_off + 2u * eo + row * groups + g);
-            } else {
-                words = mat4[(p.w_off + eo) / 4u + row * row_v + vi];
-                s = bf16_at(p.s_off + 2u * eo + row * groups + g);
-                b = bf16_at(p.b_off + 2u * eo + row * groups + g);
-            }
-            var dq = 0.0;
-            for (var j = 0u; j < 4u; j++) {
-                let w = words[j];
-                for (var h = 0u; h < 2u; h++) {
-                    let hw = select(w, w >> 16u, h == 1u);
-                    for (var k = 0u; k < half; k++) {
-                        let c = (j * 2u + h) * half + k;
-                        let v = hw & (mask() << (BITS * k));
-                        dq += code_f32(v) * xs[c];
-                    }
-                }
-            }
-            acc[r] += s * dq + b * sx;
+        let sb0 = fast_sb(0u, row0, eo, groups, g);
+        acc.x += sb0.x * dq.x + sb0.y * sx;
+        if (rps > 1u) {
+            let sb = fast_sb(1u, row0, eo, groups, g);
+            acc.y += sb.x * dq.y + sb.y * sx;
+        }
+        if (rps > 2u) {
+            let sb = fast_sb(2u, row0, eo, groups, g);
+            acc.z += sb.x * dq.z + sb.y * sx;
+        }
+        if (rps > 3u) {
+            let sb = fast_sb(3u, row0, eo, groups, g);
+            acc.w += sb.x * dq.w + sb.y * sx;
         }
     }
     for (var r = 0u; r < rps; r++) {
