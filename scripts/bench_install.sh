@@ -48,8 +48,8 @@ if [ "${SKIP_PEERS:-0}" != 1 ]; then
     source scripts/venv.sh test
 fi
 
-hub_pid=""
-stop_hub() { if [ -n "$hub_pid" ]; then kill "$hub_pid" 2>/dev/null || true; wait "$hub_pid" 2>/dev/null || true; hub_pid=""; fi; }
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
 # AGG_CAP: the hub's namespace and the veth pair (names at most 15 characters).
 netns="" hub_ns=() hub_bind=()
 ns_name="gtb-hub-$$" veth_c="gtbc$$" veth_h="gtbh$$" ns_client=10.203.0.1 ns_hub=10.203.0.2
@@ -84,38 +84,19 @@ start_hub() {
     rm -f "$fifo"
     "${hub_ns[@]}" "$dev" hub --repo "$repo=$snap" --cdn "${hub_bind[@]}" "$@" >"$fifo" 2>"$work/hub.log" &
     hub_pid=$!
-    for _ in $(seq 1 600); do
-        url=$(head -n1 "$fifo" 2>/dev/null || true)
-        [ -n "$url" ] && break
-        sleep 0.1
-    done
-    [ -n "$url" ] || { echo "hub did not start: $(cat "$work/hub.log")" >&2; exit 2; }
-    # The hub hashes each file the first time a listing needs its SHA-256 (tens of
-    # seconds for 3 GB): do it now, so no timed client pays for it.
-    curl -sf "$url/api/models/$repo/tree/main?recursive=true" >/dev/null ||
-        { echo "hub listing failed: $(cat "$work/hub.log")" >&2; exit 2; }
+    hub_ready "$fifo"
 }
 
 # timed LABEL CMD...: runs CMD under /usr/bin/time -v; appends "wall_s rss_kib conns
 # peak_mb_s" to $work/LABEL.times (the last two from gturbo's summary line, "-" for a
 # peer). Output of CMD goes to $work/LABEL.log, its stderr to $work/LABEL.time.
 timed() {
-    local label="$1"; shift
-    /usr/bin/time -v "$@" >"$work/$label.log" 2>"$work/$label.time" || {
-        echo "$label failed:" >&2; tail -n 30 "$work/$label.time" >&2; exit 2; }
-    local wall rss
-    wall=$(sed -n 's/.*Elapsed (wall clock) time.*: //p' "$work/$label.time" |
-        awk -F: '{ if (NF==3) print $1*3600+$2*60+$3; else print $1*60+$2 }')
-    rss=$(sed -n 's/.*Maximum resident set size (kbytes): //p' "$work/$label.time")
+    local label="$1"
+    time_run "$@"
     local conns peak
     conns=$(sed -n 's/.* \([0-9]*\) connections, peak \([0-9.]*\) MB\/s.*/\1/p' "$work/$label.time" | tail -n1)
     peak=$(sed -n 's/.* \([0-9]*\) connections, peak \([0-9.]*\) MB\/s.*/\2/p' "$work/$label.time" | tail -n1)
     echo "$wall $rss ${conns:--} ${peak:--}" >>"$work/$label.times"
-}
-
-# median LABEL COLUMN: the median of a column of $work/LABEL.times.
-median() {
-    sort -n -k"$2" "$work/$1.times" | awk -v c="$2" '{ v[NR]=$c } END { print v[int((NR+1)/2)] }'
 }
 
 # row LABEL SOURCE_BYTES: one table line from the medians (connections and peak MB/s:

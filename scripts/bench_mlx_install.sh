@@ -46,37 +46,18 @@ bytes=$(du -bc "$mlx"/*.safetensors | tail -n1 | cut -f1)
 shards=$(ls "$mlx"/*.safetensors | wc -l)
 echo "== MLX repo $mlx: $bytes bytes in $shards shards" >&2
 
-hub_pid=""
-stop_hub() { if [ -n "$hub_pid" ]; then kill "$hub_pid" 2>/dev/null || true; wait "$hub_pid" 2>/dev/null || true; hub_pid=""; fi; }
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
 trap stop_hub EXIT
-fifo="$work/hub.url"
-rm -f "$fifo"
-"$dev" hub --repo "$repo=$mlx" --cdn >"$fifo" 2>"$work/hub.log" &
+rm -f "$work/hub.url"
+"$dev" hub --repo "$repo=$mlx" --cdn >"$work/hub.url" 2>"$work/hub.log" &
 hub_pid=$!
-url=""
-for _ in $(seq 1 600); do
-    url=$(head -n1 "$fifo" 2>/dev/null || true)
-    [ -n "$url" ] && break
-    sleep 0.1
-done
-[ -n "$url" ] || { echo "hub did not start: $(cat "$work/hub.log")" >&2; exit 2; }
-# The hub hashes each file the first time a listing needs its SHA-256: now, untimed.
-curl -sf "$url/api/models/$repo/tree/main?recursive=true" >/dev/null ||
-    { echo "hub listing failed: $(cat "$work/hub.log")" >&2; exit 2; }
+hub_ready "$work/hub.url"
 
 # timed LABEL CMD...: appends "wall_s rss_kib" to $work/LABEL.times.
 timed() {
-    local label="$1"; shift
-    /usr/bin/time -v "$@" >"$work/$label.log" 2>"$work/$label.time" || {
-        echo "$label failed:" >&2; tail -n 30 "$work/$label.time" >&2; exit 2; }
-    local wall rss
-    wall=$(sed -n 's/.*Elapsed (wall clock) time.*: //p' "$work/$label.time" |
-        awk -F: '{ if (NF==3) print $1*3600+$2*60+$3; else print $1*60+$2 }')
-    rss=$(sed -n 's/.*Maximum resident set size (kbytes): //p' "$work/$label.time")
-    echo "$wall $rss" >>"$work/$label.times"
-}
-median() {
-    sort -n -k"$2" "$work/$1.times" | awk -v c="$2" '{ v[NR]=$c } END { print v[int((NR+1)/2)] }'
+    time_run "$@"
+    echo "$wall $rss" >>"$work/$1.times"
 }
 row() {
     awk -v l="$1" -v w="$(median "$1" 1)" -v r="$(median "$1" 2)" -v b="$bytes" \
