@@ -503,7 +503,7 @@ pub(super) async fn run(
         while running.len() < jobs_at_once(connections, &ctx.links, limit) {
             let Some(job) = waiting.next() else { break };
             let ctx = ctx.clone();
-            running.spawn(async move { run_job(&ctx, job).await });
+            running.spawn(async move { run_job(ctx, job).await });
         }
         let joined = tokio::select! {
             j = running.join_next() => j,
@@ -649,48 +649,66 @@ impl Grower {
 }
 
 /// Run one job; returns the source bytes of each read it completed.
-async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
+///
+/// A read's bytes are made durable (fsync of the files it wrote) and its journal line
+/// written on a blocking thread while the job goes on with the next read: the disk
+/// flush of one read overlaps the fetch, hash and transform of the next instead of
+/// stalling them (an install whose output is as large as its source, such as a
+/// pre-quantized one, was bound by the flushes, one after another). The journal still
+/// gets a read's line only after its bytes are on disk, lines in read order, and at
+/// most one read more is in flight than before.
+async fn run_job(ctx: Arc<JobContext>, job: Job) -> Result<Vec<u64>, InstallError> {
     let plan = &ctx.plan;
     let mut hash = job.start_hash;
     let mut sizes = Vec::new();
     let shard_path = &plan.shards[job.shard].path;
     let mut window = Window::new(
-        ctx,
+        &ctx,
         shard_path,
         job.steps
             .iter()
             .map(|&(ri, _)| plan.reads[ri].start..plan.reads[ri].end),
     );
-    for (ri, hashed) in job.steps {
-        let read = &plan.reads[ri];
-        // One attempt: the source's retry budget already covers every request and
-        // resumption of this read (HTTP: backoff, Retry-After, progress deadlines).
-        // Retrying the whole read here would multiply that budget and re-request at
-        // once after a refusal such as a Retry-After over the limit (issue 13, item 7).
-        let mut after = if hashed { hash.clone() } else { None };
-        let digest = fetch_read(ctx, &mut window, ri, after.as_mut()).await?;
-        if hashed {
-            hash = after;
-        }
-        let journaled_hash =
-            if plan.options.verify_source && plan.shards[job.shard].sha256.is_some() {
-                hash.as_ref()
-            } else {
-                None
+    let journal_hash = plan.options.verify_source && plan.shards[job.shard].sha256.is_some();
+    let mut pending: Option<tokio::task::JoinHandle<Result<(), InstallError>>> = None;
+    let streamed: Result<(), InstallError> = 'reads: {
+        for (ri, hashed) in job.steps.iter().copied() {
+            let read = &plan.reads[ri];
+            // One attempt: the source's retry budget already covers every request and
+            // resumption of this read (HTTP: backoff, Retry-After, progress deadlines).
+            // Retrying the whole read here would multiply that budget and re-request at
+            // once after a refusal such as a Retry-After over the limit (issue 13, item 7).
+            let mut after = if hashed { hash.clone() } else { None };
+            let written = match fetch_read(&ctx, &mut window, ri, after.as_mut()).await {
+                Ok(w) => w,
+                Err(e) => break 'reads Err(e),
             };
-        {
-            let mut j = ctx.journal.lock().unwrap_or_else(|p| p.into_inner());
-            j.record(ri, &digest, journaled_hash)?;
-            // Counted under the journal lock so the count equals the journal's lines
-            // at any moment; the test hook below relies on it.
-            let n = ctx.counters.reads.fetch_add(1, Ordering::Relaxed) + 1;
-            if ctx.abort_after == Some(n) {
-                // Test hook: behave like a kill right after the n-th durable journal
-                // line. Exiting with the lock held keeps another job from adding one.
-                std::process::exit(137);
+            if hashed {
+                hash = after;
             }
+            // The previous read's line first: the journal stays in read order.
+            if let Some(p) = pending.take()
+                && let Err(e) = durable(p).await
+            {
+                break 'reads Err(e);
+            }
+            let journaled = if journal_hash { hash.clone() } else { None };
+            let c = ctx.clone();
+            pending = Some(tokio::task::spawn_blocking(move || {
+                c.make_durable(ri, &written, journaled.as_ref())
+            }));
+            sizes.push(read.end - read.start);
         }
-        sizes.push(read.end - read.start);
+        Ok(())
+    };
+    // Also on an error: a flush already started finishes (its read is whole) and
+    // nothing of this job runs on after it returns.
+    if let Some(p) = pending.take() {
+        let last = durable(p).await;
+        streamed?;
+        last?;
+    } else {
+        streamed?;
     }
     if let (Some(h), Some(expected)) = (&hash, &plan.shards[job.shard].sha256) {
         let shard = &plan.shards[job.shard];
@@ -711,13 +729,13 @@ async fn run_job(ctx: &JobContext, job: Job) -> Result<Vec<u64>, InstallError> {
     Ok(sizes)
 }
 
-/// Fetch one read, transform and write it, fsync what it touched; returns its digest.
+/// Fetch one read, transform and write it (not yet durable: [`JobContext::make_durable`]).
 async fn fetch_read(
     ctx: &JobContext,
     window: &mut Window<'_>,
     ri: usize,
     mut hash: Option<&mut ResumableSha256>,
-) -> Result<String, InstallError> {
+) -> Result<Written, InstallError> {
     let plan = &ctx.plan;
     let read = &plan.reads[ri];
     let shard = &plan.shards[read.shard].path;
@@ -783,19 +801,54 @@ async fn fetch_read(
         }
         .into());
     }
-    let touched: Vec<usize> = w.touched.iter().copied().collect();
-    tokio::task::block_in_place(|| -> Result<(), InstallError> {
-        for f in touched {
-            ctx.files[f]
-                .sync_data()
-                .map_err(|e| io_err(&ctx.paths[f], e))?;
-        }
-        Ok(())
-    })?;
     ctx.counters
         .bytes_written
         .fetch_add(w.written, Ordering::Relaxed);
-    Ok(hex::encode(w.digest.finalize()))
+    Ok(Written {
+        digest: hex::encode(w.digest.finalize()),
+        touched: w.touched.iter().copied().collect(),
+    })
+}
+
+/// A read transformed and written (not yet durable): its output digest and the
+/// output files it wrote into.
+struct Written {
+    digest: String,
+    touched: Vec<usize>,
+}
+
+/// Wait for a read's flush and journal line.
+async fn durable(p: tokio::task::JoinHandle<Result<(), InstallError>>) -> Result<(), InstallError> {
+    p.await
+        .map_err(|e| InstallError::Internal(format!("flush task failed: {e}")))?
+}
+
+impl JobContext {
+    /// Make read `ri` durable: fsync the files it wrote, then journal it (with the
+    /// shard's hash state after it, when source hashes are journaled).
+    fn make_durable(
+        &self,
+        ri: usize,
+        written: &Written,
+        hash: Option<&ResumableSha256>,
+    ) -> Result<(), InstallError> {
+        for &f in &written.touched {
+            self.files[f]
+                .sync_data()
+                .map_err(|e| io_err(&self.paths[f], e))?;
+        }
+        let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+        j.record(ri, &written.digest, hash)?;
+        // Counted under the journal lock so the count equals the journal's lines
+        // at any moment; the test hook below relies on it.
+        let n = self.counters.reads.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.abort_after == Some(n) {
+            // Test hook: behave like a kill right after the n-th durable journal
+            // line. Exiting with the lock held keeps another job from adding one.
+            std::process::exit(137);
+        }
+        Ok(())
+    }
 }
 
 /// The budget every job draws on: connections (requests in flight) and places in the
