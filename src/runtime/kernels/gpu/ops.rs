@@ -218,22 +218,43 @@ impl GpuContext {
         bits: u32,
         group: u32,
     ) -> Result<()> {
-        // Codes and scales are the same buffer at two bindings (u32 and vec4 views);
-        // the up-projection bindings of the fused SwiGLU (unused here) take it too.
+        // The up-projection bindings of the fused SwiGLU (unused here) take `w` too.
         let per_wg = (256 / lanes * rps) as usize;
-        self.dispatch_at(
+        self.dispatch_fast(
             &Kernel::qmat_fast(bits, group, lanes, rps, false),
+            p,
+            (w, w),
+            x,
+            y,
+            w.rows.div_ceil(per_wg) * p.n as usize,
+        )
+    }
+
+    /// Record one fast matrix-vector dispatch over `gate` (and `up`, for the fused
+    /// SwiGLU kernel): the one place that knows its bindings. Codes and scales are the
+    /// same buffer at two bindings each (u32 and vec4 views).
+    fn dispatch_fast(
+        &self,
+        kernel: &Kernel,
+        p: &QmatvecParams,
+        (gate, up): (&GpuMatrix, &GpuMatrix),
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        workgroups: usize,
+    ) -> Result<()> {
+        self.dispatch_at(
+            kernel,
             &p.bytes(),
             &[
-                (1, &w.buf),
+                (1, &gate.buf),
                 (3, y),
-                (4, &w.buf),
+                (4, &gate.buf),
                 (5, x),
-                (6, &w.buf),
-                (7, &w.buf),
-                (8, &w.buf),
+                (6, &up.buf),
+                (7, &up.buf),
+                (8, &gate.buf),
             ],
-            w.rows.div_ceil(per_wg) * p.n as usize,
+            workgroups,
         )
     }
 
@@ -272,18 +293,12 @@ impl GpuContext {
             b2_off: up.b_off,
             ..Default::default()
         };
-        self.dispatch_at(
+        self.dispatch_fast(
             &Kernel::qmat_fast(bits, group, lanes, 2, true),
-            &p.bytes(),
-            &[
-                (1, &gate.buf),
-                (3, y),
-                (4, &gate.buf),
-                (5, x),
-                (6, &up.buf),
-                (7, &up.buf),
-                (8, &gate.buf),
-            ],
+            &p,
+            (gate, up),
+            x,
+            y,
             gate.rows.div_ceil((256 / lanes) as usize),
         )?;
         Ok(true)
