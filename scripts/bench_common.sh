@@ -1,6 +1,18 @@
 # Shared by the install benchmarks (scripts/bench_install.sh, bench_mlx_install.sh);
-# sourced, not run. The caller sets `work` (its folder), `dev` (gturbo-dev) and `repo`
-# (the name the hub serves).
+# sourced, not run. The caller sets `work` (its folder) and `repo` (the name the hub
+# serves).
+
+# release_binaries: builds gturbo and gturbo-dev in release (unless NO_BUILD=1) and sets
+# $gturbo and $dev (exported as GTURBO_DEV) to them; the caller sets `root`.
+release_binaries() {
+    if [ "${NO_BUILD:-0}" != 1 ]; then
+        echo "== build (release)" >&2
+        nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2
+    fi
+    gturbo="$root/target/release/gturbo"
+    dev="$root/target/release/gturbo-dev"
+    export GTURBO_DEV="$dev"
+}
 
 hub_pid=""
 stop_hub() { if [ -n "$hub_pid" ]; then kill "$hub_pid" 2>/dev/null || true; wait "$hub_pid" 2>/dev/null || true; hub_pid=""; fi; }

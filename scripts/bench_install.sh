@@ -36,20 +36,14 @@ conn_rate="${CONN_RATE:-50000000}"
 latency="${LATENCY_MS:-40}"
 repo="bench/qwen3-moe"
 
-if [ "${NO_BUILD:-0}" != 1 ]; then
-    echo "== build (release)" >&2
-    nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2
-fi
-gturbo="$root/target/release/gturbo"
-dev="$root/target/release/gturbo-dev"
-export GTURBO_DEV="$dev"
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
+release_binaries
 if [ "${SKIP_PEERS:-0}" != 1 ]; then
     # shellcheck source=venv.sh
     source scripts/venv.sh test
 fi
 
-# shellcheck source=bench_common.sh
-source scripts/bench_common.sh
 # AGG_CAP: the hub's namespace and the veth pair (names at most 15 characters).
 netns="" hub_ns=() hub_bind=()
 ns_name="gtb-hub-$$" veth_c="gtbc$$" veth_h="gtbh$$" ns_client=10.203.0.1 ns_hub=10.203.0.2

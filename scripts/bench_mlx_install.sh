@@ -24,13 +24,9 @@ layers="${LAYERS:-16}"
 runs="${RUNS:-3}"
 repo="mlx-community/bench-qwen3-moe-4bit"
 
-if [ "${NO_BUILD:-0}" != 1 ]; then
-    echo "== build (release)" >&2
-    nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2
-fi
-gturbo="$root/target/release/gturbo"
-dev="$root/target/release/gturbo-dev"
-export GTURBO_DEV="$dev"
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
+release_binaries
 # shellcheck source=venv.sh
 source scripts/venv.sh test
 
@@ -46,8 +42,6 @@ bytes=$(du -bc "$mlx"/*.safetensors | tail -n1 | cut -f1)
 shards=$(ls "$mlx"/*.safetensors | wc -l)
 echo "== MLX repo $mlx: $bytes bytes in $shards shards" >&2
 
-# shellcheck source=bench_common.sh
-source scripts/bench_common.sh
 trap stop_hub EXIT
 rm -f "$work/hub.url"
 "$dev" hub --repo "$repo=$mlx" --cdn >"$work/hub.url" 2>"$work/hub.log" &
