@@ -1,0 +1,446 @@
+//! Where the INT4 g64 matrix-vector kernel's time goes, on a real GPU (issue 11's
+//! "say where the time goes"). Not a test and not the product: a lab that times, over
+//! the same matrices and the same batch structure as `bench_gpu`,
+//!
+//! - the product's `qmatvec_fast` (its own WGSL file) as wgpu compiles it, and again
+//!   without wgpu's injected loop counters and without its bounds checks;
+//! - diagnostic kernels (examples/matvec_lab/lab.wgsl) with the product's indexing:
+//!   loads only, arithmetic only (codes synthesised), the full product, and the full
+//!   product with two code words per row in flight;
+//! - a plain grid-stride read of the matrix, the memory ceiling.
+//!
+//! ```text
+//! cargo run --release --example matvec_lab -- [--shapes 8192x8192,16384x8192] [--runs 9]
+//!     [--batch 64] [--peak-gbs 4800] [--only NAME,...]
+//! ```
+//! Every product variant's output is compared with a CPU reference first.
+
+// The lab times kernels without wgpu's injected guards, which only the unsafe
+// `create_shader_module_trusted` allows; the product does not.
+#![allow(unsafe_code)]
+
+use std::time::Instant;
+
+use wgpu::util::DeviceExt;
+
+const PRODUCT: &str = include_str!("../src/runtime/kernels/gpu/shaders/qmatvec.wgsl");
+const LAB: &str = include_str!("matvec_lab/lab.wgsl");
+const MIN_SET_BYTES: usize = 256 << 20;
+
+struct Variant {
+    name: &'static str,
+    source: &'static str,
+    entry: &'static str,
+    constants: Vec<(&'static str, f64)>,
+    /// (bounds checks, loop bounding, integer-division guards); all true is wgpu's
+    /// default.
+    checks: (bool, bool, bool),
+    /// Rows per workgroup (0: the stream kernel's fixed grid).
+    rows_per_wg: u32,
+    /// Whether its output is the product (checked against the CPU).
+    product: bool,
+    /// Bindings: the product's layout or the lab's.
+    lab_layout: bool,
+}
+
+fn variants() -> Vec<Variant> {
+    let mut v = Vec::new();
+    for (lanes, rps) in [(64u32, 4u32), (128, 4), (32, 4)] {
+        for (tag, checks) in [
+            ("", (true, true, true)),
+            (" no-loop-bound", (true, false, true)),
+            (" no-loop-no-div", (true, false, false)),
+            (" unchecked", (false, false, false)),
+        ] {
+            v.push(Variant {
+                name: Box::leak(format!("product {lanes}x{rps}{tag}").into_boxed_str()),
+                source: PRODUCT,
+                entry: "qmatvec_fast",
+                constants: vec![("LANES", lanes as f64), ("RPS", rps as f64)],
+                checks,
+                rows_per_wg: 256 / lanes * rps,
+                product: true,
+                lab_layout: false,
+            });
+        }
+    }
+    for (mode, what) in [
+        (0u32, "lab full"),
+        (1, "lab loads-only"),
+        (2, "lab math-only"),
+        (3, "lab 2-steps"),
+    ] {
+        for lanes in [64u32, 32] {
+            for (tag, checks) in [
+                ("", (true, true, true)),
+                (" no-loop-no-div", (true, false, false)),
+            ] {
+                v.push(Variant {
+                    name: Box::leak(format!("{what} {lanes}x4{tag}").into_boxed_str()),
+                    source: LAB,
+                    entry: "lab",
+                    constants: vec![("LANES", lanes as f64), ("MODE", mode as f64)],
+                    checks,
+                    rows_per_wg: 256 / lanes * 4,
+                    product: mode == 0 || mode == 3,
+                    lab_layout: true,
+                });
+            }
+        }
+    }
+    for lanes in [64u32, 32] {
+        for (tag, checks) in [
+            ("", (true, true, true)),
+            (" no-loop-no-div", (true, false, false)),
+        ] {
+            v.push(Variant {
+                name: Box::leak(format!("lab 8-rows {lanes}x8{tag}").into_boxed_str()),
+                source: LAB,
+                entry: "lab",
+                constants: vec![("LANES", lanes as f64), ("RS", 2.0)],
+                checks,
+                rows_per_wg: 256 / lanes * 8,
+                product: true,
+                lab_layout: true,
+            });
+        }
+    }
+    v.push(Variant {
+        name: "stream (read ceiling)",
+        source: LAB,
+        entry: "stream",
+        constants: vec![],
+        checks: (true, true, true),
+        rows_per_wg: 0,
+        product: false,
+        lab_layout: true,
+    });
+    v
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+}
+
+fn bf16(v: f32) -> u16 {
+    (v.to_bits() >> 16) as u16
+}
+
+/// One matrix: codes (rows·cols/2 bytes), then scales, then biases (BF16).
+fn make_matrix(rng: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
+    let groups = rows * cols / 64;
+    let mut b: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+    for _ in 0..groups {
+        b.extend_from_slice(&bf16(rng.unit() * 0.02).to_le_bytes());
+    }
+    for _ in 0..groups {
+        b.extend_from_slice(&bf16(rng.unit() * 0.2).to_le_bytes());
+    }
+    b
+}
+
+fn reference(m: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
+    let groups = cols / 64;
+    let sc = rows * cols / 2;
+    let half = |i: usize| f32::from_bits((u16::from_le_bytes([m[i], m[i + 1]]) as u32) << 16);
+    (0..rows)
+        .map(|r| {
+            let mut acc = 0f64;
+            for g in 0..groups {
+                let (mut dq, mut sx) = (0f64, 0f64);
+                for k in 0..64 {
+                    let c = g * 64 + k;
+                    let byte = m[r * cols / 2 + c / 2];
+                    let q = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    dq += q as f64 * x[c] as f64;
+                    sx += x[c] as f64;
+                }
+                let s = half(sc + 2 * (r * groups + g)) as f64;
+                let bi = half(sc + 2 * rows * groups + 2 * (r * groups + g)) as f64;
+                acc += s * dq + bi * sx;
+            }
+            acc as f32
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let mut shapes = vec![(4096usize, 4096usize), (8192, 8192), (16384, 8192)];
+    let (mut runs, mut batch, mut peak, mut only) = (9usize, 64usize, 4800f64, None::<Vec<String>>);
+    let mut it = std::env::args().skip(1);
+    while let Some(f) = it.next() {
+        let v = it.next().unwrap_or_default();
+        match f.as_str() {
+            "--shapes" => {
+                shapes = v
+                    .split(',')
+                    .filter_map(|s| {
+                        let (r, c) = s.split_once('x')?;
+                        Some((r.parse().ok()?, c.parse().ok()?))
+                    })
+                    .collect()
+            }
+            "--runs" => runs = v.parse().unwrap_or(runs),
+            "--batch" => batch = v.parse().unwrap_or(batch),
+            "--peak-gbs" => peak = v.parse().unwrap_or(peak),
+            "--only" => only = Some(v.split(',').map(str::to_string).collect()),
+            _ => {
+                eprintln!("matvec_lab: unknown argument {f}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
+    let instance = wgpu::Instance::new(desc);
+    let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+        power_preference: wgpu::PowerPreference::HighPerformance,
+        ..Default::default()
+    }))
+    .expect("no adapter");
+    let info = adapter.get_info();
+    println!(
+        "adapter: {} ({:?}, {})",
+        info.name, info.backend, info.driver_info
+    );
+    let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("lab"),
+        required_features: wgpu::Features::empty(),
+        required_limits: adapter.limits(),
+        experimental_features: wgpu::ExperimentalFeatures::disabled(),
+        memory_hints: wgpu::MemoryHints::Performance,
+        trace: wgpu::Trace::Off,
+    }))
+    .expect("no device");
+    let max_x = device.limits().max_compute_workgroups_per_dimension as usize;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let vars: Vec<Variant> = variants()
+        .into_iter()
+        .filter(|v| {
+            only.as_ref()
+                .is_none_or(|o| o.iter().any(|n| v.name.contains(n.as_str())))
+        })
+        .collect();
+    for &(rows, cols) in &shapes {
+        let one = make_matrix(&mut rng, rows, cols);
+        let bytes = one.len();
+        let copies = MIN_SET_BYTES.div_ceil(bytes).max(1);
+        let mut mats = vec![
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("m0"),
+                contents: &one,
+                usage: wgpu::BufferUsages::STORAGE,
+            }),
+        ];
+        for c in 1..copies {
+            let m = make_matrix(&mut rng, rows, cols);
+            mats.push(
+                device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(&format!("m{c}")),
+                    contents: &m,
+                    usage: wgpu::BufferUsages::STORAGE,
+                }),
+            );
+        }
+        let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
+        let want = reference(&one, rows, cols, &x);
+        let xb = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("x"),
+            contents: &x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+        let yb = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("y"),
+            size: (rows * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let read = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("read"),
+            size: (rows * 4) as u64,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let groups = (rows * cols / 64) as u32;
+        let codes_words = (rows * cols / 8) as u32;
+        let s_off = 2 * codes_words;
+        let b_off = s_off + groups;
+        let product_params: Vec<u32> = vec![
+            rows as u32,
+            cols as u32,
+            1,
+            0,
+            s_off,
+            b_off,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ];
+        let lab_params: Vec<u32> = vec![rows as u32, cols as u32, 0, s_off, b_off, 0, 0, 0];
+        let ub = |v: &[u32]| {
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("p"),
+                contents: &v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
+                usage: wgpu::BufferUsages::UNIFORM,
+            })
+        };
+        let (pp, lp) = (ub(&product_params), ub(&lab_params));
+        println!(
+            "[{rows} x {cols}] {:.1} MiB/product over {copies} matrices, median of {runs} runs of {batch}",
+            bytes as f64 / (1 << 20) as f64
+        );
+        for v in &vars {
+            let checks = wgpu::ShaderRuntimeChecks {
+                bounds_checks: v.checks.0,
+                force_loop_bounding: v.checks.1,
+                ray_query_initialization_tracking: true,
+                task_shader_dispatch_tracking: true,
+                mesh_shader_primitive_indices_clamp: true,
+                int_div_checks: v.checks.2,
+            };
+            let desc = wgpu::ShaderModuleDescriptor {
+                label: Some(v.name),
+                source: wgpu::ShaderSource::Wgsl(v.source.into()),
+            };
+            // SAFETY: a lab, not the product: its kernels' loops are bounded by uniforms
+            // and their indices stay within the buffers it makes (the product variant's
+            // output is checked below).
+            let module = unsafe { device.create_shader_module_trusted(desc, checks) };
+            let pipe = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(v.name),
+                layout: None,
+                module: &module,
+                entry_point: Some(v.entry),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants: &v.constants,
+                    zero_initialize_workgroup_memory: false,
+                },
+                cache: None,
+            });
+            let layout = pipe.get_bind_group_layout(0);
+            let bgs: Vec<wgpu::BindGroup> = mats
+                .iter()
+                .map(|m| {
+                    fn e(b: u32, buf: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+                        wgpu::BindGroupEntry {
+                            binding: b,
+                            resource: buf.as_entire_binding(),
+                        }
+                    }
+                    let entries: Vec<wgpu::BindGroupEntry> = if v.lab_layout {
+                        if v.entry == "stream" {
+                            vec![e(0, &lp), e(2, m), e(4, &yb)]
+                        } else {
+                            vec![e(0, &lp), e(1, m), e(2, m), e(3, &xb), e(4, &yb)]
+                        }
+                    } else {
+                        vec![
+                            e(0, &pp),
+                            e(1, m),
+                            e(3, &yb),
+                            e(4, m),
+                            e(5, &xb),
+                            e(6, m),
+                            e(7, m),
+                            e(8, m),
+                        ]
+                    };
+                    device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: None,
+                        layout: &layout,
+                        entries: &entries,
+                    })
+                })
+                .collect();
+            let wgs = if v.rows_per_wg == 0 {
+                1056
+            } else {
+                rows.div_ceil(v.rows_per_wg as usize)
+            };
+            let (gx, gy) = (wgs.min(max_x) as u32, wgs.div_ceil(max_x) as u32);
+            let record = |n: usize| {
+                let mut enc = device.create_command_encoder(&Default::default());
+                {
+                    let mut pass = enc.begin_compute_pass(&Default::default());
+                    pass.set_pipeline(&pipe);
+                    for i in 0..n {
+                        pass.set_bind_group(0, &bgs[i % bgs.len()], &[]);
+                        pass.dispatch_workgroups(gx, gy, 1);
+                    }
+                }
+                enc.finish()
+            };
+            // Untimed: compiles, faults in; checks the product's output.
+            queue.submit([record(1)]);
+            if v.product {
+                let mut enc = device.create_command_encoder(&Default::default());
+                enc.copy_buffer_to_buffer(&yb, 0, &read, 0, (rows * 4) as u64);
+                queue.submit([enc.finish()]);
+                read.slice(..).map_async(wgpu::MapMode::Read, |_| {});
+                device.poll(wgpu::PollType::wait_indefinitely()).ok();
+                let got: Vec<f32> = read
+                    .slice(..)
+                    .get_mapped_range()
+                    .expect("mapped")
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                read.unmap();
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0f32, |a, (g, w)| a.max((g - w).abs()))
+                    / scale;
+                if err.is_nan() || err >= 1e-4 {
+                    println!("  {:<36} WRONG: max error {err:e} of max |y|", v.name);
+                    continue;
+                }
+            }
+            let mut times = Vec::new();
+            for _ in 0..runs {
+                let cmd = record(batch);
+                device.poll(wgpu::PollType::wait_indefinitely()).ok();
+                let t = Instant::now();
+                queue.submit([cmd]);
+                device.poll(wgpu::PollType::wait_indefinitely()).ok();
+                times.push(t.elapsed().as_secs_f64() / batch as f64);
+            }
+            let t = median(times);
+            let read_bytes = if v.rows_per_wg == 0 {
+                rows * cols / 2
+            } else {
+                bytes
+            };
+            let gbs = read_bytes as f64 / t / 1e9;
+            println!(
+                "  {:<36} {:>8.1} us {:>8.1} GB/s {:>5.1}% of {peak} GB/s",
+                v.name,
+                t * 1e6,
+                gbs,
+                100.0 * gbs / peak
+            );
+        }
+    }
+}
