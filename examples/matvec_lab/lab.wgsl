@@ -186,3 +186,95 @@ fn stream(@builtin(global_invocation_id) gid: vec3<u32>,
     let s = a.x ^ a.y ^ a.z ^ a.w;
     if (p.never != 0u || s == 0x12345678u) { y[gid.x % p.rows] = f32(s); }
 }
+
+// x in registers: lane c of a row's row_v = cols/32 lanes owns code word c of every
+// row (row_v ≤ 256 dividing 256, so 256/row_v rows lie side by side), loads it and its
+// 32 x values (scaled for the in-place code trick) once, and walks its workgroup's
+// WG_ROWS rows 8 at a time: 8 code words in flight per lane, no x loads in the loop.
+// Partials meet in workgroup memory, 8 values per lane per step.
+override WG_ROWS: u32 = 32u;
+var<workgroup> part8: array<f32, 2048>;
+var<workgroup> part1: array<f32, 256>;
+
+struct X8 {
+    a: vec4<f32>, b: vec4<f32>, c: vec4<f32>, d: vec4<f32>,
+    e: vec4<f32>, f: vec4<f32>, g: vec4<f32>, h: vec4<f32>,
+}
+
+fn wdot(w: vec4<u32>, x: X8) -> f32 {
+    return ((qdot(w.x, 0u, x.a) + qdot(w.x, 1u, x.b)) + (qdot(w.y, 0u, x.c) + qdot(w.y, 1u, x.d)))
+        + ((qdot(w.z, 0u, x.e) + qdot(w.z, 1u, x.f)) + (qdot(w.w, 0u, x.g) + qdot(w.w, 1u, x.h)));
+}
+
+fn hsum(v: vec4<f32>) -> f32 { return (v.x + v.y) + (v.z + v.w); }
+
+fn col_part(row: u32, row_v: u32, groups: u32, c: u32, x: X8, sx: f32) -> f32 {
+    let r = min(row, p.rows - 1u);
+    let w = mat4[p.w_off / 4u + r * row_v + c];
+    let i = r * groups + c / 2u;
+    return bf16_at(p.s_off + i) * wdot(w, x) + bf16_at(p.b_off + i) * sx;
+}
+
+@compute @workgroup_size(256)
+fn colmv(@builtin(workgroup_id) wid: vec3<u32>,
+         @builtin(num_workgroups) nwg: vec3<u32>,
+         @builtin(local_invocation_index) li: u32) {
+    let row_v = p.cols / 32u;
+    let side = 256u / row_v;
+    let c = li % row_v;
+    let sub = li / row_v;
+    let groups = p.cols / 64u;
+    let lin = wid.x + wid.y * nwg.x;
+    let r_begin = lin * WG_ROWS;
+    if (r_begin >= p.rows) { return; }
+    let xb = c * 8u;
+    let x0 = x4[xb];
+    let x1 = x4[xb + 1u];
+    let x2 = x4[xb + 2u];
+    let x3 = x4[xb + 3u];
+    let x5 = x4[xb + 5u];
+    let x4_ = x4[xb + 4u];
+    let x6 = x4[xb + 6u];
+    let x7 = x4[xb + 7u];
+    let sx = (hsum(x0) + hsum(x1) + hsum(x2) + hsum(x3)) + (hsum(x4_) + hsum(x5) + hsum(x6) + hsum(x7));
+    let x = X8(x0 * XSCALE, x1 * XSCALE, x2 * XSCALE, x3 * XSCALE,
+               x4_ * XSCALE, x5 * XSCALE, x6 * XSCALE, x7 * XSCALE);
+    let chunk = 8u * side;
+    for (var r0 = r_begin; r0 < r_begin + WG_ROWS; r0 += chunk) {
+        let b = r0 + sub;
+        part8[li] = col_part(b, row_v, groups, c, x, sx);
+        part8[256u + li] = col_part(b + side, row_v, groups, c, x, sx);
+        part8[512u + li] = col_part(b + 2u * side, row_v, groups, c, x, sx);
+        part8[768u + li] = col_part(b + 3u * side, row_v, groups, c, x, sx);
+        part8[1024u + li] = col_part(b + 4u * side, row_v, groups, c, x, sx);
+        part8[1280u + li] = col_part(b + 5u * side, row_v, groups, c, x, sx);
+        part8[1536u + li] = col_part(b + 6u * side, row_v, groups, c, x, sx);
+        part8[1792u + li] = col_part(b + 7u * side, row_v, groups, c, x, sx);
+        workgroupBarrier();
+        // Row (k, sub) holds row_v consecutive partials at k·256 + sub·row_v: 8 of them
+        // per lane, then 8 of those, then the rest (row_v/64 of them) per row.
+        let o = li * 8u;
+        part1[li] = ((part8[o] + part8[o + 1u]) + (part8[o + 2u] + part8[o + 3u]))
+            + ((part8[o + 4u] + part8[o + 5u]) + (part8[o + 6u] + part8[o + 7u]));
+        workgroupBarrier();
+        if (li < 32u) {
+            let q = li * 8u;
+            part8[li] = ((part1[q] + part1[q + 1u]) + (part1[q + 2u] + part1[q + 3u]))
+                + ((part1[q + 4u] + part1[q + 5u]) + (part1[q + 6u] + part1[q + 7u]));
+        }
+        workgroupBarrier();
+        // 32 sums: row j (of chunk rows, in part8 order k·side + sub) has row_v/64 of
+        // them, consecutive.
+        let per = row_v / 64u;
+        if (li < chunk) {
+            var t = 0.0;
+            for (var i = 0u; i < per; i++) { t += part8[li * per + i]; }
+            // Entry order is k·side + sub; row = r0 + sub + side·k.
+            let k = li / side;
+            let s2 = li % side;
+            let row = r0 + s2 + side * k;
+            if (row < p.rows) { y[row] = t; }
+        }
+        workgroupBarrier();
+    }
+}

@@ -184,6 +184,43 @@ fn fast_sb(r: u32, row0: u32, eo: u32, groups: u32, g: u32) -> vec2<f32> {
     return vec2<f32>(bf16_at(p.s_off + i), bf16_at(p.b_off + i));
 }
 
+// One u32 of each set row's code word against the x vectors it covers: Σ q·x per row
+// (`dq`, rows past `rps` unused) and Σ x (`sx`).
+struct Part {
+    dq: vec4<f32>,
+    sx: f32,
+}
+
+// x vector `v` of a u32 (at x4 index `xi`) against that u32 of each row (`a.x` is
+// row 0's).
+fn part(a: vec4<u32>, xi: u32, v: u32, rps: u32) -> Part {
+    let xv = x4[xi];
+    let xs = xv * xscale(v);
+    var d = vec4<f32>(qdot(a.x, v, xs), 0.0, 0.0, 0.0);
+    if (rps > 1u) { d.y = qdot(a.y, v, xs); }
+    if (rps > 2u) { d.z = qdot(a.z, v, xs); }
+    if (rps > 3u) { d.w = qdot(a.w, v, xs); }
+    return Part(d, (xv.x + xv.y) + (xv.z + xv.w));
+}
+
+// A u32's `xv_per_word()` x vectors starting at x4 index `xi`. Written out rather
+// than looped: wgpu puts a counter into every loop it translates, and with one there
+// the driver no longer unrolled this (on an H200 the loops cost 30 % of the kernel's
+// time: examples/matvec_lab.rs).
+fn word_part(a: vec4<u32>, xi: u32, rps: u32) -> Part {
+    var r = part(a, xi, 0u, rps);
+    if (xv_per_word() > 1u) {
+        let b = part(a, xi + 1u, 1u, rps);
+        r = Part(r.dq + b.dq, r.sx + b.sx);
+    }
+    if (xv_per_word() > 2u) {
+        let b = part(a, xi + 2u, 2u, rps);
+        let c = part(a, xi + 3u, 3u, rps);
+        r = Part(r.dq + (b.dq + c.dq), r.sx + (b.sx + c.sx));
+    }
+    return r;
+}
+
 @compute @workgroup_size(256)
 fn qmatvec_fast(@builtin(workgroup_id) wid: vec3<u32>,
                 @builtin(num_workgroups) nwg: vec3<u32>,
@@ -222,19 +259,13 @@ fn qmatvec_fast(@builtin(workgroup_id) wid: vec3<u32>,
         if (rps > 2u) { w2 = fast_word(2u, row0, eo, row_v, vi); }
         if (rps > 3u) { w3 = fast_word(3u, row0, eo, row_v, vi); }
         let g = vi * cpv / GROUP;
-        var sx = 0.0;
-        var dq = vec4<f32>(0.0);
-        for (var j = 0u; j < 4u; j++) {
-            for (var v = 0u; v < xpw; v++) {
-                let xv = x4[xbase + (vi * 4u + j) * xpw + v];
-                sx += (xv.x + xv.y) + (xv.z + xv.w);
-                let xs = xv * xscale(v);
-                dq.x += qdot(w0[j], v, xs);
-                if (rps > 1u) { dq.y += qdot(w1[j], v, xs); }
-                if (rps > 2u) { dq.z += qdot(w2[j], v, xs); }
-                if (rps > 3u) { dq.w += qdot(w3[j], v, xs); }
-            }
-        }
+        let xi = xbase + vi * 4u * xpw;
+        let q0 = word_part(vec4<u32>(w0.x, w1.x, w2.x, w3.x), xi, rps);
+        let q1 = word_part(vec4<u32>(w0.y, w1.y, w2.y, w3.y), xi + xpw, rps);
+        let q2 = word_part(vec4<u32>(w0.z, w1.z, w2.z, w3.z), xi + 2u * xpw, rps);
+        let q3 = word_part(vec4<u32>(w0.w, w1.w, w2.w, w3.w), xi + 3u * xpw, rps);
+        let dq = (q0.dq + q1.dq) + (q2.dq + q3.dq);
+        let sx = (q0.sx + q1.sx) + (q2.sx + q3.sx);
         let sb0 = fast_sb(0u, row0, eo, groups, g);
         acc.x += sb0.x * dq.x + sb0.y * sx;
         if (rps > 1u) {
