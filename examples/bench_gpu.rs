@@ -145,6 +145,10 @@ fn main() {
         args.runs, args.batch
     );
     let mut rng = Rng(0x853c_49e6_748f_ea9b);
+    // GTURBO_BENCH_KEEP=1 keeps every shape's matrices alive to the end (nothing freed
+    // between shapes), for telling allocation effects from the kernel's speed.
+    let keep = std::env::var_os("GTURBO_BENCH_KEEP").is_some_and(|v| v != "0");
+    let mut kept = Vec::new();
     for &(rows, cols) in &args.shapes {
         if cols % 64 != 0 {
             eprintln!("bench_gpu: {rows}x{cols}: columns must be a multiple of 64");
@@ -231,6 +235,9 @@ fn main() {
                 one as f64 / (1 << 20) as f64,
                 median(us)
             );
+        }
+        if keep {
+            kept.push(mats);
         }
     }
 }

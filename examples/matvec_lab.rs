@@ -106,7 +106,10 @@ fn variants() -> Vec<Variant> {
         }
     }
     for wg_rows in [32u32, 64] {
-        for (tag, checks) in [("", (true, true, true)), (" no-loop-no-div", (true, false, false))] {
+        for (tag, checks) in [
+            ("", (true, true, true)),
+            (" no-loop-no-div", (true, false, false)),
+        ] {
             v.push(Variant {
                 name: Box::leak(format!("x-in-registers {wg_rows} rows/wg{tag}").into_boxed_str()),
                 source: LAB,

@@ -40,9 +40,9 @@ PROFILE="${PROFILE:-0}"
 PEER="${PEER:-1}"
 
 if [ -z "${BIN:-}" ]; then
-  cargo build -q --release --bin gturbo --example bench_gpu --example bench_snapshots
+  cargo build -q --release --bin gturbo --example bench_gpu --example bench_snapshots --example matvec_lab
   BIN=target/release
-  cp target/release/examples/bench_gpu target/release/examples/bench_snapshots "$BIN/"
+  cp target/release/examples/bench_gpu target/release/examples/bench_snapshots target/release/examples/matvec_lab "$BIN/"
 fi
 if ! ldconfig -p | grep -q libvulkan.so.1 && ls "$GL_DEBS"/*.deb >/dev/null 2>&1; then
   for f in "$GL_DEBS"/*.deb; do dpkg -x "$f" /; done
@@ -60,7 +60,19 @@ say "## adapters"
 say "## CPU: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 
 say "## INT4 g64 matvec"
-"$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 --tilings "$TILINGS" 2>&1 | tee -a "$RESULTS" || true
+# Each shape in a process of its own: within one process, a shape timed after the
+# 29 matrices of [4096×4096] were made and freed ran up to 3× slower through the
+# runtime's path (a bind group and parameters per dispatch), while the same kernel with
+# bind groups made once (matvec_lab, same process history) did not slow down
+# (docs/GPU.md): the benchmark's history, not the kernel's speed.
+for shape in 4096x4096 8192x8192 16384x8192; do
+  "$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 --tilings "$TILINGS" --shapes "$shape" 2>&1 | grep -v '^adapter:\|^INT4' | tee -a "$RESULTS" || true
+done
+# The kernel alone (bind groups made once, no per-dispatch host work), next to the
+# diagnostic kernels that say where its time goes (examples/matvec_lab.rs).
+if [ -x "$BIN/matvec_lab" ]; then
+  "$BIN/matvec_lab" --peak-gbs "$PEAK_GBS" --only "product 64x4,product 32x4,lab loads-only 64x4,lab math-only 64x4,stream" 2>&1 | grep -v XDG | tee -a "$RESULTS" || true
+fi
 
 rm -rf "$WORK" && mkdir -p "$WORK"
 ids=$(seq 0 $((PROMPT - 1)) | awk '{ printf "%s%d", (NR > 1 ? "," : ""), (7 * $1 + 5) % 30000 }')

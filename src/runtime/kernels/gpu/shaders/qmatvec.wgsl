@@ -281,15 +281,19 @@ fn qmatvec_fast(@builtin(workgroup_id) wid: vec3<u32>,
             acc.w += sb.x * dq.w + sb.y * sx;
         }
     }
-    for (var r = 0u; r < rps; r++) {
-        red[r * 256u + li] = acc[r];
-    }
+    // Rows named, not indexed (`acc[r]` in a loop the driver may not unroll would
+    // make `acc` addressable memory for the whole kernel).
+    red[li] = acc.x;
+    if (rps > 1u) { red[256u + li] = acc.y; }
+    if (rps > 2u) { red[512u + li] = acc.z; }
+    if (rps > 3u) { red[768u + li] = acc.w; }
     workgroupBarrier();
     for (var s = LANES / 2u; s > 0u; s >>= 1u) {
         if (lane < s) {
-            for (var r = 0u; r < rps; r++) {
-                red[r * 256u + li] += red[r * 256u + li + s];
-            }
+            red[li] += red[li + s];
+            if (rps > 1u) { red[256u + li] += red[256u + li + s]; }
+            if (rps > 2u) { red[512u + li] += red[512u + li + s]; }
+            if (rps > 3u) { red[768u + li] += red[768u + li + s]; }
         }
         workgroupBarrier();
     }
