@@ -329,7 +329,7 @@ fn main() {
         );
         for v in &vars {
             let row_v = cols / 32;
-            if v.entry == "colmv" && !(row_v >= 64 && row_v <= 256 && 256 % row_v == 0) {
+            if v.entry == "colmv" && !((64..=256).contains(&row_v) && 256 % row_v == 0) {
                 continue;
             }
             let checks = wgpu::ShaderRuntimeChecks {
