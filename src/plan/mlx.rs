@@ -241,6 +241,25 @@ pub(super) fn sources(
     }
     // Modules: every `P.scales` of a pre-quantized source.
     let mut modules: BTreeMap<String, Packed> = BTreeMap::new();
+    if quant.is_none() {
+        // Packed MLX modules with no block to say their widths: refused here, naming
+        // the missing key, rather than later as tensors no family rule knows.
+        let packed = by_name.keys().find_map(|name| {
+            let path = name.strip_suffix(".scales")?;
+            let (_, w) = by_name.get(format!("{path}.weight").as_str())?;
+            (w.dtype == Dtype::U32).then_some(path)
+        });
+        if let Some(path) = packed {
+            return Err(cfg(
+                "quantization".into(),
+                format!(
+                    "missing, but the source is MLX-quantized (`{path}.weight` is U32 \
+                     packed codes with `{path}.scales`); a pre-quantized source needs \
+                     its `quantization` block to say each module's bits and group size"
+                ),
+            ));
+        }
+    }
     if let Some(q) = quant {
         for (name, &(si, t)) in &by_name {
             let Some(path) = name.strip_suffix(".scales") else {
@@ -508,6 +527,12 @@ mod tests {
         );
         // No block: not pre-quantized.
         assert_eq!(read_quant(&json!({"model_type": "llama"})).unwrap(), None);
+        // No block over packed modules: refused, naming the missing key.
+        let e = sources(&module(8, 1), None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("config.json: field `quantization`: missing, but the source is MLX-quantized (`m.q.weight` is U32"),
+            "{e}"
+        );
     }
 
     #[test]
