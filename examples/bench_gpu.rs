@@ -18,6 +18,10 @@
 
 use std::time::Instant;
 
+#[path = "common/mod.rs"]
+mod common;
+use common::{Rng, bf16_bytes, median};
+
 use gturbo::runtime::kernels::Matrix;
 use gturbo::runtime::kernels::gpu::{DType, GpuContext, GpuMatrix, GpuOptions, list_adapters};
 
@@ -94,32 +98,6 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-/// xorshift64: random codes, and scales/biases in a realistic small range.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-fn bf16_bytes(rng: &mut Rng, n: usize, scale: f32) -> Vec<u8> {
-    (0..n)
-        .flat_map(|_| {
-            let v = ((rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale;
-            ((v.to_bits() >> 16) as u16).to_le_bytes()
-        })
-        .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
     let args = match parse() {
         Ok(a) => a,
@@ -178,9 +156,7 @@ fn main() {
                 }
             }
         }
-        let x: Vec<f32> = (0..cols)
-            .map(|_| (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-            .collect();
+        let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
         let run = || -> Result<f64, String> {
             let gx = ctx.upload_f32(&[1, cols], &x).map_err(|e| e.to_string())?;
             let y = ctx

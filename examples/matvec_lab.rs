@@ -21,6 +21,10 @@
 
 use std::time::Instant;
 
+#[path = "common/mod.rs"]
+mod common;
+use common::{Rng, median};
+
 use wgpu::util::DeviceExt;
 
 const PRODUCT: &str = include_str!("../src/runtime/kernels/gpu/shaders/qmatvec.wgsl");
@@ -41,6 +45,34 @@ struct Variant {
     product: bool,
     /// Bindings: the product's layout or the lab's.
     lab_layout: bool,
+}
+
+/// wgpu's defaults, and the lab's kernels again without the loop counters and division
+/// guards.
+const GUARDED: [(&str, (bool, bool, bool)); 2] = [
+    ("", (true, true, true)),
+    (" no-loop-no-div", (true, false, false)),
+];
+
+/// A lab kernel (lab.wgsl) at `rows_per_wg`; `product`: its output is the product.
+fn lab(
+    name: String,
+    entry: &'static str,
+    constants: Vec<(&'static str, f64)>,
+    checks: (bool, bool, bool),
+    rows_per_wg: u32,
+    product: bool,
+) -> Variant {
+    Variant {
+        name: Box::leak(name.into_boxed_str()),
+        source: LAB,
+        entry,
+        constants,
+        checks,
+        rows_per_wg,
+        product,
+        lab_layout: true,
+    }
 }
 
 fn variants() -> Vec<Variant> {
@@ -64,104 +96,60 @@ fn variants() -> Vec<Variant> {
             });
         }
     }
-    for (mode, what) in [
+    let modes = [
         (0u32, "lab full"),
         (1, "lab loads-only"),
         (2, "lab math-only"),
         (3, "lab 2-steps"),
-    ] {
+    ];
+    for (mode, what) in modes {
         for lanes in [64u32, 32] {
-            for (tag, checks) in [
-                ("", (true, true, true)),
-                (" no-loop-no-div", (true, false, false)),
-            ] {
-                v.push(Variant {
-                    name: Box::leak(format!("{what} {lanes}x4{tag}").into_boxed_str()),
-                    source: LAB,
-                    entry: "lab",
-                    constants: vec![("LANES", lanes as f64), ("MODE", mode as f64)],
+            for (tag, checks) in GUARDED {
+                let name = format!("{what} {lanes}x4{tag}");
+                let constants = vec![("LANES", lanes as f64), ("MODE", mode as f64)];
+                let product = mode == 0 || mode == 3;
+                v.push(lab(
+                    name,
+                    "lab",
+                    constants,
                     checks,
-                    rows_per_wg: 256 / lanes * 4,
-                    product: mode == 0 || mode == 3,
-                    lab_layout: true,
-                });
+                    256 / lanes * 4,
+                    product,
+                ));
             }
         }
     }
     for lanes in [64u32, 32] {
-        for (tag, checks) in [
-            ("", (true, true, true)),
-            (" no-loop-no-div", (true, false, false)),
-        ] {
-            v.push(Variant {
-                name: Box::leak(format!("lab 8-rows {lanes}x8{tag}").into_boxed_str()),
-                source: LAB,
-                entry: "lab",
-                constants: vec![("LANES", lanes as f64), ("RS", 2.0)],
-                checks,
-                rows_per_wg: 256 / lanes * 8,
-                product: true,
-                lab_layout: true,
-            });
+        for (tag, checks) in GUARDED {
+            let name = format!("lab 8-rows {lanes}x8{tag}");
+            let constants = vec![("LANES", lanes as f64), ("RS", 2.0)];
+            v.push(lab(name, "lab", constants, checks, 256 / lanes * 8, true));
         }
     }
     for wg_rows in [32u32, 64] {
-        for (tag, checks) in [
-            ("", (true, true, true)),
-            (" no-loop-no-div", (true, false, false)),
-        ] {
-            v.push(Variant {
-                name: Box::leak(format!("x-in-registers {wg_rows} rows/wg{tag}").into_boxed_str()),
-                source: LAB,
-                entry: "colmv",
-                constants: vec![("WG_ROWS", wg_rows as f64)],
-                checks,
-                rows_per_wg: wg_rows,
-                product: true,
-                lab_layout: true,
-            });
+        for (tag, checks) in GUARDED {
+            let name = format!("x-in-registers {wg_rows} rows/wg{tag}");
+            let constants = vec![("WG_ROWS", wg_rows as f64)];
+            v.push(lab(name, "colmv", constants, checks, wg_rows, true));
         }
     }
-    v.push(Variant {
-        name: "stream (read ceiling)",
-        source: LAB,
-        entry: "stream",
-        constants: vec![],
-        checks: (true, true, true),
-        rows_per_wg: 0,
-        product: false,
-        lab_layout: true,
-    });
+    v.push(lab(
+        "stream (read ceiling)".into(),
+        "stream",
+        vec![],
+        (true, true, true),
+        0,
+        false,
+    ));
     v
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
-}
-
-fn bf16(v: f32) -> u16 {
-    (v.to_bits() >> 16) as u16
 }
 
 /// One matrix: codes (rows·cols/2 bytes), then scales, then biases (BF16).
 fn make_matrix(rng: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
     let groups = rows * cols / 64;
     let mut b: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
-    for _ in 0..groups {
-        b.extend_from_slice(&bf16(rng.unit() * 0.02).to_le_bytes());
-    }
-    for _ in 0..groups {
-        b.extend_from_slice(&bf16(rng.unit() * 0.2).to_le_bytes());
-    }
+    b.extend(common::bf16_bytes(rng, groups, 0.02));
+    b.extend(common::bf16_bytes(rng, groups, 0.2));
     b
 }
 
@@ -188,11 +176,6 @@ fn reference(m: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
             acc as f32
         })
         .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {

@@ -132,6 +132,16 @@ fn lab(@builtin(workgroup_id) wid: vec3<u32>,
             acc += step4(row0, row_v, groups, vi);
         }
     }
+    reduce4(acc, li, lane, row0);
+    if (RS == 2u) {
+        workgroupBarrier();
+        reduce4(acc2, li, lane, row0 + 4u);
+    }
+}
+
+// The set's 4 rows' partial sums (one per lane) summed over its LANES lanes and
+// written to y[row0 ..].
+fn reduce4(acc: vec4<f32>, li: u32, lane: u32, row0: u32) {
     red[li] = acc.x;
     red[256u + li] = acc.y;
     red[512u + li] = acc.z;
@@ -149,28 +159,6 @@ fn lab(@builtin(workgroup_id) wid: vec3<u32>,
     if (lane == 0u) {
         for (var r = 0u; r < 4u; r++) {
             if (row0 + r < p.rows) { y[row0 + r] = red[r * 256u + li]; }
-        }
-    }
-    if (RS == 2u) {
-        workgroupBarrier();
-        red[li] = acc2.x;
-        red[256u + li] = acc2.y;
-        red[512u + li] = acc2.z;
-        red[768u + li] = acc2.w;
-        workgroupBarrier();
-        for (var s = LANES / 2u; s > 0u; s >>= 1u) {
-            if (lane < s) {
-                red[li] += red[li + s];
-                red[256u + li] += red[256u + li + s];
-                red[512u + li] += red[512u + li + s];
-                red[768u + li] += red[768u + li + s];
-            }
-            workgroupBarrier();
-        }
-        if (lane == 0u) {
-            for (var r = 0u; r < 4u; r++) {
-                if (row0 + 4u + r < p.rows) { y[row0 + 4u + r] = red[r * 256u + li]; }
-            }
         }
     }
 }
