@@ -171,7 +171,7 @@ struct InstallArgs {
     /// time to first byte is paid on as many bytes as the budget allows. Not part of
     /// the plan.
     #[arg(long, value_name = "KIB", default_value = "auto", value_parser = parse_sub_range)]
-    sub_range_kib: Option<u64>,
+    sub_range_kib: SubRangeKib,
     /// Source bytes per transform tile, in KiB (memory per read in flight).
     #[arg(long, default_value_t = 512)]
     tile_kib: usize,
@@ -339,14 +339,18 @@ fn parse_threads(text: &str) -> Result<usize, String> {
     threads_in(text, cores(), false)
 }
 
-/// `--sub-range-kib`: `auto` (`None`) or a size in KiB from 4 to 1048576.
-fn parse_sub_range(text: &str) -> Result<Option<u64>, String> {
+/// `--sub-range-kib`: KiB per sub-range, `None` for `auto`.
+#[derive(Debug, Clone, Copy)]
+struct SubRangeKib(Option<u64>);
+
+/// `--sub-range-kib`: `auto` or a size in KiB from 4 to 1048576.
+fn parse_sub_range(text: &str) -> Result<SubRangeKib, String> {
     let t = text.trim();
     if t.eq_ignore_ascii_case("auto") {
-        return Ok(None);
+        return Ok(SubRangeKib(None));
     }
     match t.parse::<u64>() {
-        Ok(n @ 4..=1_048_576) => Ok(Some(n)),
+        Ok(n @ 4..=1_048_576) => Ok(SubRangeKib(Some(n))),
         _ => Err(format!(
             "{text:?}: expected `auto` or a size in KiB from 4 to 1048576"
         )),
@@ -533,7 +537,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     let options = ExecuteOptions {
         out: out.clone(),
         jobs: args.jobs,
-        sub_range_bytes: args.sub_range_kib.map(|k| k * 1024),
+        sub_range_bytes: args.sub_range_kib.0.map(|k| k * 1024),
         tile_bytes: args.tile_kib.max(1) * 1024,
         discard_partial: args.discard_partial,
         overwrite: args.overwrite,
