@@ -164,12 +164,14 @@ struct InstallArgs {
     /// throughput rises (2 to 16), or a fixed number.
     #[arg(long, default_value = "auto", value_parser = parse_jobs)]
     jobs: execute::Jobs,
-    /// Bytes per sub-range request, in KiB: the unit of the reorder window that lets
-    /// several connections feed one shard's hash in order (memory: (connections + 2) ×
-    /// this). Not part of the plan.
-    #[arg(long, value_name = "KIB", default_value_t = 4096,
-          value_parser = clap::value_parser!(u64).range(4..=1048576))]
-    sub_range_kib: u64,
+    /// Bytes per sub-range request, in KiB (4 to 1048576), or `auto`: the unit of the
+    /// reorder window that lets several connections feed one shard's hash in order
+    /// (memory: (connections + 2) × this). `auto` takes the largest size whose window
+    /// fits its memory budget at the connection count (4 to 32 MiB), so each request's
+    /// time to first byte is paid on as many bytes as the budget allows. Not part of
+    /// the plan.
+    #[arg(long, value_name = "KIB", default_value = "auto", value_parser = parse_sub_range)]
+    sub_range_kib: SubRangeKib,
     /// Source bytes per transform tile, in KiB (memory per read in flight).
     #[arg(long, default_value_t = 512)]
     tile_kib: usize,
@@ -335,6 +337,24 @@ fn cores() -> usize {
 /// `--threads N`: 1 to [`THREADS_PER_CORE`] × the available cores.
 fn parse_threads(text: &str) -> Result<usize, String> {
     threads_in(text, cores(), false)
+}
+
+/// `--sub-range-kib`: KiB per sub-range, `None` for `auto`.
+#[derive(Debug, Clone, Copy)]
+struct SubRangeKib(Option<u64>);
+
+/// `--sub-range-kib`: `auto` or a size in KiB from 4 to 1048576.
+fn parse_sub_range(text: &str) -> Result<SubRangeKib, String> {
+    let t = text.trim();
+    if t.eq_ignore_ascii_case("auto") {
+        return Ok(SubRangeKib(None));
+    }
+    match t.parse::<u64>() {
+        Ok(n @ 4..=1_048_576) => Ok(SubRangeKib(Some(n))),
+        _ => Err(format!(
+            "{text:?}: expected `auto` or a size in KiB from 4 to 1048576"
+        )),
+    }
 }
 
 /// `--threads N` where 0 means "the available cores".
@@ -517,7 +537,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
     let options = ExecuteOptions {
         out: out.clone(),
         jobs: args.jobs,
-        sub_range_bytes: args.sub_range_kib * 1024,
+        sub_range_bytes: args.sub_range_kib.0.map(|k| k * 1024),
         tile_bytes: args.tile_kib.max(1) * 1024,
         discard_partial: args.discard_partial,
         overwrite: args.overwrite,

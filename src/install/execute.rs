@@ -12,7 +12,7 @@
 //! Each job holds one tile of source rows and its transformed output (`tile_bytes`
 //! each, set by `--tile-kib`), never a tensor or a shard; the reorder window holds at
 //! most `(connections + 2) × sub_range_bytes` of fetched source bytes, and
-//! connections are held so that this stays within 128 MiB
+//! connections are held so that this stays within 144 MiB
 //! (`stream::WINDOW_BUDGET`). Memory is O(jobs × tile + connections × sub-range).
 //!
 //! # Crash safety and resume
@@ -44,8 +44,9 @@ pub struct ExecuteOptions {
     /// Connections (sub-range requests in flight): fixed, or grown while throughput rises.
     pub jobs: Jobs,
     /// Bytes per sub-range request: the unit of the reorder window (see
-    /// [`super::stream::Links`]).
-    pub sub_range_bytes: u64,
+    /// [`super::stream::Links`]); `None` sizes it to the connections
+    /// ([`super::stream::auto_sub_range`]).
+    pub sub_range_bytes: Option<u64>,
     /// Source bytes per transform tile (rounded to whole rows, at least one row).
     pub tile_bytes: usize,
     /// Throw away a partial install instead of resuming it.

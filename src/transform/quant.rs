@@ -67,6 +67,9 @@
 
 use crate::format::Scheme;
 
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
 /// The group size of gturbo's own INT4/INT8 installs, and the group a bare [`Bits`]
 /// stands for where a [`Spec`] is expected.
 pub const GROUP: usize = 64;
@@ -409,12 +412,7 @@ pub fn quantize_rows(
     let spec = spec.into();
     let n = src_bf16.len();
     check_shapes(n, cols, spec, weights.len(), scales.len(), biases.len())?;
-    let load = |g: usize, out: &mut [u16]| {
-        let len = out.len();
-        out.copy_from_slice(&src_bf16[g * len..(g + 1) * len]);
-    };
-    let n_groups = n / spec.group.size();
-    quantize_groups(n_groups, load, spec, weights, scales, biases)
+    quantize_groups(Input::Bits(src_bf16), spec, (weights, scales, biases))
 }
 
 /// [`quantize_rows`] over raw little-endian BF16 bytes, as they come off the network
@@ -433,70 +431,95 @@ pub fn quantize_rows_le_bytes(
     }
     let n = src.len() / 2;
     check_shapes(n, cols, spec, weights.len(), scales.len(), biases.len())?;
-    let load = |g: usize, out: &mut [u16]| {
-        let len = out.len();
-        let bytes = &src[g * len * 2..(g + 1) * len * 2];
-        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-            *o = u16::from_le_bytes([b[0], b[1]]);
-        }
-    };
-    let n_groups = n / spec.group.size();
-    quantize_groups(n_groups, load, spec, weights, scales, biases)
+    quantize_groups(Input::LeBytes(src), spec, (weights, scales, biases))
 }
 
-/// Quantize `n_groups` groups fetched by `load` (which fills a group-sized slice with
-/// group `g`'s BF16 bits); shapes are already checked. Picks the monomorphised loop.
-fn quantize_groups(
-    n_groups: usize,
-    load: impl Fn(usize, &mut [u16]),
-    spec: Spec,
-    weights: &mut [u8],
-    scales: &mut [u8],
-    biases: &mut [u8],
-) -> Result<(), QuantError> {
-    let out = (weights, scales, biases);
+/// The BF16 elements being quantized: bit patterns, or little-endian bytes read in
+/// place (no copy of a tile to widen it).
+#[derive(Debug, Clone, Copy)]
+enum Input<'a> {
+    Bits(&'a [u16]),
+    LeBytes(&'a [u8]),
+}
+
+impl Input<'_> {
+    /// Elements.
+    fn len(self) -> usize {
+        match self {
+            Input::Bits(s) => s.len(),
+            Input::LeBytes(b) => b.len() / 2,
+        }
+    }
+
+    /// Group `g` of `out.len()` elements into `out`.
+    #[inline(always)]
+    fn load_group(self, g: usize, out: &mut [u16]) {
+        let len = out.len();
+        match self {
+            Input::Bits(s) => out.copy_from_slice(&s[g * len..(g + 1) * len]),
+            Input::LeBytes(b) => {
+                let bytes = &b[g * len * 2..(g + 1) * len * 2];
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = u16::from_le_bytes([b[0], b[1]]);
+                }
+            }
+        }
+    }
+}
+
+/// Quantize every group of `input` (shapes already checked): the AVX2 loop where the
+/// CPU has it, else the portable one. Both give the same bytes and errors.
+fn quantize_groups(input: Input<'_>, spec: Spec, out: Outputs<'_>) -> Result<(), QuantError> {
+    #[cfg(target_arch = "x86_64")]
+    if x86::available() {
+        return x86::quantize(input, spec, out);
+    }
+    quantize_portable(input, spec, out)
+}
+
+/// The portable loop over every group of `input`: picks the monomorphised loop.
+fn quantize_portable(input: Input<'_>, spec: Spec, out: Outputs<'_>) -> Result<(), QuantError> {
+    let all = 0..input.len() / spec.group.size();
+    macro_rules! at_group {
+        ($bits:literal) => {
+            match spec.group {
+                Group::G32 => quantize_groups_at::<$bits, 32>(input, all, out),
+                Group::G64 => quantize_groups_at::<$bits, 64>(input, all, out),
+                Group::G128 => quantize_groups_at::<$bits, 128>(input, all, out),
+            }
+        };
+    }
     match spec.bits {
-        Bits::Two => quantize_groups_bits::<2>(n_groups, load, spec.group, out),
-        Bits::Three => quantize_groups_bits::<3>(n_groups, load, spec.group, out),
-        Bits::Four => quantize_groups_bits::<4>(n_groups, load, spec.group, out),
-        Bits::Five => quantize_groups_bits::<5>(n_groups, load, spec.group, out),
-        Bits::Six => quantize_groups_bits::<6>(n_groups, load, spec.group, out),
-        Bits::Eight => quantize_groups_bits::<8>(n_groups, load, spec.group, out),
+        Bits::Two => at_group!(2),
+        Bits::Three => at_group!(3),
+        Bits::Four => at_group!(4),
+        Bits::Five => at_group!(5),
+        Bits::Six => at_group!(6),
+        Bits::Eight => at_group!(8),
     }
 }
 
 /// The packed weights, scales and biases being written.
 type Outputs<'a> = (&'a mut [u8], &'a mut [u8], &'a mut [u8]);
 
-fn quantize_groups_bits<const BITS: u32>(
-    n_groups: usize,
-    load: impl Fn(usize, &mut [u16]),
-    group: Group,
-    out: Outputs<'_>,
-) -> Result<(), QuantError> {
-    match group {
-        Group::G32 => quantize_groups_at::<BITS, 32>(n_groups, load, out),
-        Group::G64 => quantize_groups_at::<BITS, 64>(n_groups, load, out),
-        Group::G128 => quantize_groups_at::<BITS, 128>(n_groups, load, out),
-    }
-}
-
+/// Groups `groups` of `input` into `out`, which holds exactly those groups' outputs.
 fn quantize_groups_at<const BITS: u32, const G: usize>(
-    n_groups: usize,
-    load: impl Fn(usize, &mut [u16]),
+    input: Input<'_>,
+    groups: std::ops::Range<usize>,
     (weights, scales, biases): Outputs<'_>,
 ) -> Result<(), QuantError> {
     let wbytes = G * BITS as usize / 8;
     let mut raw = [0u16; G];
     let mut codes = [0u32; G];
-    for ((g, (wout, sout)), bout) in weights
-        .chunks_exact_mut(wbytes)
-        .zip(scales.chunks_exact_mut(2))
-        .enumerate()
+    for ((g, (wout, sout)), bout) in groups
+        .zip(
+            weights
+                .chunks_exact_mut(wbytes)
+                .zip(scales.chunks_exact_mut(2)),
+        )
         .zip(biases.chunks_exact_mut(2))
-        .take(n_groups)
     {
-        load(g, &mut raw);
+        input.load_group(g, &mut raw);
         let (scale, bias) = quantize_group::<BITS, G>(&raw, &mut codes, g * G)?;
         pack::<BITS, G>(&codes, wout);
         sout.copy_from_slice(&f32_to_bf16(scale).to_le_bytes());
@@ -983,5 +1006,106 @@ mod tests {
             matches!(e, QuantError::RangeOverflow { index: 64, .. }),
             "{e:?}"
         );
+    }
+
+    /// BF16 groups of the kinds that need care, one kind per group: zeros of both
+    /// signs, constants (small, huge, of both signs), subnormals, values at BF16's
+    /// limit, spans that overflow, ±inf and NaN (only where `refuse` allows), near-ties,
+    /// and plain random rows with and without an offset.
+    fn hard_groups(n_groups: usize, group: usize, refuse: bool, mut seed: u64) -> Vec<u16> {
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut out = Vec::with_capacity(n_groups * group);
+        for g in 0..n_groups {
+            let kind = next() % if refuse { 18 } else { 16 };
+            for _ in 0..group {
+                let r = next();
+                let x = r % 97;
+                let v = match kind {
+                    0 => 0,
+                    1 => 0x8000,
+                    2 => 0x3f80,
+                    3 if x < 50 => 0x8000 | (r >> 20) as u16 & 0x7f,
+                    3 => (r >> 20) as u16 & 0x7f,
+                    4 => 0x7f7f,
+                    5 => 0xff7f,
+                    6 => [0x7f7f, 0x7f7e][(x < 48) as usize],
+                    7 => [0x0001, 0x8001][(x < 48) as usize],
+                    8 => [0x3f80, 0x3f81][(x < 48) as usize],
+                    9 => [0x4000, 0xc000][(x < 90) as usize],
+                    // Wide exponents, finite: any sign, exponent below all ones.
+                    10 => (r >> 16) as u16 & 0xff7f,
+                    11 => f32_to_bf16((r >> 40) as f32 * 1e-30),
+                    12 => f32_to_bf16((x as f32 - 48.0) / 4.0),
+                    13 | 14 => {
+                        let u = (r >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                        f32_to_bf16(u * 0.2 + if kind == 14 { 0.7 } else { 0.0 })
+                    }
+                    // Opposite signs near the limit: the span overflows.
+                    15 if g % 2 == 0 && refuse => [0x7f7f, 0xff7f][(x < 48) as usize],
+                    15 => 0x3c00,
+                    16 if x < 3 => 0x7f80 | x as u16,
+                    17 if x < 2 => 0xff80 | (x as u16) << 6,
+                    _ => f32_to_bf16((x as f32 - 48.0) / 1024.0),
+                };
+                out.push(v);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_avx2_loop_gives_the_portable_bytes_and_errors() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !x86::available() {
+                eprintln!("skipped: the_avx2_loop_gives_the_portable_bytes_and_errors: no AVX2");
+                return;
+            }
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+            let (mut ok, mut refused) = (0, 0);
+            for spec in Spec::all() {
+                let group = spec.group.size();
+                // 8, 11 and 24 groups per call: whole blocks, a block and a rest, three
+                // blocks; every third call may hold refused groups.
+                for (calls, n_groups) in [(40, 8), (40, 11), (30, 24)] {
+                    for c in 0..calls {
+                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        let src = hard_groups(n_groups, group, c % 3 == 0, seed);
+                        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let (wn, sn) = spec.packed_sizes(src.len());
+                        let run = |input: Input<'_>, fast: bool| {
+                            let (mut w, mut s, mut b) = (vec![0; wn], vec![0; sn], vec![0; sn]);
+                            let r = if fast {
+                                x86::quantize(input, spec, (&mut w, &mut s, &mut b))
+                            } else {
+                                quantize_portable(input, spec, (&mut w, &mut s, &mut b))
+                            };
+                            r.map(|()| (w, s, b))
+                        };
+                        let want = run(Input::Bits(&src), false);
+                        if want.is_ok() {
+                            ok += 1;
+                        } else {
+                            refused += 1;
+                        }
+                        let what = format!("{spec}, {n_groups} groups, call {c}");
+                        assert_eq!(run(Input::Bits(&src), true), want, "{what}");
+                        assert_eq!(run(Input::LeBytes(&bytes), true), want, "{what}, bytes");
+                    }
+                }
+            }
+            // Both outcomes were compared, many times.
+            assert!(
+                ok > 500 && refused > 300,
+                "{ok} quantized, {refused} refused"
+            );
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        eprintln!("skipped: the_avx2_loop_gives_the_portable_bytes_and_errors: not x86-64");
     }
 }
