@@ -12,13 +12,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${1:-target/demo}"
+# The SmolLM2 snapshot (a venv, a download, a conversion: network and Python, no cargo)
+# is made while cargo builds, so a cold run waits for the longer of the two, not both.
+scripts/fetch_smollm2.sh target/smollm2/snapshot &
+FETCH=$!
+trap 'kill $FETCH 2>/dev/null || true' EXIT
 # gturbo, and gturbo-dev (the local hub and the replica generator) from the test kit.
 cargo build -q -p gturbo -p gturbo-testkit --bins
 BIN=target/debug
 rm -rf "$WORK" && mkdir -p "$WORK"
 index_sha() { sha256sum "$1/model.safetensors.index.json" | cut -d' ' -f1; }
 
-scripts/fetch_smollm2.sh target/smollm2/snapshot
+wait $FETCH
 "$BIN/gturbo-dev" hub --repo "HuggingFaceTB/SmolLM2-135M-Instruct=target/smollm2/snapshot" \
   > "$WORK/smol-hub.url" &
 SMOL_HUB=$!

@@ -3,17 +3,23 @@
 # --total, SECONDS split evenly over the targets (CI's budget stays the same as
 # targets are added); exit non-zero if any target finds a crash. Installs cargo-fuzz
 # when missing; needs a nightly toolchain (`rustup toolchain install nightly`).
+# The targets are built once, then fuzzed side by side, one per CPU core (libFuzzer
+# runs on one thread), so each still gets a core for its whole SECONDS. --build only
+# builds them (CI does it early, beside other work, in fuzz/target of its own).
 #
-# Usage: scripts/fuzz.sh [--total] [SECONDS]
+# Usage: scripts/fuzz.sh [--total] [SECONDS] | scripts/fuzz.sh --build
 #
 # The seed corpora are generated here (valid safetensors headers; a valid manifest,
 # resident index and resident file) rather than committed as binaries; fuzz/corpus and fuzz/artifacts are gitignored. A crash leaves its input in
 # fuzz/artifacts/<target>/; turn it into a unit-test regression case before fixing.
 set -euo pipefail
 
-total=0
+total=0 build_only=0
 if [ "${1:-}" = --total ]; then
     total=1
+    shift
+elif [ "${1:-}" = --build ]; then
+    build_only=1
     shift
 fi
 seconds="${1:-60}"
@@ -90,13 +96,27 @@ seed_config_axes() {
 # optimises on one core for minutes. 16 units build it on every core, at a somewhat
 # slower execution rate, which a 30-second budget per target hardly notices.
 CODEGEN_UNITS="${CODEGEN_UNITS:-16}"
+build=(--sanitizer none --codegen-units "$CODEGEN_UNITS")
+cargo +nightly fuzz build "${build[@]}"
+[ "$build_only" = 0 ] || exit 0
 targets=$(cargo +nightly fuzz list)
 if [ "$total" = 1 ]; then
     count=$(printf '%s\n' "$targets" | grep -c .)
     seconds=$((seconds / count))
     [ "$seconds" -ge 1 ] || seconds=1
 fi
+# One fuzzer per core; each target's output goes to a log of its own, shown in target
+# order once all have finished.
+jobs=$(nproc 2>/dev/null || echo 1)
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+declare -A pid_target=()
 failed=()
+reap() {
+    local pid
+    wait -n -p pid "${!pid_target[@]}" || failed+=("${pid_target[$pid]}")
+    unset "pid_target[$pid]"
+}
 for target in $targets; do
     case "$target" in
     header_parse) seed_header_parse ;;
@@ -104,11 +124,16 @@ for target in $targets; do
     config_axes) seed_config_axes ;;
     esac
     mkdir -p "fuzz/corpus/$target"
+    while [ "${#pid_target[@]}" -ge "$jobs" ]; do reap; done
     echo "== fuzz $target for ${seconds}s" >&2
-    if ! cargo +nightly fuzz run --sanitizer none --codegen-units "$CODEGEN_UNITS" "$target" -- \
-        -max_total_time="$seconds" -timeout=10 -print_final_stats=1; then
-        failed+=("$target")
-    fi
+    cargo +nightly fuzz run "${build[@]}" "$target" -- \
+        -max_total_time="$seconds" -timeout=10 -print_final_stats=1 >"$logs/$target.log" 2>&1 &
+    pid_target[$!]=$target
+done
+while [ "${#pid_target[@]}" -gt 0 ]; do reap; done
+for target in $targets; do
+    echo "== fuzz $target" >&2
+    cat "$logs/$target.log" >&2
 done
 
 if [ "${#failed[@]}" -ne 0 ]; then

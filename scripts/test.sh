@@ -22,22 +22,36 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 stage lint
 
+# The Python peers (mlx, mlx-lm) and the test build share nothing: the peers run
+# beside the build and have finished before any test that reads their output starts.
 mkdir -p target/peers
-if [ -f scripts/mlx_crosscheck.py ]; then
-  python3 scripts/mlx_crosscheck.py target/peers/mlx_crosscheck.json
-  export GTURBO_MLX_CROSSCHECK="$PWD/target/peers/mlx_crosscheck.json"
-fi
-
-# The real smoke model (SmolLM2-135M-Instruct as a BF16 HF snapshot): fetched and
-# converted once, then reused (about 35 s cold, instant warm; scripts/demo.sh shares
-# it). Tests find it here.
-scripts/fetch_smollm2.sh target/smollm2/snapshot
+peers() {
+  if [ -f scripts/mlx_crosscheck.py ]; then
+    python3 scripts/mlx_crosscheck.py target/peers/mlx_crosscheck.json
+  fi
+  # The real smoke model (SmolLM2-135M-Instruct as a BF16 HF snapshot): fetched and
+  # converted once, then reused (about 35 s cold, instant warm; scripts/demo.sh shares
+  # it). Tests find it here.
+  scripts/fetch_smollm2.sh target/smollm2/snapshot
+  # mlx-lm's view of it (tokens, chat answer, greedy ids on a paragraph): an independent
+  # check of the conversion (the script fails on a wrong answer); its JSON is kept for reports.
+  if [ ! -f target/peers/smollm2_check.json ] || [ target/smollm2/snapshot/.complete -nt target/peers/smollm2_check.json ]; then
+    python3 scripts/smollm2_check.py target/smollm2/snapshot --json target/peers/smollm2_check.json
+  fi
+}
+peers > target/peers/peers.log 2>&1 &
+PEERS=$!
+trap 'kill $PEERS 2>/dev/null || true' EXIT
+[ ! -f scripts/mlx_crosscheck.py ] || export GTURBO_MLX_CROSSCHECK="$PWD/target/peers/mlx_crosscheck.json"
 export GTURBO_SMOLLM2_SNAPSHOT="$PWD/target/smollm2/snapshot"
-# mlx-lm's view of it (tokens, chat answer, greedy ids on a paragraph): an independent
-# check of the conversion (the script fails on a wrong answer); its JSON is kept for reports.
-if [ ! -f target/peers/smollm2_check.json ] || [ target/smollm2/snapshot/.complete -nt target/peers/smollm2_check.json ]; then
-  python3 scripts/smollm2_check.py target/smollm2/snapshot --json target/peers/smollm2_check.json
+cargo test --workspace --all-targets --no-run
+if ! wait $PEERS; then
+  cat target/peers/peers.log
+  echo "test.sh: a Python peer failed (log: target/peers/peers.log)" >&2
+  exit 1
 fi
+trap - EXIT
+cat target/peers/peers.log
 
 # Tests append `GTURBO-SKIP <test>: <reason>` here (gturbo_testkit::skip).
 export GTURBO_SKIP_LOG="$PWD/target/peers/skips.log"
