@@ -218,9 +218,11 @@ fn summary_number(stderr: &str, key: &str) -> u64 {
 
 /// 1 MiB reads in 128 KiB sub-ranges: eight per read, four connections.
 const WINDOWED: &[&str] = &["--range-mib", "1", "--sub-range-kib", "128", "--jobs", "4"];
-/// What can be in flight at once with [`WINDOWED`]: each of the 4 jobs' current read,
-/// plus every window place ((4 + 2) sub-ranges).
-const IN_FLIGHT_BOUND: u64 = 4 * (1 << 20) + 6 * (128 << 10);
+/// What can be in flight at once with [`WINDOWED`]: each of the 4 jobs' current read
+/// and the read before it, written but still waiting for its flush and journal line
+/// (the flush overlaps the next read: `stream::run_job`), plus every window place
+/// ((4 + 2) sub-ranges). A kill loses at most these.
+const IN_FLIGHT_BOUND: u64 = 4 * 2 * (1 << 20) + 6 * (128 << 10);
 
 /// Point 1: sub-ranges of one shard arrive concurrently and out of order; a kill
 /// while the window holds some of them, then a resume, gives byte-identical output,
