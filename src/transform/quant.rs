@@ -67,6 +67,28 @@
 
 use crate::format::Scheme;
 
+/// `$at!(BITS, GROUP)` for `$spec`'s width and group, as literals: the one place a
+/// spec picks its monomorphised loop (the portable one here, the AVX2 one in `x86`).
+macro_rules! for_spec {
+    ($spec:expr, $at:ident) => {
+        match $spec.bits {
+            Bits::Two => for_spec!(@group $spec, $at, 2),
+            Bits::Three => for_spec!(@group $spec, $at, 3),
+            Bits::Four => for_spec!(@group $spec, $at, 4),
+            Bits::Five => for_spec!(@group $spec, $at, 5),
+            Bits::Six => for_spec!(@group $spec, $at, 6),
+            Bits::Eight => for_spec!(@group $spec, $at, 8),
+        }
+    };
+    (@group $spec:expr, $at:ident, $bits:literal) => {
+        match $spec.group {
+            Group::G32 => $at!($bits, 32),
+            Group::G64 => $at!($bits, 64),
+            Group::G128 => $at!($bits, 128),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -480,23 +502,12 @@ fn quantize_groups(input: Input<'_>, spec: Spec, out: Outputs<'_>) -> Result<(),
 /// The portable loop over every group of `input`: picks the monomorphised loop.
 fn quantize_portable(input: Input<'_>, spec: Spec, out: Outputs<'_>) -> Result<(), QuantError> {
     let all = 0..input.len() / spec.group.size();
-    macro_rules! at_group {
-        ($bits:literal) => {
-            match spec.group {
-                Group::G32 => quantize_groups_at::<$bits, 32>(input, all, out),
-                Group::G64 => quantize_groups_at::<$bits, 64>(input, all, out),
-                Group::G128 => quantize_groups_at::<$bits, 128>(input, all, out),
-            }
+    macro_rules! at {
+        ($bits:literal, $group:literal) => {
+            quantize_groups_at::<$bits, $group>(input, all, out)
         };
     }
-    match spec.bits {
-        Bits::Two => at_group!(2),
-        Bits::Three => at_group!(3),
-        Bits::Four => at_group!(4),
-        Bits::Five => at_group!(5),
-        Bits::Six => at_group!(6),
-        Bits::Eight => at_group!(8),
-    }
+    for_spec!(spec, at)
 }
 
 /// The packed weights, scales and biases being written.

@@ -28,24 +28,13 @@ pub(super) fn available() -> bool {
 #[allow(unsafe_code)]
 pub(super) fn quantize(input: Input<'_>, spec: Spec, out: Outputs<'_>) -> Result<(), QuantError> {
     assert!(available(), "AVX2 quantizer on a CPU without AVX2");
-    macro_rules! at_group {
-        ($bits:literal) => {
-            match spec.group {
-                // SAFETY (each arm): AVX2 was detected at run time just above.
-                Group::G32 => unsafe { groups::<$bits, 32>(input, out) },
-                Group::G64 => unsafe { groups::<$bits, 64>(input, out) },
-                Group::G128 => unsafe { groups::<$bits, 128>(input, out) },
-            }
+    macro_rules! at {
+        ($bits:literal, $group:literal) => {
+            // SAFETY (each instance): AVX2 was detected at run time just above.
+            unsafe { groups::<$bits, $group>(input, out) }
         };
     }
-    match spec.bits {
-        Bits::Two => at_group!(2),
-        Bits::Three => at_group!(3),
-        Bits::Four => at_group!(4),
-        Bits::Five => at_group!(5),
-        Bits::Six => at_group!(6),
-        Bits::Eight => at_group!(8),
-    }
+    for_spec!(spec, at)
 }
 
 /// BF16 elements `e..e + 8` of the input, as eight u16 in element order.
