@@ -284,9 +284,9 @@ impl<'a> ReadWriter<'a> {
         // A stream written straight from the input (no copy): a pre-quantized part's
         // bytes are its stream's, a passthrough tensor's its weights'.
         let mut direct: Option<(usize, &[u8])> = None;
-        match p.scheme {
-            _ if p.stream.is_some() => direct = Some((p.stream.unwrap_or(0), src)),
-            Scheme::Passthrough => {
+        match (p.stream, p.scheme) {
+            (Some(k), _) => direct = Some((k, src)),
+            (None, Scheme::Passthrough) => {
                 if let Some(i) = crate::transform::first_non_finite(input, t.dtype) {
                     return Err(InstallError::NonFinite {
                         shard: self.plan.shards[t.shard].path.clone(),
@@ -296,7 +296,7 @@ impl<'a> ReadWriter<'a> {
                 }
                 direct = Some((0, input));
             }
-            Scheme::Affine(affine) => {
+            (None, Scheme::Affine(affine)) => {
                 let spec = Spec::from_affine(affine);
                 for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
                     buf.clear();
