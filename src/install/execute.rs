@@ -12,7 +12,7 @@
 //! Each job holds one tile of source rows and its transformed output (`tile_bytes`
 //! each, set by `--tile-kib`), never a tensor or a shard; the reorder window holds at
 //! most `(connections + 2) × sub_range_bytes` of fetched source bytes, and
-//! connections are held so that this stays within 144 MiB
+//! connections are held so that this stays within 192 MiB
 //! (`stream::WINDOW_BUDGET`). Memory is O(jobs × tile + connections × sub-range).
 //!
 //! # Crash safety and resume
@@ -70,7 +70,7 @@ pub enum Jobs {
 
 impl Jobs {
     /// Connections `--jobs auto` starts with.
-    pub const AUTO_START: usize = 4;
+    pub const AUTO_START: usize = 8;
     /// The most connections `--jobs auto` opens. With redirected (CDN) locations only
     /// the first request of each file reaches the hub's resolver; the window's memory
     /// (`(connections + 2) × sub-range`) is held within its budget as well.
@@ -182,11 +182,27 @@ pub async fn execute(
         "stream",
         &format!("{fetch_count} reads to fetch, {} kept", kept.kept),
     );
-    let ctx = JobContext::new(source.clone(), plan, placements, out, journal, options);
-    let streamed = stream::run(ctx, jobs, options.jobs, reporter).await?;
-
-    publish::copy_files(source.as_ref(), plan, &staging.dir, reporter).await?;
-    publish::finalize(prepared, &fingerprint, &staging.dir, reporter)?;
+    let ctx = JobContext::new(
+        source.clone(),
+        plan,
+        placements,
+        out,
+        journal,
+        options,
+        &jobs,
+    );
+    // The copied files (tokenizer, chat template) come while the stream runs: each
+    // costs requests with their time to first byte, which on a far hub added up to a
+    // third of a second after the last weight byte.
+    let copy = publish::copy_files(source.as_ref(), plan, &staging.dir, reporter);
+    let streamed = stream::run(ctx, jobs, options.jobs, reporter, copy).await?;
+    publish::finalize(
+        prepared,
+        &fingerprint,
+        &staging.dir,
+        &streamed.file_sha256,
+        reporter,
+    )?;
     publish::publish(staging, reporter)?;
     Ok(ExecuteSummary {
         reads_total: plan.reads.len() as u64,

@@ -6,6 +6,7 @@
 
 mod autojobs;
 pub mod execute;
+mod finished;
 mod journal;
 pub mod lock;
 mod nofollow;

@@ -87,8 +87,13 @@ fn listed_files(plan: &Plan) -> Vec<(String, &'static str)> {
 
 /// Fsync and hash every file in the staging directory, sorted by path: the
 /// manifest's `files`. Hashing is verify-install's ([`crate::verify::hash_files`]),
-/// on every core.
-fn hash_listed(plan: &Plan, staging: &Path) -> Result<Vec<ManifestFile>, InstallError> {
+/// on every core; `known` holds the output files the stream hashed already (by output
+/// file index, [`super::finished`]).
+fn hash_listed(
+    plan: &Plan,
+    staging: &Path,
+    known: &[Option<String>],
+) -> Result<Vec<ManifestFile>, InstallError> {
     let listed = listed_files(plan);
     let mut sizes = Vec::with_capacity(listed.len());
     for (r, _) in &listed {
@@ -101,10 +106,20 @@ fn hash_listed(plan: &Plan, staging: &Path) -> Result<Vec<ManifestFile>, Install
             .map_err(|e| io_err(&path, e))?;
         sizes.push(bytes);
     }
-    let rels: Vec<&str> = listed.iter().map(|(r, _)| r.as_str()).collect();
-    let hashes = crate::verify::hash_files(staging, &rels, 0, None);
+    let known = |i: usize| known.get(i).cloned().flatten();
+    let rels: Vec<&str> = (listed.iter().enumerate())
+        .filter(|&(i, _)| known(i).is_none())
+        .map(|(_, (r, _))| r.as_str())
+        .collect();
+    let mut hashes = crate::verify::hash_files(staging, &rels, 0, None).into_iter();
     let mut files = Vec::with_capacity(listed.len());
-    for (((r, kind), bytes), hash) in listed.into_iter().zip(sizes).zip(hashes) {
+    for (i, ((r, kind), bytes)) in listed.into_iter().zip(sizes).enumerate() {
+        let hash = match known(i) {
+            Some(sha) => Ok((sha, bytes)),
+            None => hashes
+                .next()
+                .unwrap_or_else(|| Err(crate::verify::VerifyFailure::new(&r, "", "not hashed"))),
+        };
         let (sha256, _) = hash.map_err(|f| InstallError::Io {
             path: staging.join(&r).display().to_string(),
             source: std::io::Error::other(if f.at.is_empty() {
@@ -129,17 +144,19 @@ pub(super) fn finalize(
     prepared: &Prepared,
     fingerprint: &str,
     staging: &Path,
+    known: &[Option<String>],
     reporter: &dyn InstallReporter,
 ) -> Result<(), InstallError> {
     let plan = &prepared.plan;
+    let early = known.iter().flatten().count();
     reporter.phase(
         "hash",
         &format!(
-            "{} files",
+            "{} files ({early} hashed during the stream)",
             output_file_paths(plan).len() + plan.outputs.copied.len()
         ),
     );
-    let hashed = tokio::task::block_in_place(|| hash_listed(plan, staging))?;
+    let hashed = tokio::task::block_in_place(|| hash_listed(plan, staging, known))?;
     let manifest = build_manifest(prepared, fingerprint, hashed);
     let mpath = staging.join(manifest::FILE_NAME);
     let manifest_bytes = manifest.to_canonical_bytes();

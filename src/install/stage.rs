@@ -44,6 +44,8 @@ pub(super) struct OutputFiles {
     pub files: Vec<File>,
     /// Their paths, for errors.
     pub paths: Vec<PathBuf>,
+    /// The staging directory they are in.
+    pub dir: PathBuf,
 }
 
 /// `out` with `suffix` appended to its last component.
@@ -135,7 +137,11 @@ impl Staging {
             paths.push(path);
             files.push(f);
         }
-        let out = OutputFiles { files, paths };
+        let out = OutputFiles {
+            files,
+            paths,
+            dir: self.dir.clone(),
+        };
         space_preflight(
             &self.dir,
             &out,

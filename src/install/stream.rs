@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use sha2::{Digest, Sha256};
 
 use crate::format::Scheme;
-use crate::plan::placement::TensorPlacement;
+use crate::plan::placement::{TensorPlacement, output_file_paths};
 use crate::plan::{Plan, RangeRead};
 use futures_util::StreamExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -33,6 +33,7 @@ use crate::transform::quant::{self, Spec};
 
 use super::autojobs::{self, Controller, Sample, Step};
 use super::execute::{ExecuteOptions, InstallReporter, Jobs};
+use super::finished::Finished;
 use super::journal::Journal;
 use super::source_hash::ResumableSha256;
 use super::stage::OutputFiles;
@@ -414,8 +415,11 @@ struct Counters {
 }
 
 /// What the stream stage did in this run.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct Streamed {
+    /// The SHA-256 of each output file the stream finished and hashed, by output file
+    /// index (`None`: hashed at publish).
+    pub file_sha256: Vec<Option<String>>,
     /// Reads fetched.
     pub reads: u64,
     /// Source bytes fetched.
@@ -445,6 +449,8 @@ pub(super) struct JobContext {
     abort_after: Option<u64>,
     /// The connection and reorder-window budget every job draws on.
     pub(super) links: Arc<Links>,
+    /// Output files hashed once the last read writing them is durable.
+    finished: Finished,
 }
 
 impl JobContext {
@@ -456,8 +462,21 @@ impl JobContext {
         out: OutputFiles,
         journal: Journal,
         options: &ExecuteOptions,
+        jobs: &[Job],
     ) -> JobContext {
+        let mut files_of = vec![Vec::new(); plan.reads.len()];
+        for &(ri, _) in jobs.iter().flat_map(|j| &j.steps) {
+            let mut files: Vec<usize> = segments(plan, &placements, &plan.reads[ri])
+                .iter()
+                .filter_map(|s| Some(placements[s.tensor].as_ref()?.row(s.row0).file))
+                .collect();
+            files.sort_unstable();
+            files.dedup();
+            files_of[ri] = files;
+        }
+        let finished = Finished::new(files_of, out.dir.clone(), output_file_paths(plan));
         JobContext {
+            finished,
             source,
             plan: plan.clone(),
             placements,
@@ -476,14 +495,16 @@ impl JobContext {
                     .jobs
                     .initial()
                     .min(Links::max_connections(sub_range));
-                Arc::new(Links::new(connections, sub_range))
+                Arc::new(Links::new(connections, sub_range, jobs.len()))
             },
         }
     }
 }
 
 /// Run `jobs`, `parallel` at a time, each on its own task so the transforms of
-/// different jobs run on different cores; reports each read as it completes.
+/// different jobs run on different cores; reports each read as it becomes durable
+/// (a job's reads used to be reported when the whole job ended: on a capped link the
+/// first progress line of a 3.4 GB install came after 13 s, with 2 % done).
 ///
 /// The tasks belong to a [`tokio::task::JoinSet`]: on the first error every other task
 /// is aborted and awaited before this returns. Before, the failed install returned
@@ -492,11 +513,15 @@ impl JobContext {
 /// and when it came back and polled its body's read timer, tokio panicked ("A Tokio
 /// 1.x context was found, but it is being shutdown", issue 13, item 1). Now no read
 /// outlives the install.
+///
+/// `beside` runs alongside the jobs (the copied files): its error ends the stream the
+/// same way a job's does.
 pub(super) async fn run(
     ctx: JobContext,
     jobs: Vec<Job>,
     connections: Jobs,
     reporter: &dyn InstallReporter,
+    beside: impl std::future::Future<Output = Result<(), InstallError>>,
 ) -> Result<Streamed, InstallError> {
     let ctx = Arc::new(ctx);
     // Each job uses at least one connection: more jobs at once than connections
@@ -505,24 +530,62 @@ pub(super) async fn run(
     let limit = connections.max().min(cap);
     tracing::debug!(
         connections = limit,
-        jobs_at_once = jobs_at_once(connections, &ctx.links, limit),
+        jobs_at_once = jobs_at_once(&ctx.links),
         "stream"
     );
-    let mut waiting = jobs.into_iter();
+    let waiting = jobs.into_iter();
     let mut running = tokio::task::JoinSet::new();
     let mut outcome = Ok(());
     let mut grow = Grower::new(connections, &ctx, limit as u64);
     let mut tick = tokio::time::interval(autojobs::TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // What the jobs report: reads made durable, windows that requested their last.
+    let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel::<JobEvent>();
+    let mut beside = std::pin::pin!(beside);
+    let mut beside_done = false;
+    // Jobs that still have sub-ranges to request. The next job starts as soon as one
+    // has requested its last, not when it ends: its last sub-ranges arriving, the
+    // consumer, the flush and the shard's hash check left connections idle between
+    // jobs (at `--jobs 4` on the capped link, 3 of 4 busy for ~0.5 s at every one).
+    let mut requesting = std::collections::BTreeSet::new();
+    let mut next_id = 0usize;
+    let mut waiting = waiting.peekable();
     loop {
         // Under `--jobs auto` this rises as the connections grow.
-        while running.len() < jobs_at_once(connections, &ctx.links, limit) {
+        while requesting.len() < jobs_at_once(&ctx.links) {
             let Some(job) = waiting.next() else { break };
-            let ctx = ctx.clone();
-            running.spawn(async move { run_job(ctx, job).await });
+            let (ctx, events, id) = (ctx.clone(), events.clone(), next_id);
+            next_id += 1;
+            requesting.insert(id);
+            running.spawn(async move { (id, run_job(ctx, job, id, events).await) });
         }
+        let last_jobs = if waiting.peek().is_none() {
+            requesting.len().max(1) as u64
+        } else {
+            0
+        };
+        ctx.links.last_jobs.store(last_jobs, Ordering::Relaxed);
         let joined = tokio::select! {
             j = running.join_next() => j,
+            Some(e) = events_rx.recv() => {
+                match e {
+                    JobEvent::Durable(n) => reporter.read_done(n),
+                    JobEvent::AllRequested(id) => {
+                        requesting.remove(&id);
+                    }
+                }
+                continue;
+            }
+            r = &mut beside, if !beside_done => {
+                beside_done = true;
+                match r {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        outcome = Err(e);
+                        break;
+                    }
+                }
+            }
             _ = tick.tick() => {
                 grow.sample(&ctx);
                 continue;
@@ -531,9 +594,20 @@ pub(super) async fn run(
         let Some(joined) = joined else {
             break;
         };
+        // Reads a job made durable just before it ended.
+        while let Ok(e) = events_rx.try_recv() {
+            match e {
+                JobEvent::Durable(n) => reporter.read_done(n),
+                JobEvent::AllRequested(id) => {
+                    requesting.remove(&id);
+                }
+            }
+        }
         match joined {
-            Ok(Ok(sizes)) => sizes.into_iter().for_each(|n| reporter.read_done(n)),
-            Ok(Err(e)) => {
+            Ok((id, Ok(()))) => {
+                requesting.remove(&id);
+            }
+            Ok((_, Err(e))) => {
                 outcome = Err(e);
                 break;
             }
@@ -546,6 +620,9 @@ pub(super) async fn run(
     // Abort what still runs and wait until every task has stopped.
     running.shutdown().await;
     outcome?;
+    if !beside_done {
+        beside.await?;
+    }
     let c = &ctx.counters;
     Ok(Streamed {
         reads: c.reads.load(Ordering::Relaxed),
@@ -554,21 +631,18 @@ pub(super) async fn run(
         shards_verified: c.shards_verified.load(Ordering::Relaxed),
         connections: ctx.links.peak(),
         peak_bytes_per_s: grow.peak_bytes_per_s(&ctx),
+        file_sha256: ctx.finished.take(),
     })
 }
 
-/// Shard jobs that run at once. A fixed `--jobs N` runs up to N (each with its own
-/// connections, as before; `limit` is N held to the window budget); `--jobs auto`
-/// runs [`autojobs::shard_jobs`] of the connections it has grown to: one per core
-/// while the consumer is the bound, more once the link is.
-fn jobs_at_once(jobs: Jobs, links: &Links, limit: usize) -> usize {
-    match jobs {
-        Jobs::Fixed(_) => limit,
-        Jobs::Auto => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            autojobs::shard_jobs(cores as u64, links.limit()) as usize
-        }
-    }
+/// Shard jobs that run at once: [`autojobs::shard_jobs`] of the connections allowed
+/// now (for a fixed `--jobs N`, N held to the window budget; under `--jobs auto` the
+/// connections it has grown to): one per core while the consumer is the bound, one
+/// per two connections once the link is. A fixed `--jobs N` used to run N jobs at
+/// once: at `--jobs 4` four jobs shared six window places on two cores, so while
+/// three consumed a sub-range each, a connection stood idle.
+fn jobs_at_once(links: &Links) -> usize {
+    autojobs::shard_jobs(cores(), links.limit()) as usize
 }
 
 /// Samples the link every [`autojobs::TICK`]: feeds `--jobs auto`'s
@@ -615,6 +689,16 @@ impl Grower {
             self.peak_from = (now, received);
         }
         let Some(c) = &mut self.controller else {
+            let bytes = received - self.last_received;
+            let secs = now.duration_since(self.last_at).as_secs_f64().max(1e-9);
+            (self.last_at, self.last_received) = (now, received);
+            tracing::trace!(
+                connections = links.limit(),
+                busy = links.busy.load(Ordering::Relaxed),
+                free_places = links.places.available_permits(),
+                mb_s = bytes as f64 / secs / 1e6,
+                "link: sample"
+            );
             return;
         };
         let pushbacks = ctx.source.pushbacks();
@@ -640,7 +724,7 @@ impl Grower {
                 }
                 tracing::debug!(
                     connections = n,
-                    shard_jobs = jobs_at_once(Jobs::Auto, links, n as usize),
+                    shard_jobs = jobs_at_once(links),
                     level_mb_s = c.last_rate().unwrap_or(0.0) / 1e6,
                     busy = sample.busy,
                     "jobs auto: more connections"
@@ -664,7 +748,16 @@ impl Grower {
     }
 }
 
-/// Run one job; returns the source bytes of each read it completed.
+/// What a job tells the stream stage while it runs.
+enum JobEvent {
+    /// A read is durable: its source bytes.
+    Durable(u64),
+    /// Job `id` has requested its last sub-range.
+    AllRequested(usize),
+}
+
+/// Run job `id`; sends the source bytes of each read once it is durable, and
+/// [`JobEvent::AllRequested`] once its window has requested everything.
 ///
 /// A read's bytes are made durable (fsync of the files it wrote) and its journal line
 /// written on a blocking thread while the job goes on with the next read: the disk
@@ -673,10 +766,16 @@ impl Grower {
 /// pre-quantized one, was bound by the flushes, one after another). The journal still
 /// gets a read's line only after its bytes are on disk, lines in read order, and at
 /// most one read more is in flight than before.
-async fn run_job(ctx: Arc<JobContext>, job: Job) -> Result<Vec<u64>, InstallError> {
+async fn run_job(
+    ctx: Arc<JobContext>,
+    job: Job,
+    id: usize,
+    events: tokio::sync::mpsc::UnboundedSender<JobEvent>,
+) -> Result<(), InstallError> {
     let plan = &ctx.plan;
     let mut hash = job.start_hash;
-    let mut sizes = Vec::new();
+    // The read whose flush is pending, and its source bytes.
+    let mut flushing = 0u64;
     let shard_path = &plan.shards[job.shard].path;
     let mut window = Window::new(
         &ctx,
@@ -684,6 +783,7 @@ async fn run_job(ctx: Arc<JobContext>, job: Job) -> Result<Vec<u64>, InstallErro
         job.steps
             .iter()
             .map(|&(ri, _)| plan.reads[ri].start..plan.reads[ri].end),
+        Some((events.clone(), id)),
     );
     let journal_hash = plan.options.verify_source && plan.shards[job.shard].sha256.is_some();
     let mut pending: Option<tokio::task::JoinHandle<Result<(), InstallError>>> = None;
@@ -703,17 +803,19 @@ async fn run_job(ctx: Arc<JobContext>, job: Job) -> Result<Vec<u64>, InstallErro
                 hash = after;
             }
             // The previous read's line first: the journal stays in read order.
-            if let Some(p) = pending.take()
-                && let Err(e) = durable(p).await
-            {
-                break 'reads Err(e);
+            if let Some(p) = pending.take() {
+                if let Err(e) = durable(p).await {
+                    break 'reads Err(e);
+                }
+                // The receiver is gone only when the install is ending anyway.
+                let _ = events.send(JobEvent::Durable(flushing));
             }
             let journaled = if journal_hash { hash.clone() } else { None };
             let c = ctx.clone();
             pending = Some(tokio::task::spawn_blocking(move || {
                 c.make_durable(ri, &written, journaled.as_ref())
             }));
-            sizes.push(read.end - read.start);
+            flushing = read.end - read.start;
         }
         Ok(())
     };
@@ -721,6 +823,9 @@ async fn run_job(ctx: Arc<JobContext>, job: Job) -> Result<Vec<u64>, InstallErro
     // nothing of this job runs on after it returns.
     if let Some(p) = pending.take() {
         let last = durable(p).await;
+        if last.is_ok() {
+            let _ = events.send(JobEvent::Durable(flushing));
+        }
         streamed?;
         last?;
     } else {
@@ -742,7 +847,7 @@ async fn run_job(ctx: Arc<JobContext>, job: Job) -> Result<Vec<u64>, InstallErro
             ctx.counters.shards_verified.fetch_add(1, Ordering::Relaxed);
         }
     }
-    Ok(sizes)
+    Ok(())
 }
 
 /// Fetch one read, transform and write it (not yet durable: [`JobContext::make_durable`]).
@@ -855,6 +960,7 @@ impl JobContext {
         }
         let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
         j.record(ri, &written.digest, hash)?;
+        self.finished.read_durable(ri);
         // Counted under the journal lock so the count equals the journal's lines
         // at any moment; the test hook below relies on it.
         let n = self.counters.reads.fetch_add(1, Ordering::Relaxed) + 1;
@@ -893,6 +999,11 @@ pub(super) struct Links {
     /// the install's shutdown aborts it (after a refusal such as a `Retry-After` over
     /// the limit, issue 13, item 7).
     failed: std::sync::atomic::AtomicBool,
+    /// The jobs the install runs.
+    jobs: usize,
+    /// Jobs still requesting once no job waits to start (0 while some wait): the
+    /// install's last sub-ranges are then cut smaller ([`Links::sub_range_now`]).
+    last_jobs: AtomicU64,
     /// Piece buffers not in use, each of capacity `sub_range`. A buffer is made only
     /// when none is spare and comes back when its piece is consumed (or its request
     /// fails), so at most one exists per window place ever granted: the window's
@@ -902,14 +1013,15 @@ pub(super) struct Links {
 
 /// The reorder window's share of the install's memory budget (256 MiB of RSS at any
 /// `--jobs`, issue 9): the rest is tiles, HTTP buffers and the runtime (about 45 MiB
-/// at 16 connections, measured). 144 MiB rather than 128 so that at 4 connections
-/// (`--jobs auto`'s start, or 4 shards) a 64 MiB read splits into three sub-ranges,
-/// not four ([`auto_sub_range`]).
-pub(super) const WINDOW_BUDGET: u64 = 144 << 20;
+/// at 16 connections, measured). 192 MiB so that at 4 connections (`--jobs 4`,
+/// `--jobs auto`'s start) a 64 MiB read is two requests of 32 MiB, not three of 21.3:
+/// each request waits its time to first byte, and at 40 ms and 50 MB/s per
+/// connection that wait cost 8.6 % of the link at 21.3 MiB, 5.6 % at 32.
+pub(super) const WINDOW_BUDGET: u64 = 192 << 20;
 
 /// The sub-range size `--sub-range-kib auto` gives `connections`: the largest whole
-/// MiB whose window (`connections + 2` places) fits [`WINDOW_BUDGET`], within 4 to 32
-/// MiB.
+/// MiB whose window ([`places_for`] the connections) fits [`WINDOW_BUDGET`], within 4
+/// to 32 MiB.
 ///
 /// Each request waits for its first byte (a CDN's or a far hub's latency) before
 /// bytes flow, so a connection moves `size / (size + latency × rate)` of its rate:
@@ -918,9 +1030,28 @@ pub(super) const WINDOW_BUDGET: u64 = 144 << 20;
 /// (their sum outruns the consumer). Above 32 MiB a sub-range only adds to what a
 /// kill re-fetches.
 pub(super) fn auto_sub_range(connections: usize) -> u64 {
+    sub_range_for(connections, cores())
+}
+
+fn sub_range_for(connections: usize, cores: u64) -> u64 {
     const MIB: u64 = 1 << 20;
-    let places = connections.max(1) as u64 + EXTRA_PLACES as u64;
+    let places = places_for(connections, cores, usize::MAX) as u64;
     (WINDOW_BUDGET / places / MIB).clamp(4, 32) * MIB
+}
+
+/// Window places at `connections` on `cores`: one per connection fetching, and one
+/// per shard job ([`autojobs::shard_jobs`] run at once, at most `jobs`, the jobs
+/// there are) consuming a sub-range while its next ones arrive. Two consuming places in all (as before) left connections idle
+/// whenever more than two jobs consumed at once: under `--jobs auto` at 8 connections
+/// (4 jobs) 6 of 8 were busy, and growth stopped there as if the link were the bound.
+fn places_for(connections: usize, cores: u64, jobs: usize) -> usize {
+    let c = connections.max(1);
+    c + (autojobs::shard_jobs(cores, c as u64) as usize).min(jobs.max(1))
+}
+
+/// The cores the install's jobs run on.
+fn cores() -> u64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u64)
 }
 
 /// glibc malloc arenas an install allocates from ([`bound_malloc_arenas`]).
@@ -949,22 +1080,25 @@ pub fn bound_malloc_arenas() {
     }
 }
 
-/// Window places beyond the connections: one sub-range being consumed per job while
-/// the connections fetch the next ones.
-const EXTRA_PLACES: usize = 2;
+/// The smallest sub-range [`Links::sub_range_now`] cuts: below it the time to first
+/// byte costs more than the idle connections it fills.
+const MIN_TAIL_SUB_RANGE: u64 = 4 << 20;
 
 impl Links {
-    fn new(connections: usize, sub_range: u64) -> Links {
+    /// `jobs`: the jobs the install runs (bounds the consuming places).
+    fn new(connections: usize, sub_range: u64, jobs: usize) -> Links {
         let connections = connections.max(1);
         Links {
             connections: Arc::new(Semaphore::new(connections)),
-            places: Arc::new(Semaphore::new(connections + EXTRA_PLACES)),
+            places: Arc::new(Semaphore::new(places_for(connections, cores(), jobs))),
+            jobs,
             limit: AtomicU64::new(connections as u64),
             sub_range,
             busy: AtomicU64::new(0),
             received: AtomicU64::new(0),
             peak_busy: AtomicU64::new(0),
             failed: std::sync::atomic::AtomicBool::new(false),
+            last_jobs: AtomicU64::new(0),
             spare: std::sync::Mutex::new(Vec::new()),
         }
     }
@@ -983,11 +1117,27 @@ impl Links {
             .push(buf);
     }
 
-    /// Allow one more connection (and one more window place).
+    /// The size of a job's next sub-range when `left` bytes of it are still to be
+    /// requested: `sub_range`, or, once no job waits to start, the job's share of the
+    /// connections over what it has left (at least [`MIN_TAIL_SUB_RANGE`]). Full-size
+    /// sub-ranges to the end left connections idle while the install's last one or two
+    /// arrived (at `--jobs 4` on the capped link: 1 or 2 of 4 busy for its last 0.5 s).
+    fn sub_range_now(&self, left: u64) -> u64 {
+        let jobs = self.last_jobs.load(Ordering::Relaxed);
+        if jobs == 0 {
+            return self.sub_range;
+        }
+        let share = (self.limit() / jobs).max(1);
+        (left / share).clamp(MIN_TAIL_SUB_RANGE.min(self.sub_range), self.sub_range)
+    }
+
+    /// Allow one more connection (and the window places that come with it).
     pub(super) fn grow(&self) {
+        let now = self.limit.fetch_add(1, Ordering::Relaxed) as usize;
+        let (cores, jobs) = (cores(), self.jobs);
         self.connections.add_permits(1);
-        self.places.add_permits(1);
-        self.limit.fetch_add(1, Ordering::Relaxed);
+        self.places
+            .add_permits(places_for(now + 1, cores, jobs) - places_for(now, cores, jobs));
     }
 
     /// Connections allowed now.
@@ -1003,9 +1153,17 @@ impl Links {
     /// The most connections whose window fits [`WINDOW_BUDGET`] at `sub_range` bytes
     /// each (at least 1): `--jobs` above it is held to it.
     pub(super) fn max_connections(sub_range: u64) -> usize {
-        let places = (WINDOW_BUDGET / sub_range.max(1)) as usize;
-        places.saturating_sub(EXTRA_PLACES).max(1)
+        max_connections_for(sub_range, cores())
     }
+}
+
+fn max_connections_for(sub_range: u64, cores: u64) -> usize {
+    let places = (WINDOW_BUDGET / sub_range.max(1)) as usize;
+    let mut c = 1;
+    while places_for(c + 1, cores, usize::MAX) <= places {
+        c += 1;
+    }
+    c
 }
 
 /// One fetched sub-range, in one buffer of the window's pool, and the window place it
@@ -1047,6 +1205,9 @@ struct Window<'a> {
     tasks: tokio::task::JoinSet<(u64, Result<Piece, SourceError>)>,
     /// Sub-ranges that arrived before their turn.
     early: std::collections::BTreeMap<u64, Result<Piece, SourceError>>,
+    /// Sent once the last sub-range is requested (the stream stage then starts the
+    /// next job).
+    all_requested: Option<(tokio::sync::mpsc::UnboundedSender<JobEvent>, usize)>,
 }
 
 impl<'a> Window<'a> {
@@ -1054,8 +1215,10 @@ impl<'a> Window<'a> {
         ctx: &'a JobContext,
         path: &str,
         ranges: impl IntoIterator<Item = std::ops::Range<u64>>,
+        all_requested: Option<(tokio::sync::mpsc::UnboundedSender<JobEvent>, usize)>,
     ) -> Window<'a> {
         Window {
+            all_requested,
             ctx,
             path: path.to_string(),
             ranges: ranges.into_iter().filter(|r| !r.is_empty()).collect(),
@@ -1070,8 +1233,8 @@ impl<'a> Window<'a> {
     /// nothing of this read is in the window, so a job always makes progress and
     /// never holds places it cannot use.
     async fn top_up(&mut self) {
-        let links = &self.ctx.links;
-        while let Some(front) = self.ranges.front().cloned() {
+        let links = self.ctx.links.clone();
+        while !self.ranges.is_empty() {
             let place = if self.spawned == self.handed {
                 match links.places.clone().acquire_owned().await {
                     Ok(p) => p,
@@ -1083,20 +1246,34 @@ impl<'a> Window<'a> {
                     Err(_) => return,
                 }
             };
-            let size = next_sub_range(front.end - front.start, links.sub_range);
-            let range = front.start..front.start + size;
-            if range.end == front.end {
-                self.ranges.pop_front();
-            } else if let Some(f) = self.ranges.front_mut() {
-                f.start = range.end;
-            }
-            let (index, source, path) = (self.spawned, self.ctx.source.clone(), self.path.clone());
-            let links = self.ctx.links.clone();
-            self.tasks.spawn(async move {
-                let got = fetch_piece(source.as_ref(), links, &path, range, place).await;
-                (index, got)
-            });
-            self.spawned += 1;
+            self.request(place);
+        }
+    }
+
+    /// Request the next sub-range under `place` (there is one).
+    fn request(&mut self, place: OwnedSemaphorePermit) {
+        let Some(front) = self.ranges.front().cloned() else {
+            return;
+        };
+        let links = self.ctx.links.clone();
+        let left: u64 = self.ranges.iter().map(|r| r.end - r.start).sum();
+        let size = next_sub_range(front.end - front.start, links.sub_range_now(left));
+        let range = front.start..front.start + size;
+        if range.end == front.end {
+            self.ranges.pop_front();
+        } else if let Some(f) = self.ranges.front_mut() {
+            f.start = range.end;
+        }
+        let (index, source, path) = (self.spawned, self.ctx.source.clone(), self.path.clone());
+        self.tasks.spawn(async move {
+            let got = fetch_piece(source.as_ref(), links, &path, range, place).await;
+            (index, got)
+        });
+        self.spawned += 1;
+        if self.ranges.is_empty()
+            && let Some((events, id)) = self.all_requested.take()
+        {
+            let _ = events.send(JobEvent::AllRequested(id));
         }
     }
 
@@ -1111,7 +1288,21 @@ impl<'a> Window<'a> {
                 self.handed += 1;
                 return Some(p);
             }
-            match self.tasks.join_next().await? {
+            // While the head is on its way, a place given back by another job's
+            // consumer is taken at once (topping up only between pieces left it
+            // free for the rest of a sub-range: at the capped link's tail, 2 of 4
+            // connections busy with 4 places free).
+            let more = !self.ranges.is_empty();
+            let joined = tokio::select! {
+                j = self.tasks.join_next() => j,
+                p = self.ctx.links.places.clone().acquire_owned(), if more => {
+                    if let Ok(p) = p {
+                        self.request(p);
+                    }
+                    continue;
+                }
+            };
+            match joined? {
                 // A sub-range that failed for good (its retry budget spent, or an
                 // answer such as 404) fails the read at once, whatever its place: the
                 // rest of the window is cancelled with it instead of spending budgets
@@ -1203,16 +1394,22 @@ mod tests {
 
     #[test]
     fn auto_sub_ranges_fit_the_window_budget_at_every_connection_count() {
-        assert_eq!(auto_sub_range(1), 32 * MIB);
-        assert_eq!(auto_sub_range(4), 24 * MIB);
-        assert_eq!(auto_sub_range(16), 8 * MIB);
-        assert_eq!(auto_sub_range(256), 4 * MIB);
-        for c in 1..=256 {
-            let size = auto_sub_range(c);
-            assert!((4 * MIB..=32 * MIB).contains(&size), "{c}: {size}");
-            // The connections the install opens at that size, and their window.
-            let used = c.min(Links::max_connections(size)) as u64;
-            assert!((used + EXTRA_PLACES as u64) * size <= WINDOW_BUDGET, "{c}");
+        // Two cores (this project's CI): 1 + 1, 4 + 2 and 16 + 8 places.
+        assert_eq!(sub_range_for(1, 2), 32 * MIB);
+        assert_eq!(sub_range_for(4, 2), 32 * MIB);
+        assert_eq!(sub_range_for(16, 2), 8 * MIB);
+        assert_eq!(sub_range_for(256, 2), 4 * MIB);
+        // Sixteen: four jobs consume at 4 connections.
+        assert_eq!(sub_range_for(4, 16), 24 * MIB);
+        for cores in [1, 2, 8, 16, 64] {
+            for c in 1..=256 {
+                let size = sub_range_for(c, cores);
+                assert!((4 * MIB..=32 * MIB).contains(&size), "{c}: {size}");
+                // The connections the install opens at that size, and their window.
+                let used = c.min(max_connections_for(size, cores));
+                let window = places_for(used, cores, usize::MAX) as u64 * size;
+                assert!(window <= WINDOW_BUDGET, "{cores} cores, {c}: {window}");
+            }
         }
     }
 
