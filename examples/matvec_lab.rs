@@ -7,7 +7,9 @@
 //! - diagnostic kernels (examples/matvec_lab/lab.wgsl) with the product's indexing:
 //!   loads only, arithmetic only (codes synthesised), the full product, and the full
 //!   product with two code words per row in flight;
-//! - a plain grid-stride read of the matrix, the memory ceiling.
+//! - a plain grid-stride read of the matrix, the memory ceiling;
+//! - the codes against an 8-bit x through packed 4 × 8-bit integer dot products
+//!   (examples/matvec_lab/dp4a.wgsl): what dropping the exact f32 products would buy.
 //!
 //! ```text
 //! cargo run --release --example matvec_lab -- [--shapes 8192x8192,16384x8192] [--runs 9]
@@ -29,6 +31,10 @@ use wgpu::util::DeviceExt;
 
 const PRODUCT: &str = include_str!("../src/runtime/kernels/gpu/shaders/qmatvec.wgsl");
 const LAB: &str = include_str!("matvec_lab/lab.wgsl");
+const DP4A: &str = include_str!("matvec_lab/dp4a.wgsl");
+/// The 8-bit x variant's largest difference from the f32 product (of max |y|): x's
+/// rounding, not an error of the kernel.
+const DP4A_TOLERANCE: f32 = 5e-2;
 const MIN_SET_BYTES: usize = 256 << 20;
 
 struct Variant {
@@ -45,6 +51,8 @@ struct Variant {
     product: bool,
     /// Bindings: the product's layout or the lab's.
     lab_layout: bool,
+    /// The 8-bit x kernel (dp4a.wgsl): the lab's layout plus x rounded to 8 bits.
+    dp4a: bool,
 }
 
 /// wgpu's defaults, and the lab's kernels again without the loop counters and division
@@ -72,6 +80,7 @@ fn lab(
         rows_per_wg,
         product,
         lab_layout: true,
+        dp4a: false,
     }
 }
 
@@ -93,6 +102,7 @@ fn variants() -> Vec<Variant> {
                 rows_per_wg: 256 / lanes * rps,
                 product: true,
                 lab_layout: false,
+                dp4a: false,
             });
         }
     }
@@ -131,6 +141,20 @@ fn variants() -> Vec<Variant> {
             let name = format!("x-in-registers {wg_rows} rows/wg{tag}");
             let constants = vec![("WG_ROWS", wg_rows as f64)];
             v.push(lab(name, "colmv", constants, checks, wg_rows, true));
+        }
+    }
+    for lanes in [64u32, 32] {
+        for (tag, checks) in GUARDED {
+            let mut d = lab(
+                format!("dp4a 8-bit x {lanes}x4{tag}"),
+                "dp4a",
+                vec![("LANES", lanes as f64)],
+                checks,
+                256 / lanes * 4,
+                true,
+            );
+            (d.source, d.dp4a) = (DP4A, true);
+            v.push(d);
         }
     }
     v.push(lab(
@@ -176,6 +200,27 @@ fn reference(m: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
             acc as f32
         })
         .collect()
+}
+
+/// x rounded to 8 bits per 32-code chunk (round to nearest, step max |x| / 127), packed
+/// as dp4a.wgsl reads it: per chunk the even codes' bytes, then the odd codes'; and per
+/// chunk (step, exact Σ x).
+fn quantize_x(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
+    let (mut xq, mut xs) = (Vec::new(), Vec::new());
+    for c in x.chunks_exact(32) {
+        let max = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let step = if max > 0.0 { max / 127.0 } else { 1.0 };
+        let q = |v: f32| ((v / step).round().clamp(-127.0, 127.0) as i8) as u8 as u32;
+        for parity in 0..2 {
+            for j in 0..4 {
+                let b = |i: usize| q(c[8 * j + 2 * i + parity]);
+                xq.push(b(0) | b(1) << 8 | b(2) << 16 | b(3) << 24);
+            }
+        }
+        xs.push(step);
+        xs.push(c.iter().map(|&v| v as f64).sum::<f64>() as f32);
+    }
+    (xq, xs)
 }
 
 fn main() {
@@ -258,6 +303,22 @@ fn main() {
         }
         let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
         let want = reference(&one, rows, cols, &x);
+        let (xq, xs) = quantize_x(&x);
+        let init = |label: &str, contents: &[u8]| {
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents,
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+        };
+        let xqb = init(
+            "xq",
+            &xq.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
+        );
+        let xsb = init(
+            "xs",
+            &xs.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
+        );
         let xb = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("x"),
             contents: &x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
@@ -352,7 +413,16 @@ fn main() {
                             resource: buf.as_entire_binding(),
                         }
                     }
-                    let entries: Vec<wgpu::BindGroupEntry> = if v.lab_layout {
+                    let entries: Vec<wgpu::BindGroupEntry> = if v.dp4a {
+                        vec![
+                            e(0, &lp),
+                            e(1, m),
+                            e(2, m),
+                            e(3, &xqb),
+                            e(4, &yb),
+                            e(5, &xsb),
+                        ]
+                    } else if v.lab_layout {
                         if v.entry == "stream" {
                             vec![e(0, &lp), e(2, m), e(4, &yb)]
                         } else {
@@ -417,9 +487,13 @@ fn main() {
                     .zip(&want)
                     .fold(0f32, |a, (g, w)| a.max((g - w).abs()))
                     / scale;
-                if err.is_nan() || err >= 1e-4 {
+                let tolerance = if v.dp4a { DP4A_TOLERANCE } else { 1e-4 };
+                if err.is_nan() || err >= tolerance {
                     println!("  {:<36} WRONG: max error {err:e} of max |y|", v.name);
                     continue;
+                }
+                if v.dp4a {
+                    println!("  {:<36} x's rounding: {err:.2e} of max |y|", v.name);
                 }
             }
             // A batch untimed first: the GPU's clocks drop while the host makes matrices.
