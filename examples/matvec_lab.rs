@@ -9,7 +9,7 @@
 //!   product with two code words per row in flight;
 //! - a plain grid-stride read of the matrix, the memory ceiling;
 //! - the codes against an 8-bit x through packed 4 × 8-bit integer dot products
-//!   (examples/matvec_lab/dp4a.wgsl): what dropping the exact f32 products would buy.
+//!   (lab.wgsl's `dp4a`): what dropping the exact f32 products would buy.
 //!
 //! ```text
 //! cargo run --release --example matvec_lab -- [--shapes 8192x8192,16384x8192] [--runs 9]
@@ -31,7 +31,6 @@ use wgpu::util::DeviceExt;
 
 const PRODUCT: &str = include_str!("../src/runtime/kernels/gpu/shaders/qmatvec.wgsl");
 const LAB: &str = include_str!("matvec_lab/lab.wgsl");
-const DP4A: &str = include_str!("matvec_lab/dp4a.wgsl");
 /// The 8-bit x variant's largest difference from the f32 product (of max |y|): x's
 /// rounding, not an error of the kernel.
 const DP4A_TOLERANCE: f32 = 5e-2;
@@ -51,7 +50,7 @@ struct Variant {
     product: bool,
     /// Bindings: the product's layout or the lab's.
     lab_layout: bool,
-    /// The 8-bit x kernel (dp4a.wgsl): the lab's layout plus x rounded to 8 bits.
+    /// The 8-bit x kernel (lab.wgsl's `dp4a`): the lab's layout plus x rounded to 8 bits.
     dp4a: bool,
 }
 
@@ -153,7 +152,7 @@ fn variants() -> Vec<Variant> {
                 256 / lanes * 4,
                 true,
             );
-            (d.source, d.dp4a) = (DP4A, true);
+            d.dp4a = true;
             v.push(d);
         }
     }
@@ -203,7 +202,7 @@ fn reference(m: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
 }
 
 /// x rounded to 8 bits per 32-code chunk (round to nearest, step max |x| / 127), packed
-/// as dp4a.wgsl reads it: per chunk the even codes' bytes, then the odd codes'; and per
+/// as lab.wgsl's `dp4a` reads it: per chunk the even codes' bytes, then the odd codes'; and per
 /// chunk (step, exact Σ x).
 fn quantize_x(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
     let (mut xq, mut xs) = (Vec::new(), Vec::new());
@@ -418,9 +417,9 @@ fn main() {
                             e(0, &lp),
                             e(1, m),
                             e(2, m),
-                            e(3, &xqb),
+                            e(5, &xqb),
                             e(4, &yb),
-                            e(5, &xsb),
+                            e(6, &xsb),
                         ]
                     } else if v.lab_layout {
                         if v.entry == "stream" {
