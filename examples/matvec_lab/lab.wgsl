@@ -293,15 +293,6 @@ fn dp4a_dot(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>) -> i32 {
         + (dot4I8Packed(lo.w, e.w) + dot4I8Packed(hi.w, o.w)));
 }
 
-fn dp4a_word(row: u32, row_v: u32, vi: u32) -> vec4<u32> {
-    return mat4[p.w_off / 4u + min(row, p.rows - 1u) * row_v + vi];
-}
-
-fn dp4a_sb(row: u32, groups: u32, g: u32) -> vec2<f32> {
-    let i = min(row, p.rows - 1u) * groups + g;
-    return vec2<f32>(bf16_at(p.s_off + i), bf16_at(p.b_off + i));
-}
-
 // As the product's qmatvec_fast at RPS 4: a set of LANES lanes computes 4 rows, each
 // lane one 16-byte code word of each row per step.
 @compute @workgroup_size(256)
@@ -320,10 +311,10 @@ fn dp4a(@builtin(workgroup_id) wid: vec3<u32>,
     let groups = p.cols / 64u;
     var acc = vec4<f32>(0.0);
     for (var vi = lane; vi < row_v; vi += LANES) {
-        let w0 = dp4a_word(row0, row_v, vi);
-        let w1 = dp4a_word(row0 + 1u, row_v, vi);
-        let w2 = dp4a_word(row0 + 2u, row_v, vi);
-        let w3 = dp4a_word(row0 + 3u, row_v, vi);
+        let w0 = word(row0, row_v, vi, 0u);
+        let w1 = word(row0, row_v, vi, 1u);
+        let w2 = word(row0, row_v, vi, 2u);
+        let w3 = word(row0, row_v, vi, 3u);
         let e = xq[2u * vi];
         let o = xq[2u * vi + 1u];
         let c = xs[vi];
@@ -334,30 +325,11 @@ fn dp4a(@builtin(workgroup_id) wid: vec3<u32>,
             f32(dp4a_dot(w2, e, o)),
             f32(dp4a_dot(w3, e, o)),
         ) * c.x;
-        let s0 = dp4a_sb(row0, groups, g);
-        let s1 = dp4a_sb(row0 + 1u, groups, g);
-        let s2 = dp4a_sb(row0 + 2u, groups, g);
-        let s3 = dp4a_sb(row0 + 3u, groups, g);
+        let s0 = sb(row0, 0u, groups, g);
+        let s1 = sb(row0, 1u, groups, g);
+        let s2 = sb(row0, 2u, groups, g);
+        let s3 = sb(row0, 3u, groups, g);
         acc += vec4<f32>(s0.x, s1.x, s2.x, s3.x) * d + vec4<f32>(s0.y, s1.y, s2.y, s3.y) * c.y;
     }
-    red[li] = acc.x;
-    red[256u + li] = acc.y;
-    red[512u + li] = acc.z;
-    red[768u + li] = acc.w;
-    workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            red[li] += red[li + s];
-            red[256u + li] += red[256u + li + s];
-            red[512u + li] += red[512u + li + s];
-            red[768u + li] += red[768u + li + s];
-        }
-        workgroupBarrier();
-    }
-    if (lane == 0u) {
-        if (row0 < p.rows) { y[row0] = red[li]; }
-        if (row0 + 1u < p.rows) { y[row0 + 1u] = red[256u + li]; }
-        if (row0 + 2u < p.rows) { y[row0 + 2u] = red[512u + li]; }
-        if (row0 + 3u < p.rows) { y[row0 + 3u] = red[768u + li]; }
-    }
+    reduce4(acc, li, lane, row0);
 }
