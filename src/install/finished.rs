@@ -91,14 +91,9 @@ impl Finished {
         let mut out = vec![None; self.left.len()];
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(Ok(hashed)) = worker.map(|w| w.join()) {
+            // A file is queued once, when its count of reads still to come reaches 0.
             for (f, sha) in hashed {
-                if self
-                    .left
-                    .get(f)
-                    .is_some_and(|n| n.load(Ordering::Acquire) == 0)
-                {
-                    out[f] = Some(sha);
-                }
+                out[f] = Some(sha);
             }
         }
         out

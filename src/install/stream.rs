@@ -464,17 +464,11 @@ impl JobContext {
         options: &ExecuteOptions,
         jobs: &[Job],
     ) -> JobContext {
-        let mut files_of = vec![Vec::new(); plan.reads.len()];
-        for &(ri, _) in jobs.iter().flat_map(|j| &j.steps) {
-            let mut files: Vec<usize> = segments(plan, &placements, &plan.reads[ri])
-                .iter()
-                .filter_map(|s| Some(placements[s.tensor].as_ref()?.row(s.row0).file))
-                .collect();
-            files.sort_unstable();
-            files.dedup();
-            files_of[ri] = files;
-        }
-        let finished = Finished::new(files_of, out.dir.clone(), output_file_paths(plan));
+        let finished = Finished::new(
+            files_of(plan, &placements, jobs),
+            out.dir.clone(),
+            output_file_paths(plan),
+        );
         JobContext {
             finished,
             source,
@@ -500,6 +494,42 @@ impl JobContext {
             },
         }
     }
+}
+
+/// The output files each read of `jobs` writes (by read index; empty for the others).
+///
+/// A tensor's placement lies in one file; the reads a tensor overlaps are found by a
+/// binary search among its shard's reads, so this is one pass over the tensors, not
+/// [`segments`] (a pass over every tensor) for every read.
+fn files_of(plan: &Plan, placements: &[Option<TensorPlacement>], jobs: &[Job]) -> Vec<Vec<usize>> {
+    let mut fetched = vec![false; plan.reads.len()];
+    for &(ri, _) in jobs.iter().flat_map(|j| &j.steps) {
+        fetched[ri] = true;
+    }
+    let mut by_shard: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for (ri, r) in plan.reads.iter().enumerate() {
+        by_shard.entry(r.shard).or_default().push(ri);
+    }
+    for reads in by_shard.values_mut() {
+        reads.sort_by_key(|&ri| plan.reads[ri].start);
+    }
+    let mut files = vec![Vec::new(); plan.reads.len()];
+    for (t, p) in plan.tensors.iter().zip(placements) {
+        let (Some(p), Some(reads)) = (p, by_shard.get(&t.shard)) else {
+            continue;
+        };
+        let file = p.row(0).file;
+        let first = reads.partition_point(|&ri| plan.reads[ri].end <= t.src[0]);
+        for &ri in reads[first..]
+            .iter()
+            .take_while(|&&ri| plan.reads[ri].start < t.src[1])
+        {
+            if fetched[ri] && !files[ri].contains(&file) {
+                files[ri].push(file);
+            }
+        }
+    }
+    files
 }
 
 /// Run `jobs`, `parallel` at a time, each on its own task so the transforms of
@@ -549,6 +579,12 @@ pub(super) async fn run(
     // consumer, the flush and the shard's hash check left connections idle between
     // jobs (at `--jobs 4` on the capped link, 3 of 4 busy for ~0.5 s at every one).
     let mut requesting = std::collections::BTreeSet::new();
+    let on_event = |e: JobEvent, requesting: &mut std::collections::BTreeSet<usize>| match e {
+        JobEvent::Durable(n) => reporter.read_done(n),
+        JobEvent::AllRequested(id) => {
+            requesting.remove(&id);
+        }
+    };
     let mut next_id = 0usize;
     let mut waiting = waiting.peekable();
     loop {
@@ -569,12 +605,7 @@ pub(super) async fn run(
         let joined = tokio::select! {
             j = running.join_next() => j,
             Some(e) = events_rx.recv() => {
-                match e {
-                    JobEvent::Durable(n) => reporter.read_done(n),
-                    JobEvent::AllRequested(id) => {
-                        requesting.remove(&id);
-                    }
-                }
+                on_event(e, &mut requesting);
                 continue;
             }
             r = &mut beside, if !beside_done => {
@@ -597,12 +628,7 @@ pub(super) async fn run(
         };
         // Reads a job made durable just before it ended.
         while let Ok(e) = events_rx.try_recv() {
-            match e {
-                JobEvent::Durable(n) => reporter.read_done(n),
-                JobEvent::AllRequested(id) => {
-                    requesting.remove(&id);
-                }
-            }
+            on_event(e, &mut requesting);
         }
         match joined {
             Ok((id, Ok(()))) => {
@@ -646,7 +672,7 @@ pub(super) async fn run(
 /// window places on two cores, so while three consumed a sub-range each, a connection
 /// stood idle.
 fn jobs_at_once(links: &Links) -> usize {
-    let (cores, limit) = (cores(), links.limit());
+    let (cores, limit) = (links.cores, links.limit());
     let jobs = autojobs::shard_jobs(cores, limit);
     if links.grown.load(Ordering::Relaxed) {
         jobs as usize
@@ -698,19 +724,6 @@ impl Grower {
             self.peak = self.peak.max(rate);
             self.peak_from = (now, received);
         }
-        let Some(c) = &mut self.controller else {
-            let bytes = received - self.last_received;
-            let secs = now.duration_since(self.last_at).as_secs_f64().max(1e-9);
-            (self.last_at, self.last_received) = (now, received);
-            tracing::trace!(
-                connections = links.limit(),
-                busy = links.busy.load(Ordering::Relaxed),
-                free_places = links.places.available_permits(),
-                mb_s = bytes as f64 / secs / 1e6,
-                "link: sample"
-            );
-            return;
-        };
         let pushbacks = ctx.source.pushbacks();
         let sample = Sample {
             bytes: received - self.last_received,
@@ -719,15 +732,18 @@ impl Grower {
             pushed_back: pushbacks != self.last_pushbacks,
         };
         (self.last_at, self.last_received, self.last_pushbacks) = (now, received, pushbacks);
-        let step = c.sample(sample);
-        let mb_s = sample.bytes as f64 / sample.elapsed.as_secs_f64().max(1e-9) / 1e6;
-        match step {
-            Step::Hold => tracing::trace!(
-                connections = c.limit(),
-                busy = sample.busy,
-                mb_s,
-                "jobs auto: sample"
-            ),
+        tracing::trace!(
+            connections = links.limit(),
+            busy = sample.busy,
+            free_places = links.places.available_permits(),
+            mb_s = sample.bytes as f64 / sample.elapsed.as_secs_f64().max(1e-9) / 1e6,
+            "link: sample"
+        );
+        let Some(c) = &mut self.controller else {
+            return;
+        };
+        match c.sample(sample) {
+            Step::Hold => {}
             Step::Grow(n) => {
                 while links.limit() < n {
                     links.grow();
@@ -793,7 +809,7 @@ async fn run_job(
         job.steps
             .iter()
             .map(|&(ri, _)| plan.reads[ri].start..plan.reads[ri].end),
-        Some((events.clone(), id)),
+        (events.clone(), id),
     );
     let journal_hash = plan.options.verify_source && plan.shards[job.shard].sha256.is_some();
     let mut pending: Option<tokio::task::JoinHandle<Result<(), InstallError>>> = None;
@@ -1009,8 +1025,9 @@ pub(super) struct Links {
     /// the install's shutdown aborts it (after a refusal such as a `Retry-After` over
     /// the limit, issue 13, item 7).
     failed: std::sync::atomic::AtomicBool,
-    /// The jobs the install runs.
+    /// The jobs the install runs, and the cores they run on.
     jobs: usize,
+    cores: u64,
     /// Whether `--jobs auto` has added connections (a fixed `--jobs N` starts so).
     grown: std::sync::atomic::AtomicBool,
     /// Jobs still requesting once no job waits to start (0 while some wait): the
@@ -1100,11 +1117,12 @@ impl Links {
     /// `jobs`: the jobs the install runs (bounds the consuming places).
     /// `grown`: whether the connections are already the link's bound (a fixed count).
     fn new(connections: usize, sub_range: u64, jobs: usize, grown: bool) -> Links {
-        let connections = connections.max(1);
+        let (connections, cores) = (connections.max(1), cores());
         Links {
             connections: Arc::new(Semaphore::new(connections)),
-            places: Arc::new(Semaphore::new(places_for(connections, cores(), jobs))),
+            places: Arc::new(Semaphore::new(places_for(connections, cores, jobs))),
             jobs,
+            cores,
             grown: std::sync::atomic::AtomicBool::new(grown),
             limit: AtomicU64::new(connections as u64),
             sub_range,
@@ -1149,7 +1167,7 @@ impl Links {
     pub(super) fn grow(&self) {
         let now = self.limit.fetch_add(1, Ordering::Relaxed) as usize;
         self.grown.store(true, Ordering::Relaxed);
-        let (cores, jobs) = (cores(), self.jobs);
+        let (cores, jobs) = (self.cores, self.jobs);
         self.connections.add_permits(1);
         self.places
             .add_permits(places_for(now + 1, cores, jobs) - places_for(now, cores, jobs));
@@ -1230,10 +1248,10 @@ impl<'a> Window<'a> {
         ctx: &'a JobContext,
         path: &str,
         ranges: impl IntoIterator<Item = std::ops::Range<u64>>,
-        all_requested: Option<(tokio::sync::mpsc::UnboundedSender<JobEvent>, usize)>,
+        all_requested: (tokio::sync::mpsc::UnboundedSender<JobEvent>, usize),
     ) -> Window<'a> {
         Window {
-            all_requested,
+            all_requested: Some(all_requested),
             ctx,
             path: path.to_string(),
             ranges: ranges.into_iter().filter(|r| !r.is_empty()).collect(),
