@@ -166,7 +166,7 @@ struct InstallArgs {
     jobs: execute::Jobs,
     /// Bytes per sub-range request, in KiB (4 to 1048576), or `auto`: the unit of the
     /// reorder window that lets several connections feed one shard's hash in order
-    /// (memory: (connections + 2) × this). `auto` takes the largest size whose window
+    /// (memory: (connections + consuming jobs) × this). `auto` takes the largest size whose window
     /// fits its memory budget at the connection count (4 to 32 MiB), so each request's
     /// time to first byte is paid on as many bytes as the budget allows. Not part of
     /// the plan.

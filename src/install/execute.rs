@@ -11,7 +11,7 @@
 //! # Memory
 //! Each job holds one tile of source rows and its transformed output (`tile_bytes`
 //! each, set by `--tile-kib`), never a tensor or a shard; the reorder window holds at
-//! most `(connections + 2) × sub_range_bytes` of fetched source bytes, and
+//! most `(connections + consuming jobs) × sub_range_bytes` of fetched source bytes, and
 //! connections are held so that this stays within 192 MiB
 //! (`stream::WINDOW_BUDGET`). Memory is O(jobs × tile + connections × sub-range).
 //!
@@ -75,7 +75,7 @@ impl Jobs {
     pub const AUTO_START: usize = 8;
     /// The most connections `--jobs auto` opens. With redirected (CDN) locations only
     /// the first request of each file reaches the hub's resolver; the window's memory
-    /// (`(connections + 2) × sub-range`) is held within its budget as well.
+    /// (`(connections + consuming jobs) × sub-range`) is held within its budget as well.
     pub const AUTO_MAX: usize = 16;
 
     /// Connections at the start.
