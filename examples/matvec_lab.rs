@@ -318,11 +318,10 @@ fn main() {
             "xs",
             &xs.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
         );
-        let xb = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("x"),
-            contents: &x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
-            usage: wgpu::BufferUsages::STORAGE,
-        });
+        let xb = init(
+            "x",
+            &x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
+        );
         let yb = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("y"),
             size: (rows * 4) as u64,
