@@ -9,7 +9,9 @@
 //!   product with two code words per row in flight;
 //! - a plain grid-stride read of the matrix, the memory ceiling;
 //! - the codes against an 8-bit x through packed 4 × 8-bit integer dot products
-//!   (lab.wgsl's `dp4a`): what dropping the exact f32 products would buy.
+//!   (lab.wgsl's `dp4a`): what dropping the exact f32 products would buy; and against
+//!   a 16-bit x as two bytes (`dp4a 16-bit x`, `X16`), two packed products per four
+//!   codes, whose rounding stays within the f32 path's 10⁻⁴ check.
 //!
 //! ```text
 //! cargo run --release --example matvec_lab -- [--shapes 8192x8192,16384x8192] [--runs 9]
@@ -50,8 +52,10 @@ struct Variant {
     product: bool,
     /// Bindings: the product's layout or the lab's.
     lab_layout: bool,
-    /// The 8-bit x kernel (lab.wgsl's `dp4a`): the lab's layout plus x rounded to 8 bits.
+    /// The packed-x kernel (lab.wgsl's `dp4a`): the lab's layout plus x rounded to 8 bits.
     dp4a: bool,
+    /// With `dp4a`: x rounded to 16 bits (lab.wgsl's `X16`) instead of 8.
+    x16: bool,
 }
 
 /// wgpu's defaults, and the lab's kernels again without the loop counters and division
@@ -80,6 +84,7 @@ fn lab(
         product,
         lab_layout: true,
         dp4a: false,
+        x16: false,
     }
 }
 
@@ -102,6 +107,7 @@ fn variants() -> Vec<Variant> {
                 product: true,
                 lab_layout: false,
                 dp4a: false,
+                x16: false,
             });
         }
     }
@@ -142,7 +148,7 @@ fn variants() -> Vec<Variant> {
             v.push(lab(name, "colmv", constants, checks, wg_rows, true));
         }
     }
-    for lanes in [64u32, 32] {
+    for lanes in [128u32, 64, 32] {
         for (tag, checks) in GUARDED {
             let mut d = lab(
                 format!("dp4a 8-bit x {lanes}x4{tag}"),
@@ -153,6 +159,16 @@ fn variants() -> Vec<Variant> {
                 true,
             );
             d.dp4a = true;
+            v.push(d);
+            let mut d = lab(
+                format!("dp4a 16-bit x {lanes}x4{tag}"),
+                "dp4a",
+                vec![("LANES", lanes as f64), ("X16", 1.0)],
+                checks,
+                256 / lanes * 4,
+                true,
+            );
+            (d.dp4a, d.x16) = (true, true);
             v.push(d);
         }
     }
@@ -201,25 +217,38 @@ fn reference(m: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// x rounded to 8 bits per 32-code chunk (round to nearest, step max |x| / 127), packed
-/// as lab.wgsl's `dp4a` reads it: per chunk the even codes' bytes, then the odd codes'; and per
-/// chunk (step, exact Σ x).
-fn quantize_x(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
-    let (mut xq, mut xs) = (Vec::new(), Vec::new());
+/// x rounded to `bits` (8 or 16) per 32-code chunk (round to nearest, step max |x| /
+/// (2^(bits-1) - 1)), packed as lab.wgsl's `dp4a` reads it: per chunk the even codes'
+/// bytes, then the odd codes'; at 16 bits the signed high bytes in the first list and
+/// the unsigned low bytes in the second; and per chunk (step, exact Σ x).
+fn quantize_x(x: &[f32], bits: u32) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+    let (mut xq, mut xl, mut xs) = (Vec::new(), Vec::new(), Vec::new());
+    let top = ((1i32 << (bits - 1)) - 1) as f32;
     for c in x.chunks_exact(32) {
         let max = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let step = if max > 0.0 { max / 127.0 } else { 1.0 };
-        let q = |v: f32| ((v / step).round().clamp(-127.0, 127.0) as i8) as u8 as u32;
+        let step = if max > 0.0 { max / top } else { 1.0 };
+        let q = |v: f32| (v / step).round().clamp(-top, top) as i32;
         for parity in 0..2 {
             for j in 0..4 {
-                let b = |i: usize| q(c[8 * j + 2 * i + parity]);
-                xq.push(b(0) | b(1) << 8 | b(2) << 16 | b(3) << 24);
+                let (mut hi, mut lo) = (0u32, 0u32);
+                for i in 0..4 {
+                    let v = q(c[8 * j + 2 * i + parity]);
+                    let (h, l) = if bits == 16 {
+                        (v >> 8, v & 255)
+                    } else {
+                        (v, 0)
+                    };
+                    hi |= ((h as i8) as u8 as u32) << (8 * i);
+                    lo |= (l as u32) << (8 * i);
+                }
+                xq.push(hi);
+                xl.push(lo);
             }
         }
         xs.push(step);
         xs.push(c.iter().map(|&v| v as f64).sum::<f64>() as f32);
     }
-    (xq, xs)
+    (xq, xl, xs)
 }
 
 fn main() {
@@ -302,7 +331,8 @@ fn main() {
         }
         let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
         let want = reference(&one, rows, cols, &x);
-        let (xq, xs) = quantize_x(&x);
+        let (xq, _, xs) = quantize_x(&x, 8);
+        let (xq16, xl16, xs16) = quantize_x(&x, 16);
         let init = |label: &str, contents: &[u8]| {
             device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some(label),
@@ -317,6 +347,16 @@ fn main() {
         let xsb = init(
             "xs",
             &xs.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
+        );
+        let words = |v: &[u32]| v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>();
+        let xq16b = init("xq16", &words(&xq16));
+        let xl16b = init("xl16", &words(&xl16));
+        let xs16b = init(
+            "xs16",
+            &xs16
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .collect::<Vec<_>>(),
         );
         let xb = init(
             "x",
@@ -412,13 +452,19 @@ fn main() {
                         }
                     }
                     let entries: Vec<wgpu::BindGroupEntry> = if v.dp4a {
+                        let (q, s) = if v.x16 {
+                            (&xq16b, &xs16b)
+                        } else {
+                            (&xqb, &xsb)
+                        };
                         vec![
                             e(0, &lp),
                             e(1, m),
                             e(2, m),
-                            e(5, &xqb),
+                            e(5, q),
                             e(4, &yb),
-                            e(6, &xsb),
+                            e(6, s),
+                            e(7, &xl16b),
                         ]
                     } else if v.lab_layout {
                         if v.entry == "stream" {
@@ -485,7 +531,11 @@ fn main() {
                     .zip(&want)
                     .fold(0f32, |a, (g, w)| a.max((g - w).abs()))
                     / scale;
-                let tolerance = if v.dp4a { DP4A_TOLERANCE } else { 1e-4 };
+                let tolerance = if v.dp4a && !v.x16 {
+                    DP4A_TOLERANCE
+                } else {
+                    1e-4
+                };
                 if err.is_nan() || err >= tolerance {
                     println!("  {:<36} WRONG: max error {err:e} of max |y|", v.name);
                     continue;

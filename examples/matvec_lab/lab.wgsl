@@ -282,6 +282,14 @@ fn colmv(@builtin(workgroup_id) wid: vec3<u32>,
 // Chunk c: (the step x was rounded to, the exact Σ x).
 @group(0) @binding(6) var<storage, read> xs: array<vec2<f32>>;
 
+// 1: x rounded to 16 bits per chunk instead of 8, as a signed high byte (`xq`) and an
+// unsigned low byte (`xl`, same packing): Σ q·x16 = 256·Σ q·hi + Σ q·lo, two packed
+// products per four codes, still exact integers (|Σ| < 32·15·32767 < 2^24, so exact
+// as f32 too). x's rounding is then 2^-16 of the chunk's largest |x|, within the f32
+// path's tolerance.
+override X16: u32 = 0u;
+@group(0) @binding(7) var<storage, read> xl: array<vec4<u32>>;
+
 // Σ q·xq over the 32 codes of `w` (integers, exact).
 fn dp4a_dot(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>) -> i32 {
     let m = vec4<u32>(0x0f0f0f0fu);
@@ -291,6 +299,23 @@ fn dp4a_dot(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>) -> i32 {
         + (dot4I8Packed(lo.y, e.y) + dot4I8Packed(hi.y, o.y)))
         + ((dot4I8Packed(lo.z, e.z) + dot4I8Packed(hi.z, o.z))
         + (dot4I8Packed(lo.w, e.w) + dot4I8Packed(hi.w, o.w)));
+}
+
+// Σ q·x16 over the 32 codes of `w`: high bytes (e, o) signed, low bytes (el, ol) not.
+fn dp4a_dot16(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>, el: vec4<u32>, ol: vec4<u32>) -> i32 {
+    let m = vec4<u32>(0x0f0f0f0fu);
+    let lo = w & m;
+    let hi = (w >> vec4<u32>(4u)) & m;
+    let l = ((dot4U8Packed(lo.x, el.x) + dot4U8Packed(hi.x, ol.x))
+        + (dot4U8Packed(lo.y, el.y) + dot4U8Packed(hi.y, ol.y)))
+        + ((dot4U8Packed(lo.z, el.z) + dot4U8Packed(hi.z, ol.z))
+        + (dot4U8Packed(lo.w, el.w) + dot4U8Packed(hi.w, ol.w)));
+    return 256 * dp4a_dot(w, e, o) + i32(l);
+}
+
+fn dp4a_word(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>, el: vec4<u32>, ol: vec4<u32>) -> f32 {
+    if (X16 == 1u) { return f32(dp4a_dot16(w, e, o, el, ol)); }
+    return f32(dp4a_dot(w, e, o));
 }
 
 // As the product's qmatvec_fast at RPS 4: a set of LANES lanes computes 4 rows, each
@@ -317,13 +342,19 @@ fn dp4a(@builtin(workgroup_id) wid: vec3<u32>,
         let w3 = word(row0, row_v, vi, 3u);
         let e = xq[2u * vi];
         let o = xq[2u * vi + 1u];
+        var el = vec4<u32>(0u);
+        var ol = vec4<u32>(0u);
+        if (X16 == 1u) {
+            el = xl[2u * vi];
+            ol = xl[2u * vi + 1u];
+        }
         let c = xs[vi];
         let g = vi / 2u;
         let d = vec4<f32>(
-            f32(dp4a_dot(w0, e, o)),
-            f32(dp4a_dot(w1, e, o)),
-            f32(dp4a_dot(w2, e, o)),
-            f32(dp4a_dot(w3, e, o)),
+            dp4a_word(w0, e, o, el, ol),
+            dp4a_word(w1, e, o, el, ol),
+            dp4a_word(w2, e, o, el, ol),
+            dp4a_word(w3, e, o, el, ol),
         ) * c.x;
         let s0 = sb(row0, 0u, groups, g);
         let s1 = sb(row0, 1u, groups, g);
