@@ -56,6 +56,11 @@ struct Variant {
     dp4a: bool,
     /// With `dp4a`: x rounded to 16 bits (lab.wgsl's `X16`) instead of 8.
     x16: bool,
+    /// Each matrix of the set writes a y of its own: wgpu then puts a barrier (a wait
+    /// for everything before it to drain) only where a y is reused, once per set,
+    /// instead of between every two products. A diagnostic of that wait, not the
+    /// product's structure (a decode token's products mostly depend on each other).
+    own_y: bool,
 }
 
 /// wgpu's defaults, and the lab's kernels again without the loop counters and division
@@ -85,6 +90,7 @@ fn lab(
         lab_layout: true,
         dp4a: false,
         x16: false,
+        own_y: false,
     }
 }
 
@@ -108,6 +114,7 @@ fn variants() -> Vec<Variant> {
                 lab_layout: false,
                 dp4a: false,
                 x16: false,
+                own_y: false,
             });
         }
     }
@@ -180,6 +187,28 @@ fn variants() -> Vec<Variant> {
         0,
         false,
     ));
+    // The same kernels with a y per matrix (`own_y`).
+    let own: Vec<Variant> = v
+        .iter()
+        .filter(|d| {
+            d.checks == (true, true, true)
+                && [
+                    "product 64x4",
+                    "dp4a 8-bit x 128x4",
+                    "dp4a 16-bit x 64x4",
+                    "stream",
+                ]
+                .iter()
+                .any(|n| d.name.starts_with(n))
+        })
+        .map(|d| Variant {
+            name: Box::leak(format!("{} own y", d.name).into_boxed_str()),
+            constants: d.constants.clone(),
+            own_y: true,
+            ..*d
+        })
+        .collect();
+    v.extend(own);
     v
 }
 
@@ -368,6 +397,17 @@ fn main() {
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
+        // The `own_y` variants' outputs of matrices 1.. (matrix 0 writes `yb`).
+        let own_ys: Vec<wgpu::Buffer> = (1..copies)
+            .map(|_| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("own y"),
+                    size: (rows * 4) as u64,
+                    usage: wgpu::BufferUsages::STORAGE,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
         let read = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("read"),
             size: (rows * 4) as u64,
@@ -444,7 +484,13 @@ fn main() {
             let layout = pipe.get_bind_group_layout(0);
             let bgs: Vec<wgpu::BindGroup> = mats
                 .iter()
-                .map(|m| {
+                .enumerate()
+                .map(|(c, m)| {
+                    let yb = if v.own_y && c > 0 {
+                        &own_ys[c - 1]
+                    } else {
+                        &yb
+                    };
                     fn e(b: u32, buf: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
                         wgpu::BindGroupEntry {
                             binding: b,
@@ -462,21 +508,21 @@ fn main() {
                             e(1, m),
                             e(2, m),
                             e(5, q),
-                            e(4, &yb),
+                            e(4, yb),
                             e(6, s),
                             e(7, &xl16b),
                         ]
                     } else if v.lab_layout {
                         if v.entry == "stream" {
-                            vec![e(0, &lp), e(2, m), e(4, &yb)]
+                            vec![e(0, &lp), e(2, m), e(4, yb)]
                         } else {
-                            vec![e(0, &lp), e(1, m), e(2, m), e(3, &xb), e(4, &yb)]
+                            vec![e(0, &lp), e(1, m), e(2, m), e(3, &xb), e(4, yb)]
                         }
                     } else {
                         vec![
                             e(0, &pp),
                             e(1, m),
-                            e(3, &yb),
+                            e(3, yb),
                             e(4, m),
                             e(5, &xb),
                             e(6, m),

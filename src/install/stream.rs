@@ -1383,17 +1383,13 @@ impl Handover {
     /// Bytes of a response before its rate is trusted.
     const MEASURED: u64 = 1 << 20;
 
-    fn new() -> Handover {
-        Handover {
-            asked: std::time::Instant::now(),
-            first: None,
-        }
+    fn new(asked: std::time::Instant) -> Handover {
+        Handover { asked, first: None }
     }
 
-    /// Whether the connection goes to the next request now, after a chunk of `n`
-    /// bytes with `left` bytes still to come.
-    fn due(&mut self, n: u64, left: u64) -> bool {
-        let now = std::time::Instant::now();
+    /// Whether the connection goes to the next request now (`now`: when a chunk of `n`
+    /// bytes arrived, with `left` bytes still to come).
+    fn due(&mut self, now: std::time::Instant, n: u64, left: u64) -> bool {
         let Some((at, since)) = &mut self.first else {
             self.first = Some((now, 0));
             return left == 0;
@@ -1436,7 +1432,7 @@ async fn fetch_piece(
     let mut buf = links.take_buffer();
     let want = range.end - range.start;
     let mut conn = Some(conn);
-    let mut handover = Handover::new();
+    let mut handover = Handover::new(std::time::Instant::now());
     let result = async {
         let mut body = source.stream_range(path, range.clone()).await?;
         while let Some(c) = body.next().await {
@@ -1452,7 +1448,8 @@ async fn fetch_piece(
                 });
             }
             buf.extend_from_slice(&c);
-            if conn.is_some() && handover.due(c.len() as u64, want - buf.len() as u64) {
+            let (n, left) = (c.len() as u64, want - buf.len() as u64);
+            if conn.is_some() && handover.due(std::time::Instant::now(), n, left) {
                 // The next request goes out now and waits for its first byte while
                 // this one's last bytes arrive.
                 links.busy.fetch_sub(1, Ordering::Relaxed);
@@ -1507,6 +1504,47 @@ mod tests {
                 assert!(window <= WINDOW_BUDGET, "{cores} cores, {c}: {window}");
             }
         }
+    }
+
+    #[test]
+    fn a_connection_is_handed_on_one_time_to_first_byte_before_the_last_byte() {
+        use std::time::{Duration, Instant};
+        // 32 MiB at 50 MB/s after 40 ms to the first byte, in 64 KiB chunks: handed on
+        // once what is left would take at most 40 ms, 2 MB, and not before.
+        let t0 = Instant::now();
+        let (size, chunk, rate) = (32 * MIB, 64 << 10, 50e6);
+        let mut h = Handover::new(t0);
+        let first = t0 + Duration::from_millis(40);
+        let mut got = 0;
+        let handed_at = loop {
+            got += chunk;
+            let at = first + Duration::from_secs_f64((got - chunk) as f64 / rate);
+            if h.due(at, chunk, size - got) {
+                break size - got;
+            }
+            assert!(got < size, "never handed on");
+        };
+        assert!(
+            (1_900_000..=2_000_000).contains(&handed_at),
+            "handed on with {handed_at} bytes left"
+        );
+        // Loopback: a first byte after 0.1 ms at 1 GB/s leaves 100 kB, the last chunks.
+        let mut h = Handover::new(t0);
+        let first = t0 + Duration::from_micros(100);
+        let mut got = 0;
+        let handed_at = loop {
+            got += chunk;
+            let at = first + Duration::from_secs_f64((got - chunk) as f64 / 1e9);
+            if h.due(at, chunk, size - got) {
+                break size - got;
+            }
+        };
+        assert!(handed_at <= 100_000, "{handed_at}");
+        // A response shorter than the measuring stretch keeps its connection to the end.
+        let mut h = Handover::new(t0);
+        assert!(!h.due(first, chunk, MIB - chunk));
+        assert!(!h.due(first + Duration::from_secs(1), chunk, 1));
+        assert!(h.due(first + Duration::from_secs(2), 1, 0));
     }
 
     #[test]
