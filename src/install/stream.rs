@@ -1370,8 +1370,11 @@ fn next_sub_range(rest: u64, max: u64) -> u64 {
 /// connection stood idle for one time to first byte per sub-range: 5.6 % of the link
 /// at 32 MiB sub-ranges, 50 MB/s and 40 ms (`--jobs 4`: 181 MB/s of 200 while
 /// streaming). The next request then waits for its first byte while these last bytes
-/// arrive, so at most `--jobs` responses carry bytes at once; a TCP connection more
-/// is open at such a moment. On loopback the time to first byte is well under a
+/// arrive: the two overlap only while it waits (a TCP connection more is open then),
+/// and the connection count the summary reports stays at most `--jobs`. The lead is
+/// capped at [`Handover::MAX_LEAD`]: a first byte that came after a retry's wait
+/// (inside the source's budget) is no measure of the link, and would hand over most
+/// of the response early. On loopback the time to first byte is well under a
 /// millisecond and the handover comes with the last chunk or two.
 struct Handover {
     asked: std::time::Instant,
@@ -1382,6 +1385,9 @@ struct Handover {
 impl Handover {
     /// Bytes of a response before its rate is trusted.
     const MEASURED: u64 = 1 << 20;
+    /// The longest time to first byte the handover leads by (a far CDN's is tens to a
+    /// couple of hundred milliseconds).
+    const MAX_LEAD: f64 = 0.25;
 
     fn new(asked: std::time::Instant) -> Handover {
         Handover { asked, first: None }
@@ -1402,8 +1408,11 @@ impl Handover {
             return false;
         }
         let rate = *since as f64 / now.duration_since(*at).as_secs_f64().max(1e-9);
-        let to_first_byte = at.duration_since(self.asked).as_secs_f64();
-        left as f64 <= rate * to_first_byte
+        let lead = at
+            .duration_since(self.asked)
+            .as_secs_f64()
+            .min(Self::MAX_LEAD);
+        left as f64 <= rate * lead
     }
 }
 
@@ -1540,6 +1549,22 @@ mod tests {
             }
         };
         assert!(handed_at <= 100_000, "{handed_at}");
+        // A first byte after a retry's 3 s wait: the lead is capped at 0.25 s (12.5 MB
+        // at 50 MB/s), not 3 s (the whole response).
+        let mut h = Handover::new(t0);
+        let first = t0 + Duration::from_secs(3);
+        let mut got = 0;
+        let handed_at = loop {
+            got += chunk;
+            let at = first + Duration::from_secs_f64((got - chunk) as f64 / rate);
+            if h.due(at, chunk, size - got) {
+                break size - got;
+            }
+        };
+        assert!(
+            (12_000_000..=12_500_000).contains(&handed_at),
+            "handed on with {handed_at} bytes left"
+        );
         // A response shorter than the measuring stretch keeps its connection to the end.
         let mut h = Handover::new(t0);
         assert!(!h.due(first, chunk, MIB - chunk));
