@@ -1518,54 +1518,37 @@ mod tests {
     #[test]
     fn a_connection_is_handed_on_one_time_to_first_byte_before_the_last_byte() {
         use std::time::{Duration, Instant};
-        // 32 MiB at 50 MB/s after 40 ms to the first byte, in 64 KiB chunks: handed on
-        // once what is left would take at most 40 ms, 2 MB, and not before.
         let t0 = Instant::now();
-        let (size, chunk, rate) = (32 * MIB, 64 << 10, 50e6);
-        let mut h = Handover::new(t0);
-        let first = t0 + Duration::from_millis(40);
-        let mut got = 0;
-        let handed_at = loop {
-            got += chunk;
-            let at = first + Duration::from_secs_f64((got - chunk) as f64 / rate);
-            if h.due(at, chunk, size - got) {
-                break size - got;
+        let (size, chunk) = (32 * MIB, 64 << 10);
+        // The bytes left when a 32 MiB response, in 64 KiB chunks, whose first byte
+        // came `first` after its request and the rest at `rate` B/s, hands on.
+        let handed_on_with = |first: Duration, rate: f64| {
+            let mut h = Handover::new(t0);
+            let mut got = 0;
+            loop {
+                got += chunk;
+                let at = t0 + first + Duration::from_secs_f64((got - chunk) as f64 / rate);
+                if h.due(at, chunk, size - got) {
+                    return size - got;
+                }
+                assert!(got < size, "never handed on");
             }
-            assert!(got < size, "never handed on");
         };
-        assert!(
-            (1_900_000..=2_000_000).contains(&handed_at),
-            "handed on with {handed_at} bytes left"
-        );
+        // 50 MB/s after 40 ms: once what is left takes at most 40 ms, 2 MB.
+        let left = handed_on_with(Duration::from_millis(40), 50e6);
+        assert!((1_900_000..=2_000_000).contains(&left), "{left} bytes left");
         // Loopback: a first byte after 0.1 ms at 1 GB/s leaves 100 kB, the last chunks.
-        let mut h = Handover::new(t0);
-        let first = t0 + Duration::from_micros(100);
-        let mut got = 0;
-        let handed_at = loop {
-            got += chunk;
-            let at = first + Duration::from_secs_f64((got - chunk) as f64 / 1e9);
-            if h.due(at, chunk, size - got) {
-                break size - got;
-            }
-        };
-        assert!(handed_at <= 100_000, "{handed_at}");
+        let left = handed_on_with(Duration::from_micros(100), 1e9);
+        assert!(left <= 100_000, "{left} bytes left");
         // A first byte after a retry's 3 s wait: the lead is capped at 0.25 s (12.5 MB
         // at 50 MB/s), not 3 s (the whole response).
-        let mut h = Handover::new(t0);
-        let first = t0 + Duration::from_secs(3);
-        let mut got = 0;
-        let handed_at = loop {
-            got += chunk;
-            let at = first + Duration::from_secs_f64((got - chunk) as f64 / rate);
-            if h.due(at, chunk, size - got) {
-                break size - got;
-            }
-        };
+        let left = handed_on_with(Duration::from_secs(3), 50e6);
         assert!(
-            (12_000_000..=12_500_000).contains(&handed_at),
-            "handed on with {handed_at} bytes left"
+            (12_000_000..=12_500_000).contains(&left),
+            "{left} bytes left"
         );
         // A response shorter than the measuring stretch keeps its connection to the end.
+        let first = t0 + Duration::from_millis(40);
         let mut h = Handover::new(t0);
         assert!(!h.due(first, chunk, MIB - chunk));
         assert!(!h.due(first + Duration::from_secs(1), chunk, 1));
