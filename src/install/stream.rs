@@ -1416,6 +1416,31 @@ impl Handover {
     }
 }
 
+/// A connection a request holds: its permit, counted in [`Links::busy`] (and the peak)
+/// from when it is taken until it is dropped, at the handover or the request's end.
+struct Busy<'a> {
+    links: &'a Links,
+    _permit: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl<'a> Busy<'a> {
+    fn new(links: &'a Links, permit: tokio::sync::SemaphorePermit<'a>) -> Busy<'a> {
+        let busy = links.busy.fetch_add(1, Ordering::Relaxed) + 1;
+        links.peak_busy.fetch_max(busy, Ordering::Relaxed);
+        Busy {
+            links,
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        // Before the permit goes (the fields drop after this), as before the handover.
+        self.links.busy.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Fetch one sub-range under a connection permit into a piece buffer; the permit goes
 /// to the next request a time to first byte before the last byte ([`Handover`]).
 async fn fetch_piece(
@@ -1425,7 +1450,7 @@ async fn fetch_piece(
     range: std::ops::Range<u64>,
     place: OwnedSemaphorePermit,
 ) -> Result<Piece, SourceError> {
-    let conn = links
+    let permit = links
         .connections
         .acquire()
         .await
@@ -1433,14 +1458,12 @@ async fn fetch_piece(
     if links.failed.load(Ordering::Acquire) {
         // The install is ending with another sub-range's error; park until the
         // shutdown aborts this task rather than add an error or a request of its own.
-        drop(conn);
+        drop(permit);
         return std::future::pending().await;
     }
-    let busy = links.busy.fetch_add(1, Ordering::Relaxed) + 1;
-    links.peak_busy.fetch_max(busy, Ordering::Relaxed);
+    let mut conn = Some(Busy::new(&links, permit));
     let mut buf = links.take_buffer();
     let want = range.end - range.start;
-    let mut conn = Some(conn);
     let mut handover = Handover::new(std::time::Instant::now());
     let result = async {
         let mut body = source.stream_range(path, range.clone()).await?;
@@ -1461,7 +1484,6 @@ async fn fetch_piece(
             if conn.is_some() && handover.due(std::time::Instant::now(), n, left) {
                 // The next request goes out now and waits for its first byte while
                 // this one's last bytes arrive.
-                links.busy.fetch_sub(1, Ordering::Relaxed);
                 conn = None;
             }
         }
@@ -1471,14 +1493,8 @@ async fn fetch_piece(
     if let Err(e) = result {
         // Before the connection is given back, so whoever takes it next sees it.
         links.failed.store(true, Ordering::Release);
-        if conn.is_some() {
-            links.busy.fetch_sub(1, Ordering::Relaxed);
-        }
         links.give_back(buf);
         return Err(e);
-    }
-    if conn.is_some() {
-        links.busy.fetch_sub(1, Ordering::Relaxed);
     }
     drop(conn);
     Ok(Piece {
