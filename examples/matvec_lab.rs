@@ -280,6 +280,11 @@ fn quantize_x(x: &[f32], bits: u32) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
     (xq, xl, xs)
 }
 
+/// A buffer's values as the little-endian bytes the GPU reads.
+fn le_bytes<T: Copy, const N: usize>(v: &[T], to: fn(T) -> [u8; N]) -> Vec<u8> {
+    v.iter().flat_map(|&e| to(e)).collect()
+}
+
 fn main() {
     let mut shapes = vec![(4096usize, 4096usize), (8192, 8192), (16384, 8192)];
     let (mut runs, mut batch, mut peak, mut only) = (9usize, 64usize, 4800f64, None::<Vec<String>>);
@@ -369,28 +374,12 @@ fn main() {
                 usage: wgpu::BufferUsages::STORAGE,
             })
         };
-        let xqb = init(
-            "xq",
-            &xq.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
-        );
-        let xsb = init(
-            "xs",
-            &xs.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
-        );
-        let words = |v: &[u32]| v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>();
-        let xq16b = init("xq16", &words(&xq16));
-        let xl16b = init("xl16", &words(&xl16));
-        let xs16b = init(
-            "xs16",
-            &xs16
-                .iter()
-                .flat_map(|w| w.to_le_bytes())
-                .collect::<Vec<_>>(),
-        );
-        let xb = init(
-            "x",
-            &x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
-        );
+        let xqb = init("xq", &le_bytes(&xq, u32::to_le_bytes));
+        let xsb = init("xs", &le_bytes(&xs, f32::to_le_bytes));
+        let xq16b = init("xq16", &le_bytes(&xq16, u32::to_le_bytes));
+        let xl16b = init("xl16", &le_bytes(&xl16, u32::to_le_bytes));
+        let xs16b = init("xs16", &le_bytes(&xs16, f32::to_le_bytes));
+        let xb = init("x", &le_bytes(&x, f32::to_le_bytes));
         let yb = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("y"),
             size: (rows * 4) as u64,
@@ -440,7 +429,7 @@ fn main() {
         let ub = |v: &[u32]| {
             device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("p"),
-                contents: &v.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<_>>(),
+                contents: &le_bytes(v, u32::to_le_bytes),
                 usage: wgpu::BufferUsages::UNIFORM,
             })
         };
