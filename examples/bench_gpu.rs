@@ -5,15 +5,24 @@
 //! figure is memory bandwidth, not cache), records `--batch` products cycling over
 //! them, and times the wall clock from submitting the batch to the device going idle. Each run gives
 //! `weight bytes read / time`; the median of `--runs` runs is printed, with the
-//! fraction of `--peak-gbs` when given (the H200's HBM is about 4800 GB/s).
+//! fraction of `--peak-gbs` when given (the H200's HBM is about 4800 GB/s). Where the
+//! adapter has timestamp queries each run is repeated with the batch's compute pass
+//! timed on the device (first dispatch's start to last one's end, the gaps between
+//! them included), printed beside the wall clock: that one leaves out the submit and
+//! the host's wake-up (about 2 us a product at a batch of 64 on the H200).
 //!
 //! ```text
 //! cargo run --release --example bench_gpu -- [--adapter NAME|INDEX] [--runs 15]
 //!     [--batch 64] [--peak-gbs 4800] [--shapes 4096x4096,8192x8192,16384x8192]
-//!     [--tilings auto,32x2,16x4]
+//!     [--tilings auto,32x2,16x4] [--kernels f32,x16,x16-repack]
 //! ```
 //!
-//! `--tilings` times the fast kernel at each `LANESxROWS` tiling (`auto`: the one the
+//! `--kernels`: `f32`, the f32 kernel (`qmatvec_fast`); `x16`, the packed 16-bit x
+//! kernel (`qmatvec_x16`) with x packed once for the batch (as q, k and v share one
+//! x); `x16-repack`, the same with two x taking turns, so every product packs its x
+//! first (as a product whose x is new each time). Each line says which one the
+//! runtime takes at that shape on this adapter.
+//! `--tilings` times the f32 kernel at each `LANESxROWS` tiling (`auto`: the one the
 //! runtime picks per shape), for tuning.
 
 use std::time::Instant;
@@ -35,6 +44,7 @@ struct Args {
     peak_gbs: Option<f64>,
     shapes: Vec<(usize, usize)>,
     tilings: Vec<Option<(u32, u32)>>,
+    kernels: Vec<String>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -45,6 +55,7 @@ fn parse() -> Result<Args, String> {
         peak_gbs: None,
         shapes: vec![(4096, 4096), (8192, 8192), (16384, 8192)],
         tilings: vec![None],
+        kernels: vec!["f32".into(), "x16".into(), "x16-repack".into()],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -83,6 +94,16 @@ fn parse() -> Result<Args, String> {
                     })
                     .collect::<Result<_, String>>()?
             }
+            "--kernels" => {
+                a.kernels = val()?.split(',').map(str::to_string).collect();
+                if let Some(k) = a
+                    .kernels
+                    .iter()
+                    .find(|k| !["f32", "x16", "x16-repack"].contains(&k.as_str()))
+                {
+                    return Err(format!("--kernels: {k}: want f32, x16 or x16-repack"));
+                }
+            }
             "--list" => {
                 for a in list_adapters() {
                     println!("{a}");
@@ -108,6 +129,7 @@ fn main() {
     };
     let ctx = match GpuContext::new(&GpuOptions {
         adapter: args.adapter.clone(),
+        pass_timestamps: true,
     }) {
         Ok(c) => c,
         Err(e) => {
@@ -116,6 +138,8 @@ fn main() {
         }
     };
     println!("adapter: {}", ctx.adapter());
+    // The runtime's own choice of kernel, before the rows below change it.
+    let policy = ctx.packed_x_min();
     // One submit per timed batch: nothing may start before the clock does.
     ctx.set_submit_every(4096);
     println!(
@@ -157,39 +181,74 @@ fn main() {
             }
         }
         let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
-        let run = || -> Result<f64, String> {
+        let x2: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
+        let run = |repack: bool| -> Result<f64, String> {
             let gx = ctx.upload_f32(&[1, cols], &x).map_err(|e| e.to_string())?;
+            let gx2 = ctx.upload_f32(&[1, cols], &x2).map_err(|e| e.to_string())?;
             let y = ctx
                 .zeros(&[1, rows], DType::F32)
                 .map_err(|e| e.to_string())?;
             ctx.flush().map_err(|e| e.to_string())?;
             // Recording is host work; the clock covers submit to idle.
             for i in 0..args.batch {
-                ctx.matmul(&mats[i % mats.len()], &gx, &y)
+                let x = if repack && i % 2 == 1 { &gx2 } else { &gx };
+                ctx.matmul(&mats[i % mats.len()], x, &y)
                     .map_err(|e| e.to_string())?;
             }
             let t = Instant::now();
             ctx.flush().map_err(|e| e.to_string())?;
             Ok(t.elapsed().as_secs_f64())
         };
-        for tiling in &args.tilings {
-            if let Err(e) = ctx.set_matvec_tiling(*tiling) {
+        ctx.set_packed_x(policy);
+        let x16_here = ctx.packed_x_takes(&mats[0]);
+        let rows_to_time = args.kernels.iter().flat_map(|k| {
+            let tilings = if k == "f32" {
+                args.tilings.clone()
+            } else {
+                vec![None]
+            };
+            tilings.into_iter().map(move |t| (k.as_str(), t))
+        });
+        for (kernel, tiling) in rows_to_time {
+            let x16 = kernel != "f32";
+            ctx.set_packed_x(x16.then_some(0));
+            if x16 && !ctx.packed_x_takes(&mats[0]) {
+                println!("[{rows} x {cols}] {kernel}: not eligible");
+                continue;
+            }
+            let repack = kernel == "x16-repack";
+            if let Err(e) = ctx.set_matvec_tiling(tiling) {
                 eprintln!("bench_gpu: {e}");
                 std::process::exit(2);
             }
             // One untimed run compiles the pipeline and faults the buffers in.
-            if let Err(e) = run() {
+            if let Err(e) = run(repack) {
                 eprintln!("bench_gpu: {rows}x{cols}: {e}");
                 std::process::exit(1);
             }
             let mut gbs = Vec::with_capacity(args.runs);
             let mut us = Vec::with_capacity(args.runs);
+            let (mut dev_gbs, mut dev_us) = (Vec::new(), Vec::new());
             for _ in 0..args.runs {
-                match run() {
-                    Ok(secs) => {
+                // A wall-clock run, then the same batch timed on the device.
+                let timed = run(repack).and_then(|wall| {
+                    ctx.set_pass_timestamps(true);
+                    let before = ctx.stats().gpu_ns;
+                    let r = run(repack);
+                    ctx.set_pass_timestamps(false);
+                    let ns = ctx.stats().gpu_ns - before;
+                    r.map(|_| (wall, ns as f64 * 1e-9))
+                });
+                match timed {
+                    Ok((secs, device)) => {
                         let per = secs / args.batch as f64;
                         us.push(per * 1e6);
                         gbs.push(one as f64 / per / 1e9);
+                        if device > 0.0 {
+                            let per = device / args.batch as f64;
+                            dev_us.push(per * 1e6);
+                            dev_gbs.push(one as f64 / per / 1e9);
+                        }
                     }
                     Err(e) => {
                         eprintln!("bench_gpu: {rows}x{cols}: {e}");
@@ -197,17 +256,34 @@ fn main() {
                     }
                 }
             }
+            let fraction = |g: f64| {
+                args.peak_gbs
+                    .map(|p| format!(", {:.1}% of {p} GB/s", 100.0 * g / p))
+                    .unwrap_or_default()
+            };
             let g = median(gbs);
-            let frac = args
-                .peak_gbs
-                .map(|p| format!(", {:.1}% of {p} GB/s", 100.0 * g / p))
-                .unwrap_or_default();
+            let frac = fraction(g);
+            let on_device = if dev_gbs.is_empty() {
+                String::new()
+            } else {
+                let g = median(dev_gbs);
+                format!(
+                    "; device time {:.1} us, {g:.2} GB/s{}",
+                    median(dev_us),
+                    fraction(g)
+                )
+            };
+            let taken = if x16_here == x16 && !repack {
+                ", the runtime's choice"
+            } else {
+                ""
+            };
             let label = match tiling {
-                Some((l, r)) => format!(" tiling {l}x{r}"),
-                None => String::new(),
+                Some((l, r)) => format!(" {kernel} tiling {l}x{r}"),
+                None => format!(" {kernel}{taken}"),
             };
             println!(
-                "[{rows} x {cols}]{label} {:.1} MiB/product over {copies} matrices: median {:.1} us, {g:.2} GB/s{frac}",
+                "[{rows} x {cols}]{label} {:.1} MiB/product over {copies} matrices: median {:.1} us, {g:.2} GB/s{frac}{on_device}",
                 one as f64 / (1 << 20) as f64,
                 median(us)
             );

@@ -326,7 +326,7 @@ fn main() {
     );
     let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
         label: Some("lab"),
-        required_features: wgpu::Features::empty(),
+        required_features: adapter.features() & wgpu::Features::TIMESTAMP_QUERY,
         required_limits: adapter.limits(),
         experimental_features: wgpu::ExperimentalFeatures::disabled(),
         memory_hints: wgpu::MemoryHints::Performance,
@@ -334,6 +334,28 @@ fn main() {
     }))
     .expect("no device");
     let max_x = device.limits().max_compute_workgroups_per_dimension as usize;
+    // The batch's device time from timestamps at its pass's start and end, where the
+    // adapter has them: the wall clock also holds the submit and the wake-up.
+    let stamps = device.features().contains(wgpu::Features::TIMESTAMP_QUERY).then(|| {
+        let buf = |usage| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("stamps"),
+                size: 16,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        (
+            device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("pass"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2,
+            }),
+            buf(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
+            buf(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
+            f64::from(queue.get_timestamp_period()),
+        )
+    });
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let vars: Vec<Variant> = variants()
         .into_iter()
@@ -532,20 +554,32 @@ fn main() {
                 rows.div_ceil(v.rows_per_wg as usize)
             };
             let (gx, gy) = (wgs.min(max_x) as u32, wgs.div_ceil(max_x) as u32);
-            let record = |n: usize| {
+            let record = |n: usize, timed: bool| {
                 let mut enc = device.create_command_encoder(&Default::default());
+                let stamped = stamps.as_ref().filter(|_| timed);
                 {
-                    let mut pass = enc.begin_compute_pass(&Default::default());
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: None,
+                        timestamp_writes: stamped.map(|(q, ..)| wgpu::ComputePassTimestampWrites {
+                            query_set: q,
+                            beginning_of_pass_write_index: Some(0),
+                            end_of_pass_write_index: Some(1),
+                        }),
+                    });
                     pass.set_pipeline(&pipe);
                     for i in 0..n {
                         pass.set_bind_group(0, &bgs[i % bgs.len()], &[]);
                         pass.dispatch_workgroups(gx, gy, 1);
                     }
                 }
+                if let Some((q, resolve, back, _)) = stamped {
+                    enc.resolve_query_set(q, 0..2, resolve, 0);
+                    enc.copy_buffer_to_buffer(resolve, 0, back, 0, 16);
+                }
                 enc.finish()
             };
             // Untimed: compiles, faults in; checks the product's output.
-            queue.submit([record(1)]);
+            queue.submit([record(1, false)]);
             if v.product {
                 let mut enc = device.create_command_encoder(&Default::default());
                 enc.copy_buffer_to_buffer(&yb, 0, &read, 0, (rows * 4) as u64);
@@ -580,16 +614,30 @@ fn main() {
                 }
             }
             // A batch untimed first: the GPU's clocks drop while the host makes matrices.
-            queue.submit([record(batch)]);
+            queue.submit([record(batch, false)]);
             device.poll(wgpu::PollType::wait_indefinitely()).ok();
-            let mut times = Vec::new();
+            let (mut times, mut device_times) = (Vec::new(), Vec::new());
             for _ in 0..runs {
-                let cmd = record(batch);
+                let cmd = record(batch, true);
                 device.poll(wgpu::PollType::wait_indefinitely()).ok();
                 let t = Instant::now();
                 queue.submit([cmd]);
                 device.poll(wgpu::PollType::wait_indefinitely()).ok();
                 times.push(t.elapsed().as_secs_f64() / batch as f64);
+                if let Some((_, _, back, period)) = &stamps {
+                    back.slice(..).map_async(wgpu::MapMode::Read, |_| {});
+                    device.poll(wgpu::PollType::wait_indefinitely()).ok();
+                    let ticks: Vec<u64> = back
+                        .slice(..)
+                        .get_mapped_range()
+                        .expect("mapped")
+                        .chunks_exact(8)
+                        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                        .collect();
+                    back.unmap();
+                    let ns = ticks[1].saturating_sub(ticks[0]) as f64 * period;
+                    device_times.push(ns * 1e-9 / batch as f64);
+                }
             }
             let t = median(times);
             let read_bytes = if v.rows_per_wg == 0 {
@@ -598,8 +646,20 @@ fn main() {
                 bytes
             };
             let gbs = read_bytes as f64 / t / 1e9;
+            let on_device = if device_times.is_empty() {
+                String::new()
+            } else {
+                let td = median(device_times);
+                let g = read_bytes as f64 / td / 1e9;
+                format!(
+                    " | device {:>6.1} us {:>7.1} GB/s {:>5.1}%",
+                    td * 1e6,
+                    g,
+                    100.0 * g / peak
+                )
+            };
             println!(
-                "  {:<36} {:>8.1} us {:>8.1} GB/s {:>5.1}% of {peak} GB/s",
+                "  {:<36} {:>8.1} us {:>8.1} GB/s {:>5.1}% of {peak} GB/s{on_device}",
                 v.name,
                 t * 1e6,
                 gbs,

@@ -422,6 +422,7 @@ fn gpu_backend(
     use crate::runtime::kernels::gpu::{Gpu, GpuOptions, list_adapters};
     let mut opts = GpuOptions {
         adapter: args.adapter.clone(),
+        ..Default::default()
     };
     if auto && opts.adapter.is_none() {
         if !may_have_gpu() {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use wgpu::util::DeviceExt;
@@ -107,6 +107,13 @@ fn env_tiling() -> Option<(u32, u32)> {
     (l.is_power_of_two() && (4..=256).contains(&l) && (1..=4).contains(&r)).then_some((l, r))
 }
 
+/// `GTURBO_GPU_X16_LANES=N`: `qmatvec_x16`'s invocations per 4 rows for every product
+/// (benchmarks; a power of two, 4 to 256).
+fn env_x16_lanes() -> Option<u32> {
+    let l: u32 = std::env::var("GTURBO_GPU_X16_LANES").ok()?.trim().parse().ok()?;
+    (l.is_power_of_two() && (4..=256).contains(&l)).then_some(l)
+}
+
 fn env_usize(name: &str) -> Option<usize> {
     std::env::var(name).ok()?.trim().parse().ok()
 }
@@ -206,6 +213,9 @@ pub struct GpuOptions {
     /// An index from [`list_adapters`], or a case-insensitive part of the adapter's
     /// name; `None` takes the first (best) one.
     pub adapter: Option<String>,
+    /// Ask for timestamp queries (where the adapter has them) so that
+    /// [`GpuContext::set_pass_timestamps`] can time whole compute passes (benchmarks).
+    pub pass_timestamps: bool,
 }
 
 /// Work recorded but not yet submitted.
@@ -261,6 +271,44 @@ pub struct GpuContext {
     pub(crate) attn_split: bool,
     /// The split attention's partial results, grown by doubling and reused.
     attn_part: Mutex<Option<Arc<wgpu::Buffer>>>,
+    /// The smallest `rows · cols` whose 4-bit decode product takes the packed 16-bit
+    /// x kernel (`qmatvec_x16`); `None`: never.
+    pub(crate) packed_x_min: Mutex<Option<usize>>,
+    /// x as `qmatvec_x16` reads it, and which x that is.
+    pub(crate) packed_x: Mutex<PackedX>,
+    /// `qmatvec_x16`'s lanes per 4 rows when set (`GTURBO_GPU_X16_LANES`, tests),
+    /// else [`super::ops::x16_lanes`].
+    pub(crate) x16_lanes: Mutex<Option<u32>>,
+    /// Profiling (`GTURBO_GPU_STATS`): every dispatch gets a pass of its own, timed.
+    time_each_dispatch: bool,
+    /// Whether passes opened now get timestamps (profiling, or a benchmark's
+    /// [`GpuContext::set_pass_timestamps`]).
+    time_passes: AtomicBool,
+}
+
+/// The packed-x buffer (grown, reused) and the x it holds now: `(x's buffer, cols)`,
+/// valid until anything else is recorded (every other dispatch, copy, clear or write
+/// forgets it, so a later write to that x can never be missed).
+#[derive(Default)]
+pub(crate) struct PackedX {
+    pub(crate) buf: Option<Arc<wgpu::Buffer>>,
+    pub(crate) holds: Option<(wgpu::Buffer, usize)>,
+}
+
+/// Where `qmatvec_x16` starts paying for its pack dispatch: at [4096 × 4096] on the
+/// H200 (docs/GPU.md has the figures), so from 16 M codes.
+const PACKED_X_MIN_CODES: usize = 4096 * 4096;
+
+/// `GTURBO_GPU_PACKED_X`: `0` never, `1` every eligible product (tests, figures),
+/// unset: on Vulkan and DX12 from [`PACKED_X_MIN_CODES`]; not on Metal, where the
+/// packed dot products have no measured speed (naga may emulate them).
+fn packed_x_default(backend: wgpu::Backend) -> Option<usize> {
+    match env_usize("GTURBO_GPU_PACKED_X") {
+        Some(0) => None,
+        Some(_) => Some(0),
+        None => matches!(backend, wgpu::Backend::Vulkan | wgpu::Backend::Dx12)
+            .then_some(PACKED_X_MIN_CODES),
+    }
 }
 
 impl fmt::Debug for GpuContext {
@@ -313,8 +361,9 @@ impl GpuContext {
         // default 128 MiB binding.
         let limits = adapter.limits();
         let profile = std::env::var_os("GTURBO_GPU_STATS").is_some_and(|v| v != "0");
-        // Timestamps only when profiling, and only where the adapter has them.
-        let features = if profile {
+        // Timestamps only when profiling or asked for, and only where the adapter has
+        // them.
+        let features = if profile || opts.pass_timestamps {
             adapter.features() & wgpu::Features::TIMESTAMP_QUERY
         } else {
             wgpu::Features::empty()
@@ -380,6 +429,11 @@ impl GpuContext {
             fuse_moe: env_usize("GTURBO_GPU_FUSE") != Some(0),
             attn_split: env_usize("GTURBO_GPU_ATTN_SPLIT") != Some(0),
             attn_part: Mutex::new(None),
+            packed_x_min: Mutex::new(packed_x_default(adapter.get_info().backend)),
+            packed_x: Mutex::new(PackedX::default()),
+            x16_lanes: Mutex::new(env_x16_lanes()),
+            time_each_dispatch: profile,
+            time_passes: AtomicBool::new(profile),
             device,
             queue,
             summary,
@@ -434,6 +488,70 @@ impl GpuContext {
         }
         *lock(&self.tiling) = tiling;
         Ok(())
+    }
+
+    /// Which 4-bit decode products take the packed 16-bit x kernel: those of at least
+    /// `min_codes` codes (`Some(0)`: every eligible one), or none. For tests and
+    /// benchmarks; the default depends on the backend (`GTURBO_GPU_PACKED_X`).
+    pub fn set_packed_x(&self, min_codes: Option<usize>) {
+        *lock(&self.packed_x_min) = min_codes;
+    }
+
+    /// Run `f` on the packed-x state, with nothing else recorded meanwhile.
+    pub(crate) fn with_packed_x<R>(&self, f: impl FnOnce(&mut PackedX) -> R) -> R {
+        f(&mut lock(&self.packed_x))
+    }
+
+    /// Time each compute pass opened from now on on the device (where the context
+    /// was made with [`GpuOptions::pass_timestamps`] and the adapter has timestamps;
+    /// otherwise nothing is timed): [`GpuStats::gpu_ns`] then adds each pass's device
+    /// time, gaps between its dispatches included. Reading the timestamps back makes
+    /// each submit wait, so a benchmark times the wall clock with this off.
+    pub fn set_pass_timestamps(&self, on: bool) {
+        self.time_passes.store(on, Ordering::Relaxed);
+    }
+
+    /// The smallest product (in codes) that takes the packed 16-bit x kernel, or
+    /// `None`: see [`GpuContext::set_packed_x`].
+    pub fn packed_x_min(&self) -> Option<usize> {
+        *lock(&self.packed_x_min)
+    }
+
+    /// Whether the decode product of `w` takes the packed 16-bit x kernel.
+    pub fn packed_x_takes(&self, w: &super::tensor::GpuMatrix) -> bool {
+        super::ops::qmatvec_x16_path(w) && self.packed_x_for(w.rows * w.cols)
+    }
+
+    /// Force `qmatvec_x16`'s invocations per 4 rows (a power of two, 4 to 256; other
+    /// values are refused); `None` restores the shape-based choice. For tests and
+    /// benchmarks.
+    pub fn set_x16_lanes(&self, lanes: Option<u32>) -> Result<()> {
+        if let Some(l) = lanes
+            && (!l.is_power_of_two() || !(4..=256).contains(&l))
+        {
+            return Err(GpuError::Shape {
+                op: "x16 lanes",
+                message: format!("{l} lanes (want a power of two, 4 to 256)"),
+            });
+        }
+        *lock(&self.x16_lanes) = lanes;
+        Ok(())
+    }
+
+    /// `qmatvec_x16`'s invocations per 4 rows for `rows` rows of `row_v` code words.
+    pub(crate) fn x16_lanes_for(&self, row_v: usize, rows: usize) -> u32 {
+        lock(&self.x16_lanes).unwrap_or_else(|| super::ops::x16_lanes(row_v, rows))
+    }
+
+    /// Whether a product of `codes` codes takes the packed 16-bit x kernel.
+    pub(crate) fn packed_x_for(&self, codes: usize) -> bool {
+        lock(&self.packed_x_min).is_some_and(|m| codes >= m)
+    }
+
+    /// Something other than a packed-x product is being recorded: the packed x may
+    /// no longer be what its buffer holds.
+    fn forget_packed_x(&self) {
+        lock(&self.packed_x).holds = None;
     }
 
     /// A buffer of at least `floats` f32s for the split attention's partials (one
@@ -542,6 +660,7 @@ impl GpuContext {
 
     /// Record setting every byte of `buf` to zero (in order with the batch).
     pub(crate) fn clear(&self, buf: &wgpu::Buffer) {
+        self.forget_packed_x();
         self.count(|s| s.clears += 1);
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch).clear_buffer(buf, 0, None);
@@ -565,6 +684,7 @@ impl GpuContext {
                 ),
             });
         }
+        self.forget_packed_x();
         let mut data = bytes.to_vec();
         data.resize(padded, 0);
         let staging = self
@@ -593,6 +713,7 @@ impl GpuContext {
         dst_off: u64,
         bytes: u64,
     ) {
+        self.forget_packed_x();
         self.count(|s| s.copies += 1);
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
@@ -890,6 +1011,19 @@ impl GpuContext {
         buffers: &[(u32, &wgpu::Buffer)],
         groups: usize,
     ) -> Result<()> {
+        self.forget_packed_x();
+        self.record_dispatch(k, params, buffers, groups)
+    }
+
+    /// [`GpuContext::dispatch_at`] that keeps the packed x: only for the packed-x
+    /// kernels, whose caller keeps it right.
+    pub(crate) fn record_dispatch(
+        &self,
+        k: &Kernel,
+        params: &[u8],
+        buffers: &[(u32, &wgpu::Buffer)],
+        groups: usize,
+    ) -> Result<()> {
         if groups == 0 {
             return Ok(());
         }
@@ -929,7 +1063,7 @@ impl GpuContext {
             let timestamps = self
                 .profiler
                 .as_ref()
-                .filter(|_| at + 2 <= MAX_QUERIES)
+                .filter(|_| at + 2 <= MAX_QUERIES && self.time_passes.load(Ordering::Relaxed))
                 .map(|p| wgpu::ComputePassTimestampWrites {
                     query_set: &p.queries,
                     beginning_of_pass_write_index: Some(at),
@@ -954,10 +1088,14 @@ impl GpuContext {
         pass.set_pipeline(&pipeline);
         pass.set_bind_group(0, &bind, &[]);
         pass.dispatch_workgroups(gx, gy, 1);
-        if self.profiler.is_some() && opened {
-            // One pass per dispatch, so its timestamps time this kernel alone.
-            batch.timed.push(k.entry);
-            drop(batch.pass.take());
+        if opened && self.time_passes.load(Ordering::Relaxed) && self.profiler.is_some() {
+            if self.time_each_dispatch {
+                // One pass per dispatch, so its timestamps time this kernel alone.
+                batch.timed.push(k.entry);
+                drop(batch.pass.take());
+            } else {
+                batch.timed.push("pass");
+            }
         }
         drop(batch);
         let ns = t.elapsed().as_nanos() as u64;

@@ -9,6 +9,8 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Shader {
     Qmatvec,
+    /// The 4-bit decode product against x rounded to 16 bits (`qmatvec_x16.wgsl`).
+    QmatvecX16,
     Fmatvec,
     Norm,
     Rope,
@@ -22,8 +24,9 @@ pub(crate) enum Shader {
 
 impl Shader {
     #[cfg(test)]
-    pub(crate) const ALL: [Shader; 14] = [
+    pub(crate) const ALL: [Shader; 15] = [
         Shader::Qmatvec,
+        Shader::QmatvecX16,
         Shader::Fmatvec,
         Shader::Norm,
         Shader::Rope,
@@ -42,6 +45,7 @@ impl Shader {
     pub(crate) fn file(self) -> &'static str {
         match self {
             Shader::Qmatvec => "qmatvec.wgsl",
+            Shader::QmatvecX16 => "qmatvec_x16.wgsl",
             Shader::Fmatvec => "fmatvec.wgsl",
             Shader::Norm => "norm.wgsl",
             Shader::Rope => "rope.wgsl",
@@ -56,6 +60,7 @@ impl Shader {
     pub(crate) fn source(self) -> &'static str {
         match self {
             Shader::Qmatvec => include_str!("shaders/qmatvec.wgsl"),
+            Shader::QmatvecX16 => include_str!("shaders/qmatvec_x16.wgsl"),
             Shader::Fmatvec => include_str!("shaders/fmatvec.wgsl"),
             Shader::Norm => include_str!("shaders/norm.wgsl"),
             Shader::Rope => include_str!("shaders/rope.wgsl"),
@@ -72,6 +77,7 @@ impl Shader {
     pub(crate) fn params_fields(self) -> &'static [&'static str] {
         match self {
             Shader::Qmatvec => QmatvecParams::FIELDS,
+            Shader::QmatvecX16 => QmatvecX16Params::FIELDS,
             Shader::Fmatvec => FmatvecParams::FIELDS,
             Shader::Norm => NormParams::FIELDS,
             Shader::Rope => RopeParams::FIELDS,
@@ -168,6 +174,14 @@ impl Kernel {
             .with("MOE", moe)
     }
 
+    /// The 4-bit matrix-vector product against packed 16-bit x (`qmatvec_x16`), 4
+    /// rows per set of `lanes` invocations.
+    pub(crate) fn qmat_x16(group: u32, lanes: u32) -> Kernel {
+        Kernel::new(Shader::QmatvecX16, "qmatvec_x16")
+            .with("GROUP", group)
+            .with("LANES", lanes)
+    }
+
     /// Float matrix product; `dtype` 0 f32, 1 BF16, 2 F16.
     pub(crate) fn fmat(dtype: u32, tiled: bool) -> Kernel {
         let entry = if tiled { "fmatmul" } else { "fmatvec" };
@@ -209,6 +223,12 @@ impl Kernel {
             }
         }
         v.push(Kernel::plain(Shader::Qmatvec, "moe_combine"));
+        v.push(Kernel::plain(Shader::QmatvecX16, "pack_x16"));
+        for group in [32, 64, 128] {
+            for lanes in [4, 32, 64, 256] {
+                v.push(Kernel::qmat_x16(group, lanes));
+            }
+        }
         for dtype in 0..3 {
             v.push(Kernel::fmat(dtype, false));
             v.push(Kernel::fmat(dtype, true));
@@ -278,6 +298,11 @@ params! {
     /// `b_off`, `s2_off`, `b2_off`) and f32 elements (`x_off`, `y_off`); the `*2`
     /// fields are the up projection of the fused SwiGLU.
     QmatvecParams { rows: u32, cols: u32, n: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32, w2_off: u32, s2_off: u32, b2_off: u32, moe_k: u32, e_stride: u32 }
+}
+params! {
+    /// `qmatvec_x16.wgsl`: `w_off` in words, `s_off`, `b_off` in half-words, `x_off`,
+    /// `y_off` in f32 elements.
+    QmatvecX16Params { rows: u32, cols: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32 }
 }
 params! {
     /// `fmatvec.wgsl`: `d_off` counts matrix elements.

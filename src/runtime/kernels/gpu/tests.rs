@@ -149,11 +149,17 @@ fn or_skip<T>(test: &str, r: &'static std::result::Result<T, String>) -> Option<
     }
 }
 
-/// The shared context (see [`or_skip`]).
+/// The shared context (see [`or_skip`]), its products in f32 (the packed 16-bit x
+/// kernel off, whatever the adapter's default: `packed_x_products_match_cpu` has a
+/// context of its own for it).
 fn gpu(test: &str) -> Option<&'static GpuContext> {
     or_skip(
         test,
-        CTX.get_or_init(|| GpuContext::new(&GpuOptions::default()).map_err(|e| e.to_string())),
+        CTX.get_or_init(|| {
+            let ctx = GpuContext::new(&GpuOptions::default()).map_err(|e| e.to_string())?;
+            ctx.set_packed_x(None);
+            Ok(ctx)
+        }),
     )
 }
 
@@ -497,6 +503,143 @@ fn quantized_products_match_cpu() {
     // SmolLM2's vocabulary head at INT4.
     let f = Fixture::quant(Bits::Four, 49152, 576, &mut rng);
     check_product(ctx, &f, 1, &mut rng);
+}
+
+/// The packed 16-bit x kernel (`qmatvec_x16`) against the CPU's f32 product, under the
+/// contract's bound for it: reduction order plus x's rounding, half a step (1/32767 of
+/// the chunk's largest |x|) per value. Shapes: one group of each size, rows no
+/// workgroup divides, SmolLM2's, an 8192-column row (64 lanes). Then the packed x's
+/// reuse: two products of one x pack it once, and a write to x is seen.
+#[test]
+fn packed_x_products_match_cpu() {
+    static X16: OnceLock<std::result::Result<GpuContext, String>> = OnceLock::new();
+    let Some(ctx) = or_skip(
+        "packed_x_products_match_cpu",
+        X16.get_or_init(|| {
+            let ctx = GpuContext::new(&GpuOptions::default()).map_err(|e| e.to_string())?;
+            ctx.set_packed_x(Some(0));
+            Ok(ctx)
+        }),
+    ) else {
+        return;
+    };
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let tolerance = |f: &Fixture, xs: &[f32]| -> Vec<f32> {
+        let steps: Vec<f32> = xs
+            .chunks_exact(32)
+            .map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs())) / 32767.0)
+            .collect();
+        let bound = f.bound(xs);
+        (0..f.rows)
+            .map(|r| {
+                let rounding: f32 = (0..f.cols)
+                    .map(|c| f.mag[r * f.cols + c] * (0.5 * steps[c / 32] + 1e-6 * xs[c].abs()))
+                    .sum();
+                2e-5 * bound[r] + rounding + 1e-30
+            })
+            .collect()
+    };
+    let mut cases = vec![];
+    for group in Group::ALL {
+        cases.push((group, 1, group.size()));
+        cases.push((group, 13, 384));
+    }
+    cases.extend([
+        (Group::G64, 576, 576),
+        (Group::G64, 1536, 576),
+        (Group::G64, 576, 1536),
+        (Group::G64, 37, 8192),
+    ]);
+    for (group, rows, cols) in cases {
+        let f = Fixture::quant_g(Bits::Four, group, rows, cols, &mut rng);
+        let what = format!("x16 4_g{} [{rows}x{cols}]", group.size());
+        let w = GpuMatrix::upload(ctx, &f.matrix(), "test").unwrap();
+        assert!(ops::qmatvec_x16_path(&w), "{what}: takes the packed-x kernel");
+        let xs = rng.vec(cols);
+        let got = gpu_matmul(ctx, &w, &xs, 1, &what);
+        let mut want = vec![0f32; rows];
+        Cpu::new(1).matmul(&f.matrix(), &xs, 1, &mut want);
+        let tol = tolerance(&f, &xs);
+        assert_close(&what, &got, &want, |i| tol[i]);
+        // Other tilings than the shape's own: a lane per few words to a workgroup per
+        // 4 rows.
+        if rows >= 13 {
+            for lanes in [4, 32, 256] {
+                ctx.set_x16_lanes(Some(lanes)).unwrap();
+                let y = gpu_matmul(ctx, &w, &xs, 1, &what);
+                ctx.set_x16_lanes(None).unwrap();
+                assert_close(&format!("{what} {lanes} lanes"), &y, &want, |i| tol[i]);
+            }
+        }
+        // Not the f32 kernel's result by accident: x's rounding shows somewhere.
+        if rows >= 13 {
+            let f32_path = {
+                ctx.set_packed_x(None);
+                let y = gpu_matmul(ctx, &w, &xs, 1, &what);
+                ctx.set_packed_x(Some(0));
+                y
+            };
+            assert_ne!(got, f32_path, "{what}: the packed-x kernel ran");
+        }
+    }
+    // One x, two matrices: packed once. Then x rewritten: packed again, and used.
+    let (a, b) = (
+        Fixture::quant(Bits::Four, 40, 640, &mut rng),
+        Fixture::quant(Bits::Four, 24, 640, &mut rng),
+    );
+    let (wa, wb) = (
+        GpuMatrix::upload(ctx, &a.matrix(), "a").unwrap(),
+        GpuMatrix::upload(ctx, &b.matrix(), "b").unwrap(),
+    );
+    let (x1, x2) = (rng.vec(640), rng.vec(640));
+    let x = ctx.upload_f32(&[1, 640], &x1).unwrap();
+    let (ya, yb) = (
+        ctx.zeros(&[1, 40], DType::F32).unwrap(),
+        ctx.zeros(&[1, 24], DType::F32).unwrap(),
+    );
+    let cpu = |f: &Fixture, xs: &[f32]| {
+        let mut y = vec![0f32; f.rows];
+        Cpu::new(1).matmul(&f.matrix(), xs, 1, &mut y);
+        y
+    };
+    ctx.flush().unwrap();
+    let before = ctx.stats().dispatches;
+    ctx.matmul(&wa, &x, &ya).unwrap();
+    ctx.matmul(&wb, &x, &yb).unwrap();
+    assert_eq!(
+        ctx.stats().dispatches - before,
+        3,
+        "one pack and two products for two matrices of one x"
+    );
+    let (ta, tb) = (tolerance(&a, &x1), tolerance(&b, &x1));
+    assert_close("x16 reuse a", &ctx.download_f32(&ya).unwrap(), &cpu(&a, &x1), |i| ta[i]);
+    assert_close("x16 reuse b", &ctx.download_f32(&yb).unwrap(), &cpu(&b, &x1), |i| tb[i]);
+    ctx.matmul(&wa, &x, &ya).unwrap();
+    ctx.write_f32(&x, &x2).unwrap();
+    ctx.matmul(&wb, &x, &yb).unwrap();
+    let tb = tolerance(&b, &x2);
+    assert_close("x16 after a write to x", &ctx.download_f32(&yb).unwrap(), &cpu(&b, &x2), |i| {
+        tb[i]
+    });
+}
+
+/// `qmatvec_x16`'s lanes give about 512 workgroups (the H200's best at every shape
+/// timed), never more lanes than a row has words, 4 to 256.
+#[test]
+fn packed_x_tiling_aims_at_512_workgroups() {
+    for (row_v, rows, lanes) in [
+        (128, 4096, 128),
+        (256, 8192, 64),
+        (256, 16384, 32),
+        (128, 8192, 64),
+        (512, 4096, 128),
+        (18, 49152, 8),
+        (2, 64, 4),
+        (512, 1, 256),
+        (512, 1 << 20, 4),
+    ] {
+        assert_eq!(ops::x16_lanes(row_v, rows), lanes, "{rows} rows of {row_v} words");
+    }
 }
 
 #[test]
@@ -1125,6 +1268,7 @@ fn adapter_listing_names_the_backend() {
     assert!(a.max_storage_binding_bytes > 0 && a.max_buffer_bytes > 0);
     let err = GpuContext::new(&GpuOptions {
         adapter: Some("no such adapter".into()),
+        ..Default::default()
     })
     .unwrap_err();
     assert!(err.to_string().contains(&a.name), "{err}");
