@@ -14,12 +14,12 @@
 //! ```text
 //! cargo run --release --example bench_gpu -- [--adapter NAME|INDEX] [--runs 15]
 //!     [--batch 64] [--peak-gbs 4800] [--shapes 4096x4096,8192x8192,16384x8192]
-//!     [--tilings auto,32x2,16x4] [--kernels f32,x16,x16-repack]
+//!     [--tilings auto,32x2,16x4] [--kernels f32,x24,x24-repack]
 //! ```
 //!
-//! `--kernels`: `f32`, the f32 kernel (`qmatvec_fast`); `x16`, the packed 16-bit x
-//! kernel (`qmatvec_x16`) with x packed once for the batch (as q, k and v share one
-//! x); `x16-repack`, the same with two x taking turns, so every product packs its x
+//! `--kernels`: `f32`, the f32 kernel (`qmatvec_fast`); `x24`, the packed 24-bit x
+//! kernel (`qmatvec_x24`) with x packed once for the batch (as q, k and v share one
+//! x); `x24-repack`, the same with two x taking turns, so every product packs its x
 //! first (as a product whose x is new each time). Each line says which one the
 //! runtime takes at that shape on this adapter.
 //! `--tilings` times the f32 kernel at each `LANESxROWS` tiling (`auto`: the one the
@@ -55,7 +55,7 @@ fn parse() -> Result<Args, String> {
         peak_gbs: None,
         shapes: vec![(4096, 4096), (8192, 8192), (16384, 8192)],
         tilings: vec![None],
-        kernels: vec!["f32".into(), "x16".into(), "x16-repack".into()],
+        kernels: vec!["f32".into(), "x24".into(), "x24-repack".into()],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -99,9 +99,9 @@ fn parse() -> Result<Args, String> {
                 if let Some(k) = a
                     .kernels
                     .iter()
-                    .find(|k| !["f32", "x16", "x16-repack"].contains(&k.as_str()))
+                    .find(|k| !["f32", "x24", "x24-repack"].contains(&k.as_str()))
                 {
-                    return Err(format!("--kernels: {k}: want f32, x16 or x16-repack"));
+                    return Err(format!("--kernels: {k}: want f32, x24 or x24-repack"));
                 }
             }
             "--list" => {
@@ -200,7 +200,7 @@ fn main() {
             Ok(t.elapsed().as_secs_f64())
         };
         ctx.set_packed_x(policy);
-        let x16_here = ctx.packed_x_takes(&mats[0]);
+        let x24_here = ctx.packed_x_takes(&mats[0]);
         let rows_to_time = args.kernels.iter().flat_map(|k| {
             let tilings = if k == "f32" {
                 args.tilings.clone()
@@ -210,13 +210,13 @@ fn main() {
             tilings.into_iter().map(move |t| (k.as_str(), t))
         });
         for (kernel, tiling) in rows_to_time {
-            let x16 = kernel != "f32";
-            ctx.set_packed_x(x16.then_some(0));
-            if x16 && !ctx.packed_x_takes(&mats[0]) {
+            let x24 = kernel != "f32";
+            ctx.set_packed_x(x24.then_some(0));
+            if x24 && !ctx.packed_x_takes(&mats[0]) {
                 println!("[{rows} x {cols}] {kernel}: not eligible");
                 continue;
             }
-            let repack = kernel == "x16-repack";
+            let repack = kernel == "x24-repack";
             if let Err(e) = ctx.set_matvec_tiling(tiling) {
                 eprintln!("bench_gpu: {e}");
                 std::process::exit(2);
@@ -273,7 +273,7 @@ fn main() {
                     fraction(g)
                 )
             };
-            let taken = if x16_here == x16 && !repack {
+            let taken = if x24_here == x24 && !repack {
                 ", the runtime's choice"
             } else {
                 ""

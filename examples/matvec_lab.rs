@@ -336,26 +336,29 @@ fn main() {
     let max_x = device.limits().max_compute_workgroups_per_dimension as usize;
     // The batch's device time from timestamps at its pass's start and end, where the
     // adapter has them: the wall clock also holds the submit and the wake-up.
-    let stamps = device.features().contains(wgpu::Features::TIMESTAMP_QUERY).then(|| {
-        let buf = |usage| {
-            device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("stamps"),
-                size: 16,
-                usage,
-                mapped_at_creation: false,
-            })
-        };
-        (
-            device.create_query_set(&wgpu::QuerySetDescriptor {
-                label: Some("pass"),
-                ty: wgpu::QueryType::Timestamp,
-                count: 2,
-            }),
-            buf(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
-            buf(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
-            f64::from(queue.get_timestamp_period()),
-        )
-    });
+    let stamps = device
+        .features()
+        .contains(wgpu::Features::TIMESTAMP_QUERY)
+        .then(|| {
+            let buf = |usage| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("stamps"),
+                    size: 16,
+                    usage,
+                    mapped_at_creation: false,
+                })
+            };
+            (
+                device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("pass"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: 2,
+                }),
+                buf(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
+                buf(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
+                f64::from(queue.get_timestamp_period()),
+            )
+        });
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let vars: Vec<Variant> = variants()
         .into_iter()

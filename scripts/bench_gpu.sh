@@ -2,7 +2,9 @@
 # GPU backend benchmark (issue 11), for a machine with a GPU (the figures in the README
 # were taken on an H200 through Vulkan):
 #  1. INT4 g64 matrix-vector GB/s at [4096×4096], [8192×8192], [16384×8192] against
-#     PEAK_GBS (the H200's HBM: ~4800 GB/s), from examples/bench_gpu.rs;
+#     PEAK_GBS (the H200's HBM: ~4800 GB/s), from examples/bench_gpu.rs: the f32
+#     kernel and the packed 24-bit x kernel (x packed once, and once per product),
+#     wall clock and device time;
 #  2. prefill and decode tok/s of `gturbo run` on the GPU and on the CPU backend, for
 #     SmolLM2-135M's shapes and a 1.69 B qwen3_moe (random BF16 snapshots from
 #     examples/bench_snapshots.rs, installed at INT4; experts resident);
@@ -71,7 +73,7 @@ done
 # The kernel alone (bind groups made once, no per-dispatch host work), next to the
 # diagnostic kernels that say where its time goes (examples/matvec_lab.rs).
 if [ -x "$BIN/matvec_lab" ]; then
-  "$BIN/matvec_lab" --peak-gbs "$PEAK_GBS" --only "product 64x4,product 32x4,lab loads-only 64x4,lab math-only 64x4,stream" 2>&1 | grep -v XDG | tee -a "$RESULTS" || true
+  "$BIN/matvec_lab" --peak-gbs "$PEAK_GBS" --shapes 8192x8192,16384x8192 --only "product 64x4,lab loads-only 64x4,lab math-only 64x4,dp4a 16-bit x 64x4,stream" 2>&1 | grep -v XDG | tee -a "$RESULTS" || true
 fi
 
 rm -rf "$WORK" && mkdir -p "$WORK"

@@ -107,10 +107,14 @@ fn env_tiling() -> Option<(u32, u32)> {
     (l.is_power_of_two() && (4..=256).contains(&l) && (1..=4).contains(&r)).then_some((l, r))
 }
 
-/// `GTURBO_GPU_X16_LANES=N`: `qmatvec_x16`'s invocations per 4 rows for every product
+/// `GTURBO_GPU_X24_LANES=N`: `qmatvec_x24`'s invocations per 4 rows for every product
 /// (benchmarks; a power of two, 4 to 256).
-fn env_x16_lanes() -> Option<u32> {
-    let l: u32 = std::env::var("GTURBO_GPU_X16_LANES").ok()?.trim().parse().ok()?;
+fn env_x24_lanes() -> Option<u32> {
+    let l: u32 = std::env::var("GTURBO_GPU_X24_LANES")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     (l.is_power_of_two() && (4..=256).contains(&l)).then_some(l)
 }
 
@@ -271,14 +275,14 @@ pub struct GpuContext {
     pub(crate) attn_split: bool,
     /// The split attention's partial results, grown by doubling and reused.
     attn_part: Mutex<Option<Arc<wgpu::Buffer>>>,
-    /// The smallest `rows · cols` whose 4-bit decode product takes the packed 16-bit
-    /// x kernel (`qmatvec_x16`); `None`: never.
+    /// The smallest `rows · cols` whose 4-bit decode product takes the packed 24-bit
+    /// x kernel (`qmatvec_x24`); `None`: never.
     pub(crate) packed_x_min: Mutex<Option<usize>>,
-    /// x as `qmatvec_x16` reads it, and which x that is.
+    /// x as `qmatvec_x24` reads it, and which x that is.
     pub(crate) packed_x: Mutex<PackedX>,
-    /// `qmatvec_x16`'s lanes per 4 rows when set (`GTURBO_GPU_X16_LANES`, tests),
-    /// else [`super::ops::x16_lanes`].
-    pub(crate) x16_lanes: Mutex<Option<u32>>,
+    /// `qmatvec_x24`'s lanes per 4 rows when set (`GTURBO_GPU_X24_LANES`, tests),
+    /// else [`super::ops::x24_lanes`].
+    pub(crate) x24_lanes: Mutex<Option<u32>>,
     /// Profiling (`GTURBO_GPU_STATS`): every dispatch gets a pass of its own, timed.
     time_each_dispatch: bool,
     /// Whether passes opened now get timestamps (profiling, or a benchmark's
@@ -295,9 +299,11 @@ pub(crate) struct PackedX {
     pub(crate) holds: Option<(wgpu::Buffer, usize)>,
 }
 
-/// Where `qmatvec_x16` starts paying for its pack dispatch: at [4096 × 4096] on the
-/// H200 (docs/GPU.md has the figures), so from 16 M codes.
-const PACKED_X_MIN_CODES: usize = 4096 * 4096;
+/// Where `qmatvec_x24` starts paying for its pack dispatch on the H200 (docs/GPU.md):
+/// from [4096 × 2048], 8 M codes, even a product that packs its own x is faster than
+/// the f32 kernel (device time 10.1 against 12.7 µs); at [2048²] it is not (9.5
+/// against 8.8).
+const PACKED_X_MIN_CODES: usize = 4096 * 2048;
 
 /// `GTURBO_GPU_PACKED_X`: `0` never, `1` every eligible product (tests, figures),
 /// unset: on Vulkan and DX12 from [`PACKED_X_MIN_CODES`]; not on Metal, where the
@@ -431,7 +437,7 @@ impl GpuContext {
             attn_part: Mutex::new(None),
             packed_x_min: Mutex::new(packed_x_default(adapter.get_info().backend)),
             packed_x: Mutex::new(PackedX::default()),
-            x16_lanes: Mutex::new(env_x16_lanes()),
+            x24_lanes: Mutex::new(env_x24_lanes()),
             time_each_dispatch: profile,
             time_passes: AtomicBool::new(profile),
             device,
@@ -490,7 +496,7 @@ impl GpuContext {
         Ok(())
     }
 
-    /// Which 4-bit decode products take the packed 16-bit x kernel: those of at least
+    /// Which 4-bit decode products take the packed 24-bit x kernel: those of at least
     /// `min_codes` codes (`Some(0)`: every eligible one), or none. For tests and
     /// benchmarks; the default depends on the backend (`GTURBO_GPU_PACKED_X`).
     pub fn set_packed_x(&self, min_codes: Option<usize>) {
@@ -511,39 +517,39 @@ impl GpuContext {
         self.time_passes.store(on, Ordering::Relaxed);
     }
 
-    /// The smallest product (in codes) that takes the packed 16-bit x kernel, or
+    /// The smallest product (in codes) that takes the packed 24-bit x kernel, or
     /// `None`: see [`GpuContext::set_packed_x`].
     pub fn packed_x_min(&self) -> Option<usize> {
         *lock(&self.packed_x_min)
     }
 
-    /// Whether the decode product of `w` takes the packed 16-bit x kernel.
+    /// Whether the decode product of `w` takes the packed 24-bit x kernel.
     pub fn packed_x_takes(&self, w: &super::tensor::GpuMatrix) -> bool {
-        super::ops::qmatvec_x16_path(w) && self.packed_x_for(w.rows * w.cols)
+        super::ops::qmatvec_x24_path(w) && self.packed_x_for(w.rows * w.cols)
     }
 
-    /// Force `qmatvec_x16`'s invocations per 4 rows (a power of two, 4 to 256; other
+    /// Force `qmatvec_x24`'s invocations per 4 rows (a power of two, 4 to 256; other
     /// values are refused); `None` restores the shape-based choice. For tests and
     /// benchmarks.
-    pub fn set_x16_lanes(&self, lanes: Option<u32>) -> Result<()> {
+    pub fn set_x24_lanes(&self, lanes: Option<u32>) -> Result<()> {
         if let Some(l) = lanes
             && (!l.is_power_of_two() || !(4..=256).contains(&l))
         {
             return Err(GpuError::Shape {
-                op: "x16 lanes",
+                op: "x24 lanes",
                 message: format!("{l} lanes (want a power of two, 4 to 256)"),
             });
         }
-        *lock(&self.x16_lanes) = lanes;
+        *lock(&self.x24_lanes) = lanes;
         Ok(())
     }
 
-    /// `qmatvec_x16`'s invocations per 4 rows for `rows` rows of `row_v` code words.
-    pub(crate) fn x16_lanes_for(&self, row_v: usize, rows: usize) -> u32 {
-        lock(&self.x16_lanes).unwrap_or_else(|| super::ops::x16_lanes(row_v, rows))
+    /// `qmatvec_x24`'s invocations per 4 rows for `rows` rows of `row_v` code words.
+    pub(crate) fn x24_lanes_for(&self, row_v: usize, rows: usize) -> u32 {
+        lock(&self.x24_lanes).unwrap_or_else(|| super::ops::x24_lanes(row_v, rows))
     }
 
-    /// Whether a product of `codes` codes takes the packed 16-bit x kernel.
+    /// Whether a product of `codes` codes takes the packed 24-bit x kernel.
     pub(crate) fn packed_x_for(&self, codes: usize) -> bool {
         lock(&self.packed_x_min).is_some_and(|m| codes >= m)
     }

@@ -32,6 +32,15 @@
 //!   backend by **reduction order only**, bounded like the CPU's own test bound:
 //!   `|gpu − cpu| ≤ 2e-5 · Σ (|s·q| + |b|)·|x|` per output (float matrices:
 //!   `Σ |w·x|`), plus the same for the products feeding later ops.
+//! - **Large 4-bit decode products round x to 24 bits** (`qmatvec_x24`, on Vulkan and
+//!   DX12 from 8 M codes; `GTURBO_GPU_PACKED_X=0` turns it off, `=1` on for every
+//!   eligible product): x is packed once per distinct x as `round(x / h)` with `h` the
+//!   largest `|x|` of each 32 values over `2^23 − 1`, and the codes meet it in exact
+//!   packed integer dot products, one per byte of x. Beside reduction order this adds
+//!   x's rounding, at most `h/2` per value (`2^-24` of the chunk's largest `|x|`, the
+//!   size of an f32 product's own rounding): tests hold it to the f32 bound plus
+//!   `Σ (|s·q| + |b|)·(h/2 + 1e-6·|x|)`. Rounded to 16 bits instead, a SmolLM2 greedy
+//!   token flipped at a near-tie, which is why 24.
 //! - **Embedding rows** are `s·q + b` per element, as [`Backend::row`](super::Backend)
 //!   computes them; the GPU compiler may fuse that into one `fma`, so they agree to 1
 //!   ulp (tests hold `1e-6` relative to `|s·q| + |b|`).
@@ -58,6 +67,10 @@
 //! # Portability ("Metal honesty")
 //! The kernels use only what WebGPU guarantees on every backend: u32/f32 storage,
 //! 16 KiB of workgroup memory, 256 invocations per workgroup, `override` constants.
+//! The packed 4 × 8-bit dot products of `qmatvec_x24` are WGSL's
+//! `packed_4x8_integer_dot_product` language feature, which naga emits on every
+//! backend (as arithmetic where the target has no such instruction); the kernel is
+//! off on Metal until its speed there is measured.
 //! They use neither `shader-f16` nor subgroups (a shared-memory tree sum instead), so
 //! no feature check is needed; those are the speed-ups left for later, each behind
 //! [`wgpu::Features`] with this path as the fallback. The unit tests translate every

@@ -9,7 +9,7 @@ use wgpu::util::DeviceExt;
 use super::context::GpuContext;
 use super::shaders::{
     AttnParams, ElementwiseParams, EmbedParams, FmatvecParams, Kernel, NormParams, QmatvecParams,
-    QmatvecX16Params, RopeParams, Shader, SoftmaxParams,
+    QmatvecX24Params, RopeParams, Shader, SoftmaxParams,
 };
 use super::tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
 use super::{GpuError, Result};
@@ -45,18 +45,18 @@ pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
     }
 }
 
-/// Whether the matrix-vector product of `w` can take the packed 16-bit x kernel
-/// (`qmatvec_x16`): 4-bit codes from a 16-byte boundary in groups of 32, 64 or 128.
+/// Whether the matrix-vector product of `w` can take the packed 24-bit x kernel
+/// (`qmatvec_x24`): 4-bit codes from a 16-byte boundary in groups of 32, 64 or 128.
 /// Whether it does also depends on its size ([`GpuContext::packed_x_for`]).
-pub(crate) fn qmatvec_x16_path(w: &GpuMatrix) -> bool {
+pub(crate) fn qmatvec_x24_path(w: &GpuMatrix) -> bool {
     matches!(w.encoding, Encoding::Affine { bits: 4, group } if group.is_multiple_of(32))
         && w.w_off.is_multiple_of(4)
         && w.cols.is_multiple_of(32)
 }
 
-/// Words of packed x per 32 values of x: 8 of high bytes, 8 of low bytes, step and
-/// sum (`qmatvec_x16.wgsl`).
-const PACKED_X_WORDS: usize = 18;
+/// Words of packed x per 32 values of x: 8 for each of x24's three bytes, then step
+/// and sum (`qmatvec_x24.wgsl`).
+const PACKED_X_WORDS: usize = 26;
 
 /// Invocations per row and rows per set of `qmatvec_fast` for `rows` rows of `row_v`
 /// 16-byte words each. Lanes: about a quarter of a row's words (each lane takes ~4
@@ -75,16 +75,20 @@ pub(crate) fn matvec_tiling(row_v: usize, rows: usize) -> (u32, u32) {
     (lanes, rps)
 }
 
-/// `qmatvec_x16`'s invocations per 4 rows for `rows` rows of `row_v` code words: the
+/// `qmatvec_x24`'s invocations per 4 rows for `rows` rows of `row_v` code words: the
 /// power of two that makes about [`MIN_MATVEC_WGS`] workgroups (each has 1024 / lanes
 /// rows), at most `row_v` rounded up (no lane without a word) and 4 to 256. On the H200
 /// each of [4096², 8192², 16384×8192, 8192×4096, 4096×16384] was fastest at 512
 /// workgroups among 32, 64 and 128 lanes (docs/GPU.md).
-pub(crate) fn x16_lanes(row_v: usize, rows: usize) -> u32 {
+pub(crate) fn x24_lanes(row_v: usize, rows: usize) -> u32 {
     let want = (MIN_MATVEC_WGS * 1024).div_ceil(rows.max(1)).clamp(4, 256);
     // The power of two nearest `want` (rounding at 1.5×), then capped by the row.
     let down = 1usize << (usize::BITS - 1 - want.leading_zeros());
-    let near = if want >= down + down / 2 { down * 2 } else { down };
+    let near = if want >= down + down / 2 {
+        down * 2
+    } else {
+        down
+    };
     near.min(row_v.next_power_of_two()).clamp(4, 256) as u32
 }
 
@@ -200,7 +204,7 @@ impl GpuContext {
                     ..Default::default()
                 };
                 if !tiled && self.packed_x_takes(w) {
-                    self.x16_matvec(w, x, y, group)
+                    self.x24_matvec(w, x, y, group)
                 } else if !tiled && qmatvec_fast_path(w) {
                     let (lanes, rps) = self.tiling(w);
                     self.fast_matvec(w, &p, x, y, lanes, rps, bits, group)
@@ -232,10 +236,10 @@ impl GpuContext {
         }
     }
 
-    /// `y = W·x` for one token through `qmatvec_x16`: x packed first, unless the
+    /// `y = W·x` for one token through `qmatvec_x24`: x packed first, unless the
     /// packed buffer already holds this x (consecutive products of one x, as q, k and
-    /// v are, pack it once). `w` passed [`qmatvec_x16_path`].
-    pub(crate) fn x16_matvec(
+    /// v are, pack it once). `w` passed [`qmatvec_x24_path`].
+    pub(crate) fn x24_matvec(
         &self,
         w: &GpuMatrix,
         x: &wgpu::Buffer,
@@ -244,7 +248,7 @@ impl GpuContext {
     ) -> Result<()> {
         const OP: &str = "matmul";
         let chunks = w.cols / 32;
-        let p = QmatvecX16Params {
+        let p = QmatvecX24Params {
             rows: u32_of(OP, w.rows)?,
             cols: u32_of(OP, w.cols)?,
             w_off: w.w_off,
@@ -254,7 +258,7 @@ impl GpuContext {
             y_off: 0,
         }
         .bytes();
-        let lanes = self.x16_lanes_for(chunks, w.rows);
+        let lanes = self.x24_lanes_for(chunks, w.rows);
         let need = (chunks * PACKED_X_WORDS * 4) as u64;
         self.with_packed_x(|held| {
             let buf = match &held.buf {
@@ -270,7 +274,7 @@ impl GpuContext {
             if held.holds.as_ref() != Some(&this) {
                 held.holds = None;
                 self.record_dispatch(
-                    &Kernel::plain(Shader::QmatvecX16, "pack_x16"),
+                    &Kernel::plain(Shader::QmatvecX24, "pack_x24"),
                     &p,
                     &[(3, x), (5, &buf)],
                     (chunks * 4).div_ceil(64),
@@ -281,7 +285,7 @@ impl GpuContext {
                 held.holds = None;
             }
             self.record_dispatch(
-                &Kernel::qmat_x16(group, lanes),
+                &Kernel::qmat_x24(group, lanes),
                 &p,
                 &[(1, &w.buf), (2, &w.buf), (4, y), (6, &buf), (7, &buf)],
                 w.rows.div_ceil((256 / lanes * 4) as usize),

@@ -9,8 +9,8 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Shader {
     Qmatvec,
-    /// The 4-bit decode product against x rounded to 16 bits (`qmatvec_x16.wgsl`).
-    QmatvecX16,
+    /// The 4-bit decode product against x rounded to 24 bits (`qmatvec_x24.wgsl`).
+    QmatvecX24,
     Fmatvec,
     Norm,
     Rope,
@@ -26,7 +26,7 @@ impl Shader {
     #[cfg(test)]
     pub(crate) const ALL: [Shader; 15] = [
         Shader::Qmatvec,
-        Shader::QmatvecX16,
+        Shader::QmatvecX24,
         Shader::Fmatvec,
         Shader::Norm,
         Shader::Rope,
@@ -45,7 +45,7 @@ impl Shader {
     pub(crate) fn file(self) -> &'static str {
         match self {
             Shader::Qmatvec => "qmatvec.wgsl",
-            Shader::QmatvecX16 => "qmatvec_x16.wgsl",
+            Shader::QmatvecX24 => "qmatvec_x24.wgsl",
             Shader::Fmatvec => "fmatvec.wgsl",
             Shader::Norm => "norm.wgsl",
             Shader::Rope => "rope.wgsl",
@@ -60,7 +60,7 @@ impl Shader {
     pub(crate) fn source(self) -> &'static str {
         match self {
             Shader::Qmatvec => include_str!("shaders/qmatvec.wgsl"),
-            Shader::QmatvecX16 => include_str!("shaders/qmatvec_x16.wgsl"),
+            Shader::QmatvecX24 => include_str!("shaders/qmatvec_x24.wgsl"),
             Shader::Fmatvec => include_str!("shaders/fmatvec.wgsl"),
             Shader::Norm => include_str!("shaders/norm.wgsl"),
             Shader::Rope => include_str!("shaders/rope.wgsl"),
@@ -77,7 +77,7 @@ impl Shader {
     pub(crate) fn params_fields(self) -> &'static [&'static str] {
         match self {
             Shader::Qmatvec => QmatvecParams::FIELDS,
-            Shader::QmatvecX16 => QmatvecX16Params::FIELDS,
+            Shader::QmatvecX24 => QmatvecX24Params::FIELDS,
             Shader::Fmatvec => FmatvecParams::FIELDS,
             Shader::Norm => NormParams::FIELDS,
             Shader::Rope => RopeParams::FIELDS,
@@ -174,10 +174,10 @@ impl Kernel {
             .with("MOE", moe)
     }
 
-    /// The 4-bit matrix-vector product against packed 16-bit x (`qmatvec_x16`), 4
+    /// The 4-bit matrix-vector product against packed 24-bit x (`qmatvec_x24`), 4
     /// rows per set of `lanes` invocations.
-    pub(crate) fn qmat_x16(group: u32, lanes: u32) -> Kernel {
-        Kernel::new(Shader::QmatvecX16, "qmatvec_x16")
+    pub(crate) fn qmat_x24(group: u32, lanes: u32) -> Kernel {
+        Kernel::new(Shader::QmatvecX24, "qmatvec_x24")
             .with("GROUP", group)
             .with("LANES", lanes)
     }
@@ -223,10 +223,10 @@ impl Kernel {
             }
         }
         v.push(Kernel::plain(Shader::Qmatvec, "moe_combine"));
-        v.push(Kernel::plain(Shader::QmatvecX16, "pack_x16"));
+        v.push(Kernel::plain(Shader::QmatvecX24, "pack_x24"));
         for group in [32, 64, 128] {
             for lanes in [4, 32, 64, 256] {
-                v.push(Kernel::qmat_x16(group, lanes));
+                v.push(Kernel::qmat_x24(group, lanes));
             }
         }
         for dtype in 0..3 {
@@ -300,9 +300,9 @@ params! {
     QmatvecParams { rows: u32, cols: u32, n: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32, w2_off: u32, s2_off: u32, b2_off: u32, moe_k: u32, e_stride: u32 }
 }
 params! {
-    /// `qmatvec_x16.wgsl`: `w_off` in words, `s_off`, `b_off` in half-words, `x_off`,
+    /// `qmatvec_x24.wgsl`: `w_off` in words, `s_off`, `b_off` in half-words, `x_off`,
     /// `y_off` in f32 elements.
-    QmatvecX16Params { rows: u32, cols: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32 }
+    QmatvecX24Params { rows: u32, cols: u32, w_off: u32, s_off: u32, b_off: u32, x_off: u32, y_off: u32 }
 }
 params! {
     /// `fmatvec.wgsl`: `d_off` counts matrix elements.

@@ -149,7 +149,7 @@ fn or_skip<T>(test: &str, r: &'static std::result::Result<T, String>) -> Option<
     }
 }
 
-/// The shared context (see [`or_skip`]), its products in f32 (the packed 16-bit x
+/// The shared context (see [`or_skip`]), its products in f32 (the packed 24-bit x
 /// kernel off, whatever the adapter's default: `packed_x_products_match_cpu` has a
 /// context of its own for it).
 fn gpu(test: &str) -> Option<&'static GpuContext> {
@@ -505,17 +505,17 @@ fn quantized_products_match_cpu() {
     check_product(ctx, &f, 1, &mut rng);
 }
 
-/// The packed 16-bit x kernel (`qmatvec_x16`) against the CPU's f32 product, under the
-/// contract's bound for it: reduction order plus x's rounding, half a step (1/32767 of
+/// The packed 24-bit x kernel (`qmatvec_x24`) against the CPU's f32 product, under the
+/// contract's bound for it: reduction order plus x's rounding, half a step (1/(2^23 − 1) of
 /// the chunk's largest |x|) per value. Shapes: one group of each size, rows no
 /// workgroup divides, SmolLM2's, an 8192-column row (64 lanes). Then the packed x's
 /// reuse: two products of one x pack it once, and a write to x is seen.
 #[test]
 fn packed_x_products_match_cpu() {
-    static X16: OnceLock<std::result::Result<GpuContext, String>> = OnceLock::new();
+    static X24: OnceLock<std::result::Result<GpuContext, String>> = OnceLock::new();
     let Some(ctx) = or_skip(
         "packed_x_products_match_cpu",
-        X16.get_or_init(|| {
+        X24.get_or_init(|| {
             let ctx = GpuContext::new(&GpuOptions::default()).map_err(|e| e.to_string())?;
             ctx.set_packed_x(Some(0));
             Ok(ctx)
@@ -527,7 +527,7 @@ fn packed_x_products_match_cpu() {
     let tolerance = |f: &Fixture, xs: &[f32]| -> Vec<f32> {
         let steps: Vec<f32> = xs
             .chunks_exact(32)
-            .map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs())) / 32767.0)
+            .map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs())) / 8388607.0)
             .collect();
         let bound = f.bound(xs);
         (0..f.rows)
@@ -552,9 +552,12 @@ fn packed_x_products_match_cpu() {
     ]);
     for (group, rows, cols) in cases {
         let f = Fixture::quant_g(Bits::Four, group, rows, cols, &mut rng);
-        let what = format!("x16 4_g{} [{rows}x{cols}]", group.size());
+        let what = format!("x24 4_g{} [{rows}x{cols}]", group.size());
         let w = GpuMatrix::upload(ctx, &f.matrix(), "test").unwrap();
-        assert!(ops::qmatvec_x16_path(&w), "{what}: takes the packed-x kernel");
+        assert!(
+            ops::qmatvec_x24_path(&w),
+            "{what}: takes the packed-x kernel"
+        );
         let xs = rng.vec(cols);
         let got = gpu_matmul(ctx, &w, &xs, 1, &what);
         let mut want = vec![0f32; rows];
@@ -565,9 +568,9 @@ fn packed_x_products_match_cpu() {
         // 4 rows.
         if rows >= 13 {
             for lanes in [4, 32, 256] {
-                ctx.set_x16_lanes(Some(lanes)).unwrap();
+                ctx.set_x24_lanes(Some(lanes)).unwrap();
                 let y = gpu_matmul(ctx, &w, &xs, 1, &what);
-                ctx.set_x16_lanes(None).unwrap();
+                ctx.set_x24_lanes(None).unwrap();
                 assert_close(&format!("{what} {lanes} lanes"), &y, &want, |i| tol[i]);
             }
         }
@@ -612,18 +615,31 @@ fn packed_x_products_match_cpu() {
         "one pack and two products for two matrices of one x"
     );
     let (ta, tb) = (tolerance(&a, &x1), tolerance(&b, &x1));
-    assert_close("x16 reuse a", &ctx.download_f32(&ya).unwrap(), &cpu(&a, &x1), |i| ta[i]);
-    assert_close("x16 reuse b", &ctx.download_f32(&yb).unwrap(), &cpu(&b, &x1), |i| tb[i]);
+    assert_close(
+        "x24 reuse a",
+        &ctx.download_f32(&ya).unwrap(),
+        &cpu(&a, &x1),
+        |i| ta[i],
+    );
+    assert_close(
+        "x24 reuse b",
+        &ctx.download_f32(&yb).unwrap(),
+        &cpu(&b, &x1),
+        |i| tb[i],
+    );
     ctx.matmul(&wa, &x, &ya).unwrap();
     ctx.write_f32(&x, &x2).unwrap();
     ctx.matmul(&wb, &x, &yb).unwrap();
     let tb = tolerance(&b, &x2);
-    assert_close("x16 after a write to x", &ctx.download_f32(&yb).unwrap(), &cpu(&b, &x2), |i| {
-        tb[i]
-    });
+    assert_close(
+        "x24 after a write to x",
+        &ctx.download_f32(&yb).unwrap(),
+        &cpu(&b, &x2),
+        |i| tb[i],
+    );
 }
 
-/// `qmatvec_x16`'s lanes give about 512 workgroups (the H200's best at every shape
+/// `qmatvec_x24`'s lanes give about 512 workgroups (the H200's best at every shape
 /// timed), never more lanes than a row has words, 4 to 256.
 #[test]
 fn packed_x_tiling_aims_at_512_workgroups() {
@@ -638,7 +654,11 @@ fn packed_x_tiling_aims_at_512_workgroups() {
         (512, 1, 256),
         (512, 1 << 20, 4),
     ] {
-        assert_eq!(ops::x16_lanes(row_v, rows), lanes, "{rows} rows of {row_v} words");
+        assert_eq!(
+            ops::x24_lanes(row_v, rows),
+            lanes,
+            "{rows} rows of {row_v} words"
+        );
     }
 }
 

@@ -1,18 +1,20 @@
 requires packed_4x8_integer_dot_product;
 
 // The decode product of large 4-bit matrices in integer arithmetic: x is rounded to
-// 16 bits per 32 values once (`pack_x16`), and each row's 32 codes of a 16-byte code
+// 24 bits per 32 values once (`pack_x24`), and each row's 32 codes of a 16-byte code
 // word meet those values in packed 4 × 8-bit dot products (`dot4I8Packed`,
-// `dot4U8Packed`: one instruction each on GPUs with IDP4A or its like). The f32
-// kernel (`qmatvec_fast` in qmatvec.wgsl) spends most of its time in the float
-// products at these sizes; this one is bound by reading the codes.
+// `dot4U8Packed`: one instruction each on GPUs with IDP4A or its like), one per byte
+// of x. The f32 kernel (`qmatvec_fast` in qmatvec.wgsl) spends most of its time in
+// the float products at these sizes; this one is bound by reading the codes.
 //
-// Rounding: chunk c's step is h = max |x| / 32767 over its 32 values, x16 = round(x /
-// h) in [-32767, 32767], so |x − h·x16| ≤ h/2 = 2^-16 of the chunk's largest |x|.
-// Split x16 = 256·hi + lo (hi signed, lo in 0..255): Σ q·x16 = 256·Σ q·hi + Σ q·lo,
-// exact in i32 (|Σ| ≤ 32·15·32767 < 2^24). A group contributes s·h·Σ q·x16 + b·Σ x
-// (Σ x in f32 from the unrounded x), accumulated in f32 (`# Arithmetic` in
-// runtime/kernels/mod.rs says how this differs from the f32 path).
+// Rounding: chunk c's step is h = max |x| / (2^23 − 1) over its 32 values, x24 =
+// round(x / h) in ±(2^23 − 1), so |x − h·x24| ≤ h/2 = 2^-24 of the chunk's largest
+// |x|: the size of an f32 product's own rounding, which is why 24 bits and not 16
+// (x rounded to 16 bits, 2^-16, flipped a near-tie of SmolLM2's greedy tokens through
+// its vocabulary head). Split x24 = 65536·b2 + 256·b1 + b0 (b2 signed, b1 and b0 in
+// 0..255): Σ q·x24 = 65536·Σ q·b2 + 256·Σ q·b1 + Σ q·b0, each byte's sum an exact
+// integer. A group contributes s·h·Σ q·x24 + b·Σ x (Σ x in f32 from the unrounded
+// x), accumulated in f32 (the GPU numerics contract in gpu/mod.rs).
 
 struct Params {
     rows: u32,
@@ -35,11 +37,11 @@ override LANES: u32 = 32u;
 @group(0) @binding(2) var<storage, read> mat4: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> x: array<f32>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
-// Packed x, for `chunks = cols / 32` chunks, in words: the high bytes [0, 8·chunks),
-// the low bytes [8·chunks, 16·chunks), then (h, Σ x) per chunk [16·chunks,
-// 18·chunks). Chunk c's 8 words of bytes: the even codes' values (code 8j + 2i in
-// byte i of word j), then the odd codes' (8j + 2i + 1), matching how a code word
-// splits under the masks in `packed_dot`.
+// Packed x, for `chunks = cols / 32` chunks, in words: bytes 2 of x24 [0, 8·chunks),
+// bytes 1 [8·chunks, 16·chunks), bytes 0 [16·chunks, 24·chunks), then (h, Σ x) per
+// chunk [24·chunks, 26·chunks). Chunk c's 8 words of one byte: the even codes'
+// values (code 8j + 2i in byte i of word j), then the odd codes' (8j + 2i + 1),
+// matching how a code word splits under the masks in `packed_dot`.
 @group(0) @binding(5) var<storage, read_write> packed: array<u32>;
 @group(0) @binding(6) var<storage, read> px4: array<vec4<u32>>;
 @group(0) @binding(7) var<storage, read> pxs: array<vec2<f32>>;
@@ -51,7 +53,7 @@ var<workgroup> part_max: array<f32, 64>;
 var<workgroup> part_sum: array<f32, 64>;
 
 @compute @workgroup_size(64)
-fn pack_x16(@builtin(global_invocation_id) gid: vec3<u32>,
+fn pack_x24(@builtin(global_invocation_id) gid: vec3<u32>,
             @builtin(local_invocation_index) li: u32) {
     let chunks = p.cols / 32u;
     let c = gid.x / 4u;
@@ -70,65 +72,90 @@ fn pack_x16(@builtin(global_invocation_id) gid: vec3<u32>,
     let q = li & ~3u;
     m = max(max(part_max[q], part_max[q + 1u]), max(part_max[q + 2u], part_max[q + 3u]));
     if (!live) { return; }
-    let inv = select(1.0, 32767.0 / m, m > 0.0);
-    var he = 0u;
-    var ho = 0u;
-    var le = 0u;
-    var lo = 0u;
+    let inv = select(1.0, TOP / m, m > 0.0);
+    // Bytes 2 (signed), 1 and 0 of the even and the odd codes' values.
+    var e2 = 0u;
+    var o2 = 0u;
+    var e1 = 0u;
+    var o1 = 0u;
+    var e0 = 0u;
+    var o0 = 0u;
     for (var i = 0u; i < 4u; i++) {
-        let e = i32(clamp(round(v[2u * i] * inv), -32767.0, 32767.0));
-        let o = i32(clamp(round(v[2u * i + 1u] * inv), -32767.0, 32767.0));
-        he |= (u32(e >> 8u) & 0xffu) << (8u * i);
-        ho |= (u32(o >> 8u) & 0xffu) << (8u * i);
-        le |= (u32(e) & 0xffu) << (8u * i);
-        lo |= (u32(o) & 0xffu) << (8u * i);
+        let e = u32(i32(clamp(round(v[2u * i] * inv), -TOP, TOP)));
+        let o = u32(i32(clamp(round(v[2u * i + 1u] * inv), -TOP, TOP)));
+        let at = 8u * i;
+        e2 |= ((e >> 16u) & 0xffu) << at;
+        o2 |= ((o >> 16u) & 0xffu) << at;
+        e1 |= ((e >> 8u) & 0xffu) << at;
+        o1 |= ((o >> 8u) & 0xffu) << at;
+        e0 |= (e & 0xffu) << at;
+        o0 |= (o & 0xffu) << at;
     }
     let w = c * 8u + j;
-    packed[w] = he;
-    packed[w + 4u] = ho;
-    packed[8u * chunks + w] = le;
-    packed[8u * chunks + w + 4u] = lo;
+    packed[w] = e2;
+    packed[w + 4u] = o2;
+    packed[8u * chunks + w] = e1;
+    packed[8u * chunks + w + 4u] = o1;
+    packed[16u * chunks + w] = e0;
+    packed[16u * chunks + w + 4u] = o0;
     if (j == 0u) {
         let sx = (part_sum[q] + part_sum[q + 1u]) + (part_sum[q + 2u] + part_sum[q + 3u]);
-        packed[16u * chunks + 2u * c] = bitcast<u32>(select(1.0, m / 32767.0, m > 0.0));
-        packed[16u * chunks + 2u * c + 1u] = bitcast<u32>(sx);
+        packed[24u * chunks + 2u * c] = bitcast<u32>(select(1.0, m / TOP, m > 0.0));
+        packed[24u * chunks + 2u * c + 1u] = bitcast<u32>(sx);
     }
 }
+
+// x24's largest magnitude: 2^23 − 1, exact in f32.
+const TOP: f32 = 8388607.0;
 
 fn bf16_at(i: u32) -> f32 {
     let w = mat[i >> 1u];
     return bitcast<f32>(((w >> ((i & 1u) * 16u)) & 0xffffu) << 16u);
 }
 
-// Chunk c's packed x: high and low bytes of its even and odd codes' values, and
-// (h, Σ x).
+// Chunk c's packed x: bytes 2, 1, 0 of its even and odd codes' values, and (h, Σ x).
 struct Px {
-    he: vec4<u32>,
-    ho: vec4<u32>,
-    le: vec4<u32>,
-    lo: vec4<u32>,
+    e2: vec4<u32>,
+    o2: vec4<u32>,
+    e1: vec4<u32>,
+    o1: vec4<u32>,
+    e0: vec4<u32>,
+    o0: vec4<u32>,
     hs: vec2<f32>,
 }
 
 fn px_at(chunks: u32, c: u32) -> Px {
-    return Px(px4[2u * c], px4[2u * c + 1u], px4[2u * chunks + 2u * c],
-              px4[2u * chunks + 2u * c + 1u], pxs[8u * chunks + c]);
+    return Px(px4[2u * c], px4[2u * c + 1u],
+              px4[2u * chunks + 2u * c], px4[2u * chunks + 2u * c + 1u],
+              px4[4u * chunks + 2u * c], px4[4u * chunks + 2u * c + 1u],
+              pxs[12u * chunks + c]);
 }
 
-// Σ q·x16 over the 32 codes of code word `w`.
-fn packed_dot(w: vec4<u32>, x: Px) -> i32 {
+// Σ q·b over the 32 codes (even ones in `ev`'s bytes, odd ones in `od`'s) of one byte
+// plane of x: signed bytes (`dot4I8Packed`) or unsigned (`dot4U8Packed`).
+fn plane_i(ev: vec4<u32>, od: vec4<u32>, e: vec4<u32>, o: vec4<u32>) -> i32 {
+    return ((dot4I8Packed(ev.x, e.x) + dot4I8Packed(od.x, o.x))
+        + (dot4I8Packed(ev.y, e.y) + dot4I8Packed(od.y, o.y)))
+        + ((dot4I8Packed(ev.z, e.z) + dot4I8Packed(od.z, o.z))
+        + (dot4I8Packed(ev.w, e.w) + dot4I8Packed(od.w, o.w)));
+}
+
+fn plane_u(ev: vec4<u32>, od: vec4<u32>, e: vec4<u32>, o: vec4<u32>) -> i32 {
+    return i32(((dot4U8Packed(ev.x, e.x) + dot4U8Packed(od.x, o.x))
+        + (dot4U8Packed(ev.y, e.y) + dot4U8Packed(od.y, o.y)))
+        + ((dot4U8Packed(ev.z, e.z) + dot4U8Packed(od.z, o.z))
+        + (dot4U8Packed(ev.w, e.w) + dot4U8Packed(od.w, o.w))));
+}
+
+// Σ q·x24 over the 32 codes of code word `w`: the byte planes' sums are exact
+// integers (|Σ| ≤ 32·15·255), bytes 1 and 0 combine exactly in i32 (< 2^25), and the
+// one f32 rounding is in the final sum (2^-24 of it).
+fn packed_dot(w: vec4<u32>, x: Px) -> f32 {
     let m = vec4<u32>(0x0f0f0f0fu);
     let ev = w & m;
     let od = (w >> vec4<u32>(4u)) & m;
-    let h = ((dot4I8Packed(ev.x, x.he.x) + dot4I8Packed(od.x, x.ho.x))
-        + (dot4I8Packed(ev.y, x.he.y) + dot4I8Packed(od.y, x.ho.y)))
-        + ((dot4I8Packed(ev.z, x.he.z) + dot4I8Packed(od.z, x.ho.z))
-        + (dot4I8Packed(ev.w, x.he.w) + dot4I8Packed(od.w, x.ho.w)));
-    let l = ((dot4U8Packed(ev.x, x.le.x) + dot4U8Packed(od.x, x.lo.x))
-        + (dot4U8Packed(ev.y, x.le.y) + dot4U8Packed(od.y, x.lo.y)))
-        + ((dot4U8Packed(ev.z, x.le.z) + dot4U8Packed(od.z, x.lo.z))
-        + (dot4U8Packed(ev.w, x.le.w) + dot4U8Packed(od.w, x.lo.w)));
-    return 256 * h + i32(l);
+    let low = 256 * plane_u(ev, od, x.e1, x.o1) + plane_u(ev, od, x.e0, x.o0);
+    return 65536.0 * f32(plane_i(ev, od, x.e2, x.o2)) + f32(low);
 }
 
 var<workgroup> red: array<f32, 1024>;
@@ -141,10 +168,10 @@ fn rows4(r: vec4<u32>, row_v: u32, groups: u32, c: u32, x: Px) -> vec4<f32> {
     let w2 = mat4[wb + r.z * row_v + c];
     let w3 = mat4[wb + r.w * row_v + c];
     let d = vec4<f32>(
-        f32(packed_dot(w0, x)),
-        f32(packed_dot(w1, x)),
-        f32(packed_dot(w2, x)),
-        f32(packed_dot(w3, x)),
+        packed_dot(w0, x),
+        packed_dot(w1, x),
+        packed_dot(w2, x),
+        packed_dot(w3, x),
     ) * x.hs.x;
     let g = c * 32u / GROUP;
     let gi = r * groups + vec4<u32>(g);
@@ -167,7 +194,7 @@ fn rows4(r: vec4<u32>, row_v: u32, groups: u32, c: u32, x: Px) -> vec4<f32> {
 // step (a set's lanes read consecutive words of a row, so loads coalesce), and the
 // packed x of that word once for the 4. Partial sums meet in workgroup memory.
 @compute @workgroup_size(256)
-fn qmatvec_x16(@builtin(workgroup_id) wid: vec3<u32>,
+fn qmatvec_x24(@builtin(workgroup_id) wid: vec3<u32>,
                @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) li: u32) {
     let per_wg = 256u / LANES * 4u;
