@@ -554,10 +554,14 @@ impl GpuContext {
         lock(&self.packed_x_min).is_some_and(|m| codes >= m)
     }
 
-    /// Something other than a packed-x product is being recorded: the packed x may
-    /// no longer be what its buffer holds.
-    fn forget_packed_x(&self) {
-        lock(&self.packed_x).holds = None;
+    /// Record `f`, something other than a packed-x product: the packed x may no longer
+    /// be what its buffer holds. It is forgotten under the same lock that
+    /// [`GpuContext::with_packed_x`] holds while it records, so no packed-x product of
+    /// another thread can come between the forgetting and the recording.
+    fn forgetting_packed_x<R>(&self, f: impl FnOnce() -> R) -> R {
+        let mut held = lock(&self.packed_x);
+        held.holds = None;
+        f()
     }
 
     /// A buffer of at least `floats` f32s for the split attention's partials (one
@@ -666,10 +670,11 @@ impl GpuContext {
 
     /// Record setting every byte of `buf` to zero (in order with the batch).
     pub(crate) fn clear(&self, buf: &wgpu::Buffer) {
-        self.forget_packed_x();
         self.count(|s| s.clears += 1);
-        let mut batch = lock(&self.batch);
-        self.encoder(&mut batch).clear_buffer(buf, 0, None);
+        self.forgetting_packed_x(|| {
+            let mut batch = lock(&self.batch);
+            self.encoder(&mut batch).clear_buffer(buf, 0, None);
+        });
     }
 
     /// Write `bytes` at `offset` of `buf`, in order with the recorded dispatches
@@ -690,7 +695,6 @@ impl GpuContext {
                 ),
             });
         }
-        self.forget_packed_x();
         let mut data = bytes.to_vec();
         data.resize(padded, 0);
         let staging = self
@@ -704,9 +708,11 @@ impl GpuContext {
             s.writes += 1;
             s.write_bytes += padded as u64;
         });
-        let mut batch = lock(&self.batch);
-        self.encoder(&mut batch)
-            .copy_buffer_to_buffer(&staging, 0, buf, offset, padded as u64);
+        self.forgetting_packed_x(|| {
+            let mut batch = lock(&self.batch);
+            self.encoder(&mut batch)
+                .copy_buffer_to_buffer(&staging, 0, buf, offset, padded as u64);
+        });
         Ok(())
     }
 
@@ -719,11 +725,12 @@ impl GpuContext {
         dst_off: u64,
         bytes: u64,
     ) {
-        self.forget_packed_x();
         self.count(|s| s.copies += 1);
-        let mut batch = lock(&self.batch);
-        self.encoder(&mut batch)
-            .copy_buffer_to_buffer(src, src_off, dst, dst_off, bytes);
+        self.forgetting_packed_x(|| {
+            let mut batch = lock(&self.batch);
+            self.encoder(&mut batch)
+                .copy_buffer_to_buffer(src, src_off, dst, dst_off, bytes);
+        });
     }
 
     /// The batch's encoder, outside any compute pass (for copies and clears).
@@ -1017,8 +1024,7 @@ impl GpuContext {
         buffers: &[(u32, &wgpu::Buffer)],
         groups: usize,
     ) -> Result<()> {
-        self.forget_packed_x();
-        self.record_dispatch(k, params, buffers, groups)
+        self.forgetting_packed_x(|| self.record_dispatch(k, params, buffers, groups))
     }
 
     /// [`GpuContext::dispatch_at`] that keeps the packed x: only for the packed-x
