@@ -280,6 +280,25 @@ fn quantize_x(x: &[f32], bits: u32) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
     (xq, xl, xs)
 }
 
+/// A mappable buffer's values, once the device is idle.
+fn read_back<T, const N: usize>(
+    device: &wgpu::Device,
+    buf: &wgpu::Buffer,
+    from: fn([u8; N]) -> T,
+) -> Vec<T> {
+    buf.slice(..).map_async(wgpu::MapMode::Read, |_| {});
+    device.poll(wgpu::PollType::wait_indefinitely()).ok();
+    let v = buf
+        .slice(..)
+        .get_mapped_range()
+        .expect("mapped")
+        .chunks_exact(N)
+        .map(|b| from(b.try_into().expect("N bytes")))
+        .collect();
+    buf.unmap();
+    v
+}
+
 /// A buffer's values as the little-endian bytes the GPU reads.
 fn le_bytes<T: Copy, const N: usize>(v: &[T], to: fn(T) -> [u8; N]) -> Vec<u8> {
     v.iter().flat_map(|&e| to(e)).collect()
@@ -587,16 +606,7 @@ fn main() {
                 let mut enc = device.create_command_encoder(&Default::default());
                 enc.copy_buffer_to_buffer(&yb, 0, &read, 0, (rows * 4) as u64);
                 queue.submit([enc.finish()]);
-                read.slice(..).map_async(wgpu::MapMode::Read, |_| {});
-                device.poll(wgpu::PollType::wait_indefinitely()).ok();
-                let got: Vec<f32> = read
-                    .slice(..)
-                    .get_mapped_range()
-                    .expect("mapped")
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                read.unmap();
+                let got = read_back(&device, &read, |b: [u8; 4]| f32::from_le_bytes(b));
                 let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
                 let err = got
                     .iter()
@@ -628,16 +638,7 @@ fn main() {
                 device.poll(wgpu::PollType::wait_indefinitely()).ok();
                 times.push(t.elapsed().as_secs_f64() / batch as f64);
                 if let Some((_, _, back, period)) = &stamps {
-                    back.slice(..).map_async(wgpu::MapMode::Read, |_| {});
-                    device.poll(wgpu::PollType::wait_indefinitely()).ok();
-                    let ticks: Vec<u64> = back
-                        .slice(..)
-                        .get_mapped_range()
-                        .expect("mapped")
-                        .chunks_exact(8)
-                        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-                        .collect();
-                    back.unmap();
+                    let ticks = read_back(&device, back, |b: [u8; 8]| u64::from_le_bytes(b));
                     let ns = ticks[1].saturating_sub(ticks[0]) as f64 * period;
                     device_times.push(ns * 1e-9 / batch as f64);
                 }
