@@ -5,7 +5,8 @@ requires packed_4x8_integer_dot_product;
 // word meet those values in packed 4 × 8-bit dot products (`dot4I8Packed`,
 // `dot4U8Packed`: one instruction each on GPUs with IDP4A or its like), one per byte
 // of x. The f32 kernel (`qmatvec_fast` in qmatvec.wgsl) spends most of its time in
-// the float products at these sizes; this one is bound by reading the codes.
+// the float products at these sizes; this one takes about 1.5× a plain read of the
+// codes on the H200 (docs/GPU.md), the f32 kernel 2.5×.
 //
 // Rounding: chunk c's step is h = max |x| / (2^23 − 1) over its 32 values, x24 =
 // round(x / h) in ±(2^23 − 1), so |x − h·x24| ≤ h/2 = 2^-24 of the chunk's largest
