@@ -38,8 +38,10 @@
 //!   largest `|x|` of each 32 values over `2^23 − 1`, and the codes meet it in exact
 //!   packed integer dot products, one per byte of x. Beside reduction order this adds
 //!   x's rounding, at most `h/2` per value (`2^-24` of the chunk's largest `|x|`, the
-//!   size of an f32 product's own rounding): tests hold it to the f32 bound plus
-//!   `Σ (|s·q| + |b|)·(h/2 + 1e-6·|x|)`. Rounded to 16 bits instead, a SmolLM2 greedy
+//!   size of an f32 product's own rounding): tests hold it to
+//!   `2e-7 · Σ (|s·q| + |b|)·|x| + Σ (|s·q| + |b|)·(h/2 + 4e-7·|x|)` (the second term:
+//!   x's rounding and the f32 quotients `h` and `1/h`), and check the packed x word
+//!   for word. Rounded to 16 bits instead, a SmolLM2 greedy
 //!   token flipped at a near-tie, which is why 24.
 //! - **Embedding rows** are `s·q + b` per element, as [`Backend::row`](super::Backend)
 //!   computes them; the GPU compiler may fuse that into one `fma`, so they agree to 1
