@@ -8,8 +8,9 @@
 //! fraction of `--peak-gbs` when given (the H200's HBM is about 4800 GB/s). Where the
 //! adapter has timestamp queries each run is repeated with the batch's compute pass
 //! timed on the device (first dispatch's start to last one's end, the gaps between
-//! them included), printed beside the wall clock: that one leaves out the submit and
-//! the host's wake-up (about 2 us a product at a batch of 64 on the H200).
+//! them included), printed beside the wall clock: that one leaves out wgpu's encoding
+//! of the batch at submit, the submit and the host's wake-up (together about 4–5 us a
+//! product at a batch of 64 on the H200).
 //!
 //! ```text
 //! cargo run --release --example bench_gpu -- [--adapter NAME|INDEX] [--runs 15]

@@ -525,7 +525,8 @@ impl GpuContext {
 
     /// Whether the decode product of `w` takes the packed 24-bit x kernel.
     pub fn packed_x_takes(&self, w: &super::tensor::GpuMatrix) -> bool {
-        super::ops::qmatvec_x24_path(w) && self.packed_x_for(w.rows * w.cols)
+        super::ops::qmatvec_x24_path(w)
+            && lock(&self.packed_x_min).is_some_and(|m| w.rows * w.cols >= m)
     }
 
     /// Force `qmatvec_x24`'s invocations per 4 rows (a power of two, 4 to 256; other
@@ -547,11 +548,6 @@ impl GpuContext {
     /// `qmatvec_x24`'s invocations per 4 rows for `rows` rows of `row_v` code words.
     pub(crate) fn x24_lanes_for(&self, row_v: usize, rows: usize) -> u32 {
         lock(&self.x24_lanes).unwrap_or_else(|| super::ops::x24_lanes(row_v, rows))
-    }
-
-    /// Whether a product of `codes` codes takes the packed 24-bit x kernel.
-    pub(crate) fn packed_x_for(&self, codes: usize) -> bool {
-        lock(&self.packed_x_min).is_some_and(|m| codes >= m)
     }
 
     /// Record `f`, something other than a packed-x product: the packed x may no longer

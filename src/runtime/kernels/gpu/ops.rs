@@ -47,7 +47,7 @@ pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
 
 /// Whether the matrix-vector product of `w` can take the packed 24-bit x kernel
 /// (`qmatvec_x24`): 4-bit codes from a 16-byte boundary in groups of 32, 64 or 128.
-/// Whether it does also depends on its size ([`GpuContext::packed_x_for`]).
+/// Whether it does also depends on its size ([`GpuContext::packed_x_takes`]).
 pub(crate) fn qmatvec_x24_path(w: &GpuMatrix) -> bool {
     matches!(w.encoding, Encoding::Affine { bits: 4, group } if group.is_multiple_of(32))
         && w.w_off.is_multiple_of(4)

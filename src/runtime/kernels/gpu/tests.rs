@@ -508,7 +508,7 @@ fn quantized_products_match_cpu() {
 /// The packed 24-bit x kernel (`qmatvec_x24`) against the CPU's f32 product, under the
 /// contract's bound for it: reduction order plus x's rounding, half a step (1/(2^23 − 1) of
 /// the chunk's largest |x|) per value. Shapes: one group of each size, rows no
-/// workgroup divides, SmolLM2's, an 8192-column row (64 lanes). Then the packed x word
+/// workgroup divides, SmolLM2's, an 8192-column row (256 lanes: few rows). Then the packed x word
 /// for word (an all-zero chunk among them), and its reuse: two products of one x pack
 /// it once, and a write to x is seen.
 #[test]
@@ -525,6 +525,11 @@ fn packed_x_products_match_cpu() {
         return;
     };
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let cpu = |f: &Fixture, xs: &[f32]| {
+        let mut y = vec![0f32; f.rows];
+        Cpu::new(1).matmul(&f.matrix(), xs, 1, &mut y);
+        y
+    };
     let tolerance = |f: &Fixture, xs: &[f32]| -> Vec<f32> {
         let steps: Vec<f32> = xs
             .chunks_exact(32)
@@ -566,22 +571,19 @@ fn packed_x_products_match_cpu() {
         );
         let xs = rng.vec(cols);
         let got = gpu_matmul(ctx, &w, &xs, 1, &what);
-        let mut want = vec![0f32; rows];
-        Cpu::new(1).matmul(&f.matrix(), &xs, 1, &mut want);
+        let want = cpu(&f, &xs);
         let tol = tolerance(&f, &xs);
         assert_close(&what, &got, &want, |i| tol[i]);
-        // Other tilings than the shape's own: a lane per few words to a workgroup per
-        // 4 rows.
         if rows >= 13 {
+            // Other tilings than the shape's own: a lane per few words to a workgroup
+            // per 4 rows.
             for lanes in [4, 32, 256] {
                 ctx.set_x24_lanes(Some(lanes)).unwrap();
                 let y = gpu_matmul(ctx, &w, &xs, 1, &what);
                 ctx.set_x24_lanes(None).unwrap();
                 assert_close(&format!("{what} {lanes} lanes"), &y, &want, |i| tol[i]);
             }
-        }
-        // Not the f32 kernel's result by accident: x's rounding shows somewhere.
-        if rows >= 13 {
+            // Not the f32 kernel's result by accident: x's rounding shows somewhere.
             let f32_path = {
                 ctx.set_packed_x(None);
                 let y = gpu_matmul(ctx, &w, &xs, 1, &what);
@@ -657,11 +659,6 @@ fn packed_x_products_match_cpu() {
         ctx.zeros(&[1, 40], DType::F32).unwrap(),
         ctx.zeros(&[1, 24], DType::F32).unwrap(),
     );
-    let cpu = |f: &Fixture, xs: &[f32]| {
-        let mut y = vec![0f32; f.rows];
-        Cpu::new(1).matmul(&f.matrix(), xs, 1, &mut y);
-        y
-    };
     ctx.flush().unwrap();
     let before = ctx.stats().dispatches;
     ctx.matmul(&wa, &x, &ya).unwrap();
