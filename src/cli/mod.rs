@@ -541,6 +541,7 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
         tile_bytes: args.tile_kib.max(1) * 1024,
         discard_partial: args.discard_partial,
         overwrite: args.overwrite,
+        from: args.from.clone(),
         abort_after_reads,
     };
     reporter.set_total(prepared.plan.source_bytes_read());

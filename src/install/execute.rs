@@ -54,6 +54,9 @@ pub struct ExecuteOptions {
     /// Replace an existing output directory (its exclusive lock is taken first: see
     /// [`super::lock`]).
     pub overwrite: bool,
+    /// The local source folder (`--from`), which the output may neither be, hold nor
+    /// lie inside ([`super::stage::Staging::claim`]).
+    pub from: Option<PathBuf>,
     /// Test hook: stop (as if killed) after this many reads complete in this run.
     pub abort_after_reads: Option<u64>,
 }

@@ -26,6 +26,9 @@ pub(super) struct Finished {
     files_of: Vec<Vec<usize>>,
     queue: Mutex<Option<mpsc::Sender<usize>>>,
     worker: Mutex<Option<std::thread::JoinHandle<Hashed>>>,
+    /// Files written again after they may have been hashed (a shard fetched a second
+    /// time in the same run): their hashes are left to publish.
+    stale: Mutex<Vec<usize>>,
 }
 
 impl Finished {
@@ -62,7 +65,17 @@ impl Finished {
             files_of,
             queue: Mutex::new(worker.as_ref().map(|_| tx)),
             worker: Mutex::new(worker),
+            stale: Mutex::new(Vec::new()),
         }
+    }
+
+    /// `files` are about to be written again (a shard fetched a second time): any hash
+    /// taken of them, or to come, is dropped and publish hashes them instead.
+    pub(super) fn forget(&self, files: impl IntoIterator<Item = usize>) {
+        self.stale
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(files);
     }
 
     /// Read `ri` is durable: queue each file it finished for hashing.
@@ -92,8 +105,11 @@ impl Finished {
         let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(Ok(hashed)) = worker.map(|w| w.join()) {
             // A file is queued once, when its count of reads still to come reaches 0.
+            let stale = self.stale.lock().unwrap_or_else(|p| p.into_inner());
             for (f, sha) in hashed {
-                out[f] = Some(sha);
+                if !stale.contains(&f) {
+                    out[f] = Some(sha);
+                }
             }
         }
         out

@@ -204,6 +204,34 @@ pub enum InstallError {
         /// Output path.
         path: String,
     },
+    /// `--overwrite` of something gturbo did not make: only a published `.gturbo`
+    /// install (its manifest and receipt say so, and every file in it is one the
+    /// manifest lists) is ever replaced.
+    #[error(
+        "{path}: {why}; --overwrite replaces only a .gturbo install that gturbo made, so it is left as it is (it holds {holds})\n\nhint: choose another --out, or move it away yourself"
+    )]
+    NotOurs {
+        /// The output path.
+        path: String,
+        /// Why it is not gturbo's.
+        why: String,
+        /// What is in it (a few names and a count).
+        holds: String,
+    },
+    /// The output is the `--from` folder, holds it or lies inside it.
+    #[error(
+        "--out {out} {how} the source folder --from {from}; refusing (an install there would {harm})\n\nhint: choose an --out outside {from}"
+    )]
+    OutputOverlapsSource {
+        /// The output path (or its staging directory) as given.
+        out: String,
+        /// `is`, `holds` or `lies inside`.
+        how: &'static str,
+        /// The source folder, canonical.
+        from: String,
+        /// What would happen.
+        harm: &'static str,
+    },
     /// An interrupted run published the output, but it no longer verifies.
     #[error(
         "{path} already exists: a run of this plan published it but stopped before cleaning up, and it does not verify ({failure})\n\nhint: pass --overwrite to install it again"

@@ -59,6 +59,9 @@ impl Staging {
     /// Claim `options.out` for this install (see the module doc).
     pub fn claim(options: &ExecuteOptions) -> Result<Staging, InstallError> {
         let out = &options.out;
+        if let Some(from) = &options.from {
+            apart_from_source(out, from)?;
+        }
         // The published directory is never a link: gturbo neither publishes one nor
         // replaces (or writes through) one.
         match nofollow::kind(out)? {
@@ -69,7 +72,8 @@ impl Staging {
                 });
             }
             Some(t) if !t.is_dir() => return Err(nofollow::planted(out, "not a directory")),
-            _ => {}
+            Some(_) => ours(out)?,
+            None => {}
         }
         let dir = with_suffix(out, ".partial");
         let lock_path = with_suffix(out, ".partial.lock");
@@ -149,6 +153,148 @@ impl Staging {
         )?;
         write_resident_head(plan, &out)?;
         Ok(out)
+    }
+}
+
+/// Refuse an output that is the `--from` folder, holds it or lies inside it, whatever
+/// the flags: publishing (or `--overwrite`, or `--discard-partial` of the staging
+/// directory beside it) would replace or remove the source, and an output inside the
+/// source would change what a later install of it reads. The staging directory is
+/// checked too (`--from x.partial --out x` would have it removed).
+fn apart_from_source(out: &Path, from: &Path) -> Result<(), InstallError> {
+    let from = std::fs::canonicalize(from).map_err(|e| io_err(from, e))?;
+    for (path, given) in [
+        (out.to_path_buf(), out),
+        (with_suffix(out, ".partial"), out),
+    ] {
+        let at = resolved(&path).map_err(|e| io_err(&path, e))?;
+        let (how, harm) = if at == from {
+            ("is", "replace the source with the install")
+        } else if from.starts_with(&at) {
+            ("holds", "remove the source with the old output")
+        } else if at.starts_with(&from) {
+            ("lies inside", "write into the source")
+        } else {
+            continue;
+        };
+        return Err(InstallError::OutputOverlapsSource {
+            out: given.display().to_string(),
+            how,
+            from: from.display().to_string(),
+            harm,
+        });
+    }
+    Ok(())
+}
+
+/// `path` with every link and `..` of its existing part resolved: the longest existing
+/// ancestor canonicalized, the components that do not exist yet appended (none of them
+/// can be a link, so a `..` among them is lexical).
+fn resolved(path: &Path) -> std::io::Result<PathBuf> {
+    let path = std::path::absolute(path)?;
+    let mut base = path.as_path();
+    let mut rest = Vec::new();
+    let canonical = loop {
+        match std::fs::canonicalize(base) {
+            Ok(c) => break c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let (Some(parent), Some(name)) = (base.parent(), base.file_name()) else {
+            return Err(std::io::ErrorKind::NotFound.into());
+        };
+        rest.push(name.to_owned());
+        base = parent;
+    };
+    let mut at = canonical;
+    for name in rest.into_iter().rev() {
+        if name == ".." {
+            at.pop();
+        } else if name != "." {
+            at.push(name);
+        }
+    }
+    Ok(at)
+}
+
+/// Most names [`ours`] lists of a folder it refuses to replace.
+const NAMES_SHOWN: usize = 5;
+
+/// Whether the existing directory `out` is one `--overwrite` may replace: a `.gturbo`
+/// install gturbo published, that is, its manifest parses, a receipt is beside it, and
+/// it holds no file the manifest does not account for (a user's file put there would go
+/// with it). Anything else is refused, naming the path and what is in it.
+fn ours(out: &Path) -> Result<(), InstallError> {
+    // An empty folder holds nothing to lose.
+    if std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_none()) {
+        return Ok(());
+    }
+    let refuse = |why: String| InstallError::NotOurs {
+        path: out.display().to_string(),
+        why,
+        holds: contents(out),
+    };
+    let name = crate::format::manifest::FILE_NAME;
+    if std::fs::symlink_metadata(out.join(name)).is_err() {
+        return Err(refuse(format!("not a .gturbo install (no {name})")));
+    }
+    let manifest = crate::verify::open_manifest(out)
+        .map_err(|f| refuse(format!("not a .gturbo install ({f})")))?;
+    match crate::verify::read_receipt(out) {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            return Err(refuse(format!(
+                "not a .gturbo install that gturbo published (no {})",
+                crate::format::receipt::FILE_NAME
+            )));
+        }
+        Err(f) => return Err(refuse(format!("not a .gturbo install ({f})"))),
+    }
+    let strays = crate::verify::unexpected_files(out, &manifest);
+    if !strays.is_empty() {
+        let names: Vec<&str> = strays.iter().map(|f| f.file.as_str()).collect();
+        return Err(refuse(format!(
+            "a .gturbo install that also holds {} the manifest does not list ({}{})",
+            if names.len() == 1 { "a file" } else { "files" },
+            names[..names.len().min(NAMES_SHOWN)].join(", "),
+            if names.len() > NAMES_SHOWN {
+                format!(" and {} more", names.len() - NAMES_SHOWN)
+            } else {
+                String::new()
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// A few of the names in `dir` and how many there are, for an error.
+fn contents(dir: &Path) -> String {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return "entries that cannot be listed".into();
+    };
+    let mut names = Vec::new();
+    let mut count = 0usize;
+    for e in entries.flatten() {
+        count += 1;
+        if names.len() < 1000 {
+            let dir = e.file_type().is_ok_and(|t| t.is_dir());
+            names.push(format!(
+                "{}{}",
+                e.file_name().to_string_lossy(),
+                if dir { "/" } else { "" }
+            ));
+        }
+    }
+    names.sort();
+    names.truncate(NAMES_SHOWN);
+    match count {
+        0 => "nothing".into(),
+        n if n <= NAMES_SHOWN => format!(
+            "{n} entr{}: {}",
+            if n == 1 { "y" } else { "ies" },
+            names.join(", ")
+        ),
+        n => format!("{n} entries: {}, ...", names.join(", ")),
     }
 }
 

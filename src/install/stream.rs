@@ -564,7 +564,11 @@ pub(super) async fn run(
         jobs_at_once = jobs_at_once(&ctx.links),
         "stream"
     );
-    let waiting = jobs.into_iter();
+    // Per job id: its shard, and whether it goes on from hash state an earlier run
+    // journaled (then a mismatch may lie in bytes that run kept, not in the source).
+    let mut started: Vec<(usize, bool)> = Vec::new();
+    // Jobs whose reads fetch a shard a second time: their bytes were counted once.
+    let mut again = std::collections::BTreeSet::new();
     let mut running = tokio::task::JoinSet::new();
     let mut outcome = Ok(());
     let mut grow = Grower::new(connections, &ctx, limit as u64);
@@ -579,24 +583,32 @@ pub(super) async fn run(
     // consumer, the flush and the shard's hash check left connections idle between
     // jobs (at `--jobs 4` on the capped link, 3 of 4 busy for ~0.5 s at every one).
     let mut requesting = std::collections::BTreeSet::new();
-    let on_event = |e: JobEvent, requesting: &mut std::collections::BTreeSet<usize>| match e {
-        JobEvent::Durable(n) => reporter.read_done(n),
+    let on_event = |e: JobEvent,
+                    requesting: &mut std::collections::BTreeSet<usize>,
+                    again: &std::collections::BTreeSet<usize>| match e {
+        JobEvent::Durable(id, n) => {
+            if !again.contains(&id) {
+                reporter.read_done(n);
+            }
+        }
         JobEvent::AllRequested(id) => {
             requesting.remove(&id);
         }
     };
-    let mut next_id = 0usize;
-    let mut waiting = waiting.peekable();
+    let mut waiting: std::collections::VecDeque<Job> = jobs.into();
     loop {
         // Under `--jobs auto` this rises as the connections grow.
         while requesting.len() < jobs_at_once(&ctx.links) {
-            let Some(job) = waiting.next() else { break };
-            let (ctx, events, id) = (ctx.clone(), events.clone(), next_id);
-            next_id += 1;
+            let Some(job) = waiting.pop_front() else {
+                break;
+            };
+            let (ctx, events, id) = (ctx.clone(), events.clone(), started.len());
+            let resumed = job.start_hash.as_ref().is_some_and(|h| h.len() > 0);
+            started.push((job.shard, resumed));
             requesting.insert(id);
             running.spawn(async move { (id, run_job(ctx, job, id, events).await) });
         }
-        let last_jobs = if waiting.peek().is_none() {
+        let last_jobs = if waiting.is_empty() {
             requesting.len().max(1) as u64
         } else {
             0
@@ -605,7 +617,7 @@ pub(super) async fn run(
         let joined = tokio::select! {
             j = running.join_next() => j,
             Some(e) = events_rx.recv() => {
-                on_event(e, &mut requesting);
+                on_event(e, &mut requesting, &again);
                 continue;
             }
             r = &mut beside, if !beside_done => {
@@ -628,11 +640,33 @@ pub(super) async fn run(
         };
         // Reads a job made durable just before it ended.
         while let Ok(e) = events_rx.try_recv() {
-            on_event(e, &mut requesting);
+            on_event(e, &mut requesting, &again);
         }
         match joined {
             Ok((id, Ok(()))) => {
                 requesting.remove(&id);
+            }
+            // A shard that went on from an earlier run's hash state and does not hash to
+            // its published SHA-256: the bytes kept from that run may be what is wrong
+            // (a hub that served other bytes then), so the shard is fetched whole once
+            // more in this run (its journal lines are discarded already). Only a fresh
+            // fetch that is still wrong fails the install.
+            Ok((id, Err(InstallError::SourceHashMismatch { shard, .. })))
+                if started.get(id).is_some_and(|&(_, resumed)| resumed) =>
+            {
+                requesting.remove(&id);
+                let si = started[id].0;
+                reporter.phase(
+                    "refetch",
+                    &format!(
+                        "{shard}: the pieces kept from an earlier run do not hash to its \
+                         published SHA-256; fetching the whole shard again"
+                    ),
+                );
+                ctx.finished
+                    .forget(shard_files(&ctx.plan, &ctx.placements, si));
+                again.insert(started.len());
+                waiting.push_front(whole_shard(&ctx.plan, si));
             }
             Ok((_, Err(e))) => {
                 outcome = Err(e);
@@ -660,6 +694,31 @@ pub(super) async fn run(
         peak_bytes_per_s: grow.peak_bytes_per_s(&ctx),
         file_sha256: ctx.finished.take(),
     })
+}
+
+/// Every read of shard `si`, in order, each hashed from a fresh hash state: the job
+/// that fetches a shard again from its first byte.
+fn whole_shard(plan: &Plan, si: usize) -> Job {
+    let mut steps: Vec<usize> = (0..plan.reads.len())
+        .filter(|&ri| plan.reads[ri].shard == si)
+        .collect();
+    steps.sort_by_key(|&ri| plan.reads[ri].start);
+    Job {
+        shard: si,
+        steps: steps.into_iter().map(|ri| (ri, true)).collect(),
+        start_hash: Some(ResumableSha256::default()),
+    }
+}
+
+/// The output files shard `si`'s tensors are written to.
+fn shard_files(plan: &Plan, placements: &[Option<TensorPlacement>], si: usize) -> Vec<usize> {
+    let mut files: Vec<usize> = (plan.tensors.iter().zip(placements))
+        .filter(|(t, _)| t.shard == si)
+        .filter_map(|(_, p)| p.as_ref().map(|p| p.row(0).file))
+        .collect();
+    files.sort_unstable();
+    files.dedup();
+    files
 }
 
 /// Shard jobs that run at once: [`autojobs::shard_jobs`] of the connections allowed
@@ -776,8 +835,8 @@ impl Grower {
 
 /// What a job tells the stream stage while it runs.
 enum JobEvent {
-    /// A read is durable: its source bytes.
-    Durable(u64),
+    /// A read of job `.0` is durable: its source bytes.
+    Durable(usize, u64),
     /// Job `id` has requested its last sub-range.
     AllRequested(usize),
 }
@@ -834,7 +893,7 @@ async fn run_job(
                     break 'reads Err(e);
                 }
                 // The receiver is gone only when the install is ending anyway.
-                let _ = events.send(JobEvent::Durable(flushing));
+                let _ = events.send(JobEvent::Durable(id, flushing));
             }
             let journaled = if journal_hash { hash.clone() } else { None };
             let c = ctx.clone();
@@ -850,7 +909,7 @@ async fn run_job(
     if let Some(p) = pending.take() {
         let last = durable(p).await;
         if last.is_ok() {
-            let _ = events.send(JobEvent::Durable(flushing));
+            let _ = events.send(JobEvent::Durable(id, flushing));
         }
         streamed?;
         last?;

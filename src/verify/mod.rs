@@ -494,7 +494,7 @@ fn check_resident(file: File, len: u64, m: &Manifest) -> Vec<VerifyFailure> {
 
 /// Files and links in the directory the manifest does not account for. Links are
 /// reported, never followed.
-fn unexpected_files(dir: &Path, m: &Manifest) -> Vec<VerifyFailure> {
+pub fn unexpected_files(dir: &Path, m: &Manifest) -> Vec<VerifyFailure> {
     let mut known: BTreeSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
     known.insert(manifest::FILE_NAME);
     known.insert(receipt::FILE_NAME);
@@ -977,7 +977,7 @@ pub fn receipt_vouches(dir: &Path) -> Result<bool, VerifyFailure> {
 }
 
 /// The receipt on disk, if any. A receipt that cannot be read or parsed is a failure.
-fn read_receipt(dir: &Path) -> Result<Option<Receipt>, VerifyFailure> {
+pub fn read_receipt(dir: &Path) -> Result<Option<Receipt>, VerifyFailure> {
     let name = receipt::FILE_NAME;
     match std::fs::symlink_metadata(dir.join(name)) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),

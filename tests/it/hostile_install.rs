@@ -505,3 +505,145 @@ fn issue13_an_absurd_manifest_axis_is_refused_by_run_eval_and_verify() {
         text(&o)
     );
 }
+
+/// Every file under `dir` and its bytes, links and all, or `None` when it is gone: what
+/// a refused command must leave as it was.
+fn snapshot_of(dir: &Path) -> Option<Vec<(String, Vec<u8>)>> {
+    dir.exists().then(|| tree(dir))
+}
+
+/// Issue 22, defect 1: `--overwrite` used to delete whatever `--out` named. An output
+/// that is, holds or lies inside the `--from` folder is refused whatever the flags, and
+/// `--overwrite` replaces only a `.gturbo` install gturbo published; the source and the
+/// user's files stay byte for byte.
+#[test]
+fn issue22_overwrite_removes_only_what_gturbo_made_and_never_the_source() {
+    let tmp = temp_dir();
+    let snap = qwen3_snapshot(tmp.path());
+    let source = snapshot_of(&snap).unwrap();
+    let canonical = std::fs::canonicalize(&snap).unwrap();
+    let from = canonical.display().to_string();
+
+    // The source folder itself, its parent, a folder inside it, and a staging
+    // directory that would be the source: refused with or without --overwrite.
+    let parent = tmp.path().to_path_buf();
+    let before_parent = snapshot_of(&parent).unwrap();
+    let inside = snap.join("m.gturbo");
+    for (out, how, harm) in [
+        (snap.clone(), "is", "replace the source with the install"),
+        (
+            parent.clone(),
+            "holds",
+            "remove the source with the old output",
+        ),
+        (inside.clone(), "lies inside", "write into the source"),
+    ] {
+        for extra in [&["-q"][..], &["-q", "--overwrite"][..]] {
+            let o = install("qwen3", &snap, &out, extra);
+            assert_eq!(o.status.code(), Some(2), "{}: {}", out.display(), text(&o));
+            assert_eq!(
+                error_line(&o),
+                format!(
+                    "gturbo: error: --out {} {how} the source folder --from {from}; refusing (an install there would {harm})",
+                    out.display()
+                ),
+                "{}",
+                text(&o)
+            );
+            assert_eq!(snapshot_of(&snap).unwrap(), source, "{}", out.display());
+        }
+    }
+    assert!(!inside.exists());
+    assert_eq!(snapshot_of(&parent).unwrap(), before_parent);
+    // `--out snap.gturbo` is fine, but `--out X` whose staging directory `X.partial`
+    // would be the source is not (`--discard-partial` would remove it).
+    let snap_partial = tmp.path().join("src.partial");
+    std::fs::rename(&snap, &snap_partial).unwrap();
+    let out = tmp.path().join("src");
+    let o = install("qwen3", &snap_partial, &out, &["-q", "--discard-partial"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        error_line(&o).starts_with(&format!(
+            "gturbo: error: --out {} is the source folder --from {}",
+            out.display(),
+            std::fs::canonicalize(&snap_partial).unwrap().display()
+        )),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(snapshot_of(&snap_partial).unwrap(), source);
+    std::fs::rename(&snap_partial, &snap).unwrap();
+
+    // A folder of the user's own files: left as it is, the refusal names what is in it.
+    let mine = tmp.path().join("thesis");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::write(mine.join("thesis.txt"), b"four years of work").unwrap();
+    std::fs::create_dir(mine.join("figures")).unwrap();
+    std::fs::write(mine.join("figures/fig1.png"), b"not a png").unwrap();
+    let theirs = snapshot_of(&mine).unwrap();
+    let o = install("qwen3", &snap, &mine, &["-q", "--overwrite"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        error_line(&o).starts_with(&format!(
+            "gturbo: error: {}: not a .gturbo install (no manifest.json); --overwrite",
+            mine.display()
+        )),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        error_line(&o).ends_with(
+            "--overwrite replaces only a .gturbo install that gturbo made, so it is left as it is (it holds 2 entries: figures/, thesis.txt)"
+        ),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(snapshot_of(&mine).unwrap(), theirs);
+    for s in [".partial", ".partial.lock", ".partial.journal"] {
+        assert!(
+            !suffixed(&mine, s).exists(),
+            "{s} left beside a refused output"
+        );
+    }
+
+    // A published install is replaced; one that also holds a user's file is not, and
+    // one whose manifest is gone (no longer recognisably gturbo's) is not either.
+    let out = tmp.path().join("m.gturbo");
+    let o = install("qwen3", &snap, &out, &["-q"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = install("qwen3", &snap, &out, &["-q", "--overwrite"]);
+    assert!(o.status.success(), "{}", text(&o));
+    std::fs::write(out.join("notes.md"), b"my notes on this model").unwrap();
+    let o = install("qwen3", &snap, &out, &["-q", "--overwrite"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        error_line(&o).starts_with(&format!(
+            "gturbo: error: {}: a .gturbo install that also holds a file the manifest does not list (notes.md); --overwrite replaces only",
+            out.display()
+        )),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(
+        std::fs::read(out.join("notes.md")).unwrap(),
+        b"my notes on this model"
+    );
+    std::fs::remove_file(out.join("notes.md")).unwrap();
+    std::fs::remove_file(out.join("verified-install.json")).unwrap();
+    let o = install("qwen3", &snap, &out, &["-q", "--overwrite"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        error_line(&o)
+            .contains("not a .gturbo install that gturbo published (no verified-install.json)"),
+        "{}",
+        text(&o)
+    );
+    assert!(out.join("manifest.json").exists());
+    // An empty folder holds nothing to lose: replaced.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let o = install("qwen3", &snap, &empty, &["-q", "--overwrite"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(empty.join("manifest.json").exists());
+    assert_eq!(snapshot_of(&snap).unwrap(), source);
+}

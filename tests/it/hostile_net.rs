@@ -547,3 +547,82 @@ async fn issue13_an_oversized_tokenizer_is_refused_before_any_weight_streams() {
     assert_eq!(stats.file(REPO, "tokenizer.json").ranges.len(), 0);
     assert_not_published(&out);
 }
+
+/// Issue 22, defect 6: a hub served other bytes for every shard (its published hashes
+/// right), and a run was stopped with those bytes journaled. The rerun against a clean
+/// hub used to fail once per poisoned shard ("source SHA-256 mismatch") before one
+/// succeeded; now a shard whose kept pieces fail its hash is fetched again in the same
+/// run, said so, and the one rerun publishes the same install as a clean one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue22_a_poisoned_journal_is_cleared_in_one_rerun() {
+    let r = Replica::new();
+    r.publish(&r.true_oids());
+    let clean: Vec<(String, Vec<u8>)> = r
+        .shards()
+        .into_iter()
+        .map(|s| {
+            let b = std::fs::read(r.dir.join(&s)).unwrap();
+            (s, b)
+        })
+        .collect();
+    // Every shard's first and last data bytes changed in their lowest mantissa bit
+    // (finite stays finite), so a read's bytes are wrong but nothing else is.
+    for (s, bytes) in &clean {
+        let mut b = bytes.clone();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        b[8 + n] ^= 1;
+        let last = b.len() - 2;
+        b[last] ^= 1;
+        std::fs::write(r.dir.join(s), &b).unwrap();
+    }
+    let (hub, repo) = r.start(HubConfig::default()).await;
+    let out = r.out("poisoned.gturbo");
+    // Stopped (as if killed) with poisoned reads journaled: one job at a time, so the
+    // first shard (5 MB, more than two reads of 1 MiB) has not reached its hash check.
+    let flags = ["--range-mib", "1"];
+    let o = install_env(
+        &hub,
+        &repo,
+        &r,
+        &out,
+        &["--range-mib", "1", "--jobs", "1"],
+        &[("GTURBO_TEST_ABORT_AFTER_READS", "2")],
+    );
+    assert_eq!(o.status.code(), Some(137), "{}", stderr(&o));
+    drop(hub);
+
+    for (s, bytes) in &clean {
+        std::fs::write(r.dir.join(s), bytes).unwrap();
+    }
+    let (hub, repo) = r.start(HubConfig::default()).await;
+    let o = install(&hub, &repo, &r, &out, &flags);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let refetched: Vec<&str> = err
+        .lines()
+        .filter(|l| {
+            l.starts_with("gturbo: refetch: ")
+                && l.ends_with(": the pieces kept from an earlier run do not hash to its published SHA-256; fetching the whole shard again")
+        })
+        .collect();
+    assert!(!refetched.is_empty(), "{err}");
+    assert!(!err.contains("mismatch"), "{err}");
+    let v = Command::new(gturbo_bin())
+        .arg("verify-install")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(v.status.success(), "{}", stderr(&v));
+
+    // The same bytes as an install from the clean hub alone.
+    let fresh = r.out("fresh.gturbo");
+    let o = install(&hub, &repo, &r, &fresh, &flags);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let files = |d: &Path| -> Value {
+        let m: Value =
+            serde_json::from_slice(&std::fs::read(d.join("manifest.json")).unwrap()).unwrap();
+        m["files"].clone()
+    };
+    assert_eq!(files(&out), files(&fresh));
+    eprintln!("{}", refetched.join("\n"));
+}
