@@ -901,16 +901,14 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
 
 /// Each copied file the receipt records as verified, against the git blob id or SHA-256
 /// its source published. Only files the manifest lists are opened (a receipt naming
-/// another path is a failure), at most [`crate::plan::MAX_COPIED_BYTES`] each.
+/// another path is a failure), each at most the bound the install held it to
+/// ([`crate::plan::copied_max_bytes`]).
 fn check_copied(dir: &Path, m: &Manifest, copied: &[ReceiptCopied]) -> Vec<VerifyFailure> {
     let mut out = Vec::new();
     let rname = receipt::FILE_NAME;
     for c in copied.iter().filter(|c| c.verified) {
-        if !m
-            .files
-            .iter()
-            .any(|f| f.path == c.file && f.kind == "tokenizer")
-        {
+        let listed = (m.files.iter()).any(|f| f.path == c.file && f.kind == "tokenizer");
+        if !listed || check_relative_path(&c.file).is_err() {
             out.push(VerifyFailure::new(
                 rname,
                 "source_copied",
@@ -919,7 +917,7 @@ fn check_copied(dir: &Path, m: &Manifest, copied: &[ReceiptCopied]) -> Vec<Verif
             continue;
         }
         let bytes = match open_inside(dir, &c.file).and_then(|(file, _)| {
-            read_capped(file, crate::plan::MAX_COPIED_BYTES)
+            read_capped(file, crate::plan::copied_max_bytes(&c.path).0)
                 .map_err(|e| VerifyFailure::io(&c.file, &e))
         }) {
             Ok(b) => b,
