@@ -525,9 +525,12 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
         return Ok(());
     }
     let unverified = progress::unverified_shards(&prepared.plan);
-    if require_hash && !unverified.is_empty() {
+    let copied_unpublished =
+        crate::install::copied::unpublished(source.as_ref(), &prepared.repo, &prepared.plan);
+    if require_hash && (!unverified.is_empty() || !copied_unpublished.is_empty()) {
         return Err(unpublished_hash_refusal(
             &unverified,
+            &copied_unpublished,
             args.require_source_hash,
         ));
     }
@@ -543,10 +546,13 @@ async fn install_cmd(args: InstallArgs, quiet: u8, no_progress: bool) -> Result<
         overwrite: args.overwrite,
         from: args.from.clone(),
         abort_after_reads,
+        require_source_hash: require_hash,
     };
     reporter.set_total(prepared.plan.source_bytes_read());
     let source: Arc<dyn RangeSource> = Arc::from(source);
     let summary = execute::execute(source.clone(), &prepared, &options, reporter.as_ref()).await?;
+    let mut unverified = unverified;
+    unverified.extend(progress::unverified_copies(&summary.copied_unverified));
     reporter.done(&progress::Done::new(
         &out,
         &summary,
@@ -580,20 +586,47 @@ fn on_the_hub(endpoint: Option<&str>) -> bool {
         .eq_ignore_ascii_case(crate::env::DEFAULT_ENDPOINT)
 }
 
-fn unpublished_hash_refusal(unverified: &[progress::Unverified], flag: Option<bool>) -> Failure {
+/// The refusal of shards and copied files without a published hash to verify them
+/// against, each group named in full.
+fn unpublished_hash_refusal(
+    unverified: &[progress::Unverified],
+    copied: &[String],
+    flag: Option<bool>,
+) -> Failure {
     let names: Vec<&str> = unverified.iter().map(|u| u.path.as_str()).collect();
-    let why = if flag.is_some() {
-        "--require-source-hash"
-    } else {
-        "the Hugging Face hub publishes one for every LFS file, so gturbo requires it there"
-    };
+    let s = |n: usize| if n == 1 { "" } else { "s" };
+    let mut what = Vec::new();
+    if !names.is_empty() {
+        let why = if flag.is_some() {
+            "--require-source-hash"
+        } else {
+            "the Hugging Face hub publishes one for every LFS file, so gturbo requires it there"
+        };
+        what.push(format!(
+            "{} source shard{} without a published SHA-256 to verify against ({why}): {}",
+            names.len(),
+            s(names.len()),
+            names.join(", ")
+        ));
+    }
+    if !copied.is_empty() {
+        let why = if flag.is_some() {
+            "--require-source-hash"
+        } else {
+            "the Hugging Face hub publishes one for every file, so gturbo requires it there"
+        };
+        what.push(format!(
+            "{} file{} to copy without a published hash (git blob id or SHA-256) to verify against ({why}): {}",
+            copied.len(),
+            s(copied.len()),
+            copied.join(", ")
+        ));
+    }
     Failure {
         code: 1,
         message: format!(
-            "{} source shard{} without a published SHA-256 to verify against ({why}): {}\n\nhint: the source gives no `lfs.oid` in its listing and no `X-Linked-Etag` or SHA-256 `ETag` on these files; pass --require-source-hash=false to install them unverified",
-            names.len(),
-            if names.len() == 1 { "" } else { "s" },
-            names.join(", ")
+            "{}\n\nhint: the source gives no `lfs.oid` in its listing and no `X-Linked-Etag` or SHA-256 `ETag` on these shards, and no git blob id (the listing's `oid`) for these files; pass --require-source-hash=false to install them unverified",
+            what.join("; ")
         ),
     }
 }

@@ -194,16 +194,18 @@ pub(super) struct Done {
     pub summary: ExecuteSummary,
     /// HTTP retries the source made (0 for a local source).
     pub retries: u64,
-    /// Source shards not checked against a published SHA-256, and why.
+    /// Source shards and copied files not checked against a published hash, and why.
     pub source_unverified: Vec<Unverified>,
 }
 
-/// A source shard the install could not prove against the source's own hash.
+/// A source shard or copied file the install could not prove against the source's own
+/// hash.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(super) struct Unverified {
-    /// The shard, a path in the repo.
+    /// The shard or copied file, a path in the repo.
     pub path: String,
-    /// `no published SHA-256` or `--no-verify-source`.
+    /// `no published SHA-256` or `--no-verify-source` (a shard), `no published hash`
+    /// (a copied file).
     pub reason: &'static str,
 }
 
@@ -223,6 +225,17 @@ pub(super) fn unverified_shards(plan: &crate::plan::Plan) -> Vec<Unverified> {
                 path: s.path.clone(),
                 reason,
             })
+        })
+        .collect()
+}
+
+/// The copied files (repo paths) the install copied without a published hash.
+pub(super) fn unverified_copies(paths: &[String]) -> Vec<Unverified> {
+    paths
+        .iter()
+        .map(|p| Unverified {
+            path: p.clone(),
+            reason: "no published hash",
         })
         .collect()
 }
@@ -522,8 +535,9 @@ impl CliReporter for IndicatifReporter {
 /// (`reads_damaged` of the kept ones failed their check and were fetched again);
 /// `bytes_read` source bytes and `bytes_written` output bytes of this run;
 /// `shards_verified` source shards checked against their published SHA-256; `retries`
-/// HTTP retries; `source_unverified` the shards not checked, each `{"path", "reason"}`
-/// (`no published SHA-256` or `--no-verify-source`). A failed install has no `done`:
+/// HTTP retries; `source_unverified` the shards and copied files not checked, each
+/// `{"path", "reason"}` (`no published SHA-256` or `--no-verify-source` for a shard,
+/// `no published hash` for a copied file). A failed install has no `done`:
 /// the error is on stderr and the exit code is not 0.
 ///
 /// ```json
@@ -653,6 +667,7 @@ mod tests {
                 already_installed: false,
                 connections: 3,
                 peak_bytes_per_s: 4.5e6,
+                copied_unverified: Vec::new(),
             },
             retries: 2,
             source_unverified: Vec::new(),

@@ -17,6 +17,21 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     ::hex::encode(Sha256::digest(bytes))
 }
 
+/// Hex digits of a git blob id (SHA-1).
+pub const GIT_OID_HEX_LEN: usize = 40;
+
+/// The git blob id of `bytes`, lowercase hex: SHA-1 of `blob <len>\0` and the bytes.
+/// The hub publishes it for every file not stored in LFS (the tree listing's `oid`,
+/// the `ETag` of its `/resolve` answer), and a Hugging Face cache names such a blob
+/// by it.
+pub fn git_blob_sha1(bytes: &[u8]) -> String {
+    use sha1::Digest as _;
+    let mut h = sha1::Sha1::new();
+    h.update(format!("blob {}\0", bytes.len()));
+    h.update(bytes);
+    ::hex::encode(h.finalize())
+}
+
 /// Whether `s` is `len` hex digits, either case.
 pub fn is_hex(s: &str, len: usize) -> bool {
     s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
@@ -42,6 +57,19 @@ pub fn is_commit(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn git_blob_ids_are_what_git_hash_object_prints() {
+        // `printf 'hello\n' | git hash-object --stdin`; `git hash-object /dev/null`.
+        assert_eq!(
+            git_blob_sha1(b"hello\n"),
+            "ce013625030ba8dba906f756967f9e9ca394464a"
+        );
+        assert_eq!(
+            git_blob_sha1(b""),
+            "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+        );
+    }
 
     #[test]
     fn hex_text_by_case_and_length() {

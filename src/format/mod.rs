@@ -15,6 +15,7 @@ pub mod quality;
 pub mod receipt;
 pub mod resident;
 pub mod sizes;
+pub mod tokenizer;
 
 pub use sizes::{Affine, QuantSizes, RowBlocks, row_bytes};
 

@@ -41,6 +41,12 @@ pub struct Receipt {
     /// SHA-256 the source published (absent in receipts written before this field).
     #[serde(default)]
     pub source_shards: Vec<ReceiptSource>,
+    /// Each file copied from the source (config, tokenizer, chat template), with the
+    /// hash the source published for it and whether the copy matched it (absent in
+    /// receipts written before this field). `verify-install` checks the files on disk
+    /// against these hashes again.
+    #[serde(default)]
+    pub source_copied: Vec<ReceiptCopied>,
     /// `quality.json` as `gturbo eval --record` wrote it (absent when no quality was
     /// recorded): the receipt's signature over the quality result.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -56,6 +62,24 @@ pub struct ReceiptSource {
     /// The SHA-256 the source published, if it published one.
     pub sha256: Option<String>,
     /// Whether every byte of the shard was hashed and matched `sha256`.
+    pub verified: bool,
+}
+
+/// One file copied verbatim from the source.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiptCopied {
+    /// Path in the source repo.
+    pub path: String,
+    /// Path inside the directory.
+    pub file: String,
+    /// The git blob id the source published (a file not in LFS: the listing's `oid`,
+    /// the `ETag`), if it published one.
+    pub git_oid: Option<String>,
+    /// The SHA-256 the source published (a file in LFS), if it published one.
+    pub sha256: Option<String>,
+    /// Whether the source published a hash and the copied bytes matched every one
+    /// it published.
     pub verified: bool,
 }
 
@@ -133,6 +157,7 @@ impl Receipt {
             source_repo,
             source_commit,
             source_shards,
+            source_copied: Vec::new(),
             quality: None,
         }
     }

@@ -59,6 +59,10 @@ pub struct ExecuteOptions {
     pub from: Option<PathBuf>,
     /// Test hook: stop (as if killed) after this many reads complete in this run.
     pub abort_after_reads: Option<u64>,
+    /// `--require-source-hash`: refuse a copied file whose source turns out to publish
+    /// no hash for it (the shards' and the listed files' hashes are required before
+    /// the executor starts).
+    pub require_source_hash: bool,
 }
 
 /// How many connections the stream stage uses.
@@ -126,6 +130,10 @@ pub struct ExecuteSummary {
     pub connections: u64,
     /// The best source throughput over one sampling interval, bytes per second.
     pub peak_bytes_per_s: f64,
+    /// Copied files (repo paths) the source published no hash for: copied unverified.
+    /// Reported with the unverified shards, not here.
+    #[serde(skip)]
+    pub copied_unverified: Vec<String>,
 }
 
 /// Progress callbacks; the CLI draws them.
@@ -199,13 +207,26 @@ pub async fn execute(
     // The copied files (tokenizer, chat template) come while the stream runs: each
     // costs requests with their time to first byte, which on a far hub added up to a
     // third of a second after the last weight byte.
-    let copy = publish::copy_files(source.as_ref(), plan, &staging.dir, reporter);
+    let mut copied = Vec::new();
+    let copy = publish::copy_files(
+        source.as_ref(),
+        prepared,
+        &staging.dir,
+        reporter,
+        options.require_source_hash,
+        &mut copied,
+    );
     let streamed = stream::run(ctx, jobs, options.jobs, reporter, copy).await?;
+    let copied_unverified = (copied.iter())
+        .filter(|c| !c.verified)
+        .map(|c| c.path.clone())
+        .collect();
     publish::finalize(
         prepared,
         &fingerprint,
         &staging.dir,
         &streamed.file_sha256,
+        copied,
         reporter,
     )?;
     publish::publish(staging, reporter)?;
@@ -221,5 +242,6 @@ pub async fn execute(
         already_installed: false,
         connections: streamed.connections,
         peak_bytes_per_s: streamed.peak_bytes_per_s,
+        copied_unverified,
     })
 }

@@ -5,6 +5,7 @@
 //! from the same [`Prepared`] value, so a dry run and a real install plan identically.
 
 mod autojobs;
+pub mod copied;
 pub mod execute;
 mod finished;
 mod journal;
@@ -178,6 +179,30 @@ pub enum InstallError {
         /// Hash of the bytes read.
         computed: String,
     },
+    /// A file copied from the source (config, tokenizer, chat template) does not hash to
+    /// what the source published for it.
+    #[error(
+        "{file}: source {what} mismatch: the bytes read are not the published file\n  Expected: {expected}\n  Computed: {computed}\n\nhint: the source serves other bytes than the ones it publishes a hash for; nothing of them is installed"
+    )]
+    CopiedHashMismatch {
+        /// Path in the repo.
+        file: String,
+        /// `git blob id` or `SHA-256`.
+        what: &'static str,
+        /// Published hash.
+        expected: String,
+        /// Hash of the bytes read.
+        computed: String,
+    },
+    /// `--require-source-hash`, and a copied file whose source published no hash after
+    /// all (an answer said the file is in LFS, so the listing's `oid` names its pointer).
+    #[error(
+        "{file}: no published hash (git blob id or SHA-256) to verify it against (--require-source-hash)"
+    )]
+    CopiedUnpublished {
+        /// Path in the repo.
+        file: String,
+    },
     /// The output filesystem cannot hold the rest of the install (checked before writing).
     #[error(
         "{path}: not enough free space: the rest of the install needs {needed} bytes (with a reserve), {available} are available\n\nhint: free space or choose another --out; the partial install is kept and resumes"
@@ -303,6 +328,8 @@ impl InstallError {
                 | InstallError::PlanChanged { .. }
                 | InstallError::NonFinite { .. }
                 | InstallError::SourceHashMismatch { .. }
+                | InstallError::CopiedHashMismatch { .. }
+                | InstallError::CopiedUnpublished { .. }
         )
     }
 }
@@ -456,6 +483,8 @@ pub async fn prepare(
         .into());
     }
     let config_bytes = source.read_file("config.json", MAX_CONFIG_BYTES).await?;
+    // Proven against the source's hash before the planner reads a field of it.
+    copied::published(source, &repo, "config.json").check("config.json", &config_bytes)?;
     let config: serde_json::Value = serde_json::from_slice(&config_bytes)
         .map_err(|e| invalid("config.json", "(document)", format!("not JSON: {e}")))?;
     if !config.is_object() {

@@ -15,7 +15,7 @@ use crate::format::manifest::{
     self, Manifest, ManifestArch, ManifestFile, ManifestResident, ManifestSource, ManifestTool,
     QuantizedAtInstall,
 };
-use crate::format::receipt::{self, Prover, Receipt, ReceiptFile, ReceiptSource};
+use crate::format::receipt::{self, Prover, Receipt, ReceiptCopied, ReceiptFile, ReceiptSource};
 use crate::plan::placement::output_file_paths;
 use crate::plan::{Dest, Plan};
 use crate::source::{RangeSource, SourceError};
@@ -23,20 +23,30 @@ use crate::source::{RangeSource, SourceError};
 use super::execute::InstallReporter;
 use super::nofollow;
 use super::stage::{Staging, with_suffix};
-use super::{InstallError, Prepared, io_err};
+use super::{InstallError, Prepared, copied, io_err};
 
-use crate::plan::MAX_COPIED_BYTES;
+use crate::format::tokenizer;
+use crate::plan::copied_max_bytes;
 
-/// Copy the tokenizer and config files into the staging directory.
+/// Copy the tokenizer and config files into the staging directory, each checked against
+/// the hash its source publishes ([`copied`]) and `tokenizer.json` against the bounds
+/// of what loading it may cost ([`crate::format::tokenizer`]); `record` gets the
+/// receipt's entry of each. With `require_hash`, a file whose source published no hash
+/// after all is refused.
 pub(super) async fn copy_files(
     source: &dyn RangeSource,
-    plan: &Plan,
+    prepared: &Prepared,
     staging: &Path,
     reporter: &dyn InstallReporter,
+    require_hash: bool,
+    record: &mut Vec<ReceiptCopied>,
 ) -> Result<(), InstallError> {
+    let plan = &prepared.plan;
     reporter.phase("tokenizer", &format!("{} files", plan.outputs.copied.len()));
     for c in &plan.outputs.copied {
-        let bytes = source.read_file(&c.source, MAX_COPIED_BYTES).await?;
+        let bytes = source
+            .read_file(&c.source, copied_max_bytes(&c.source).0)
+            .await?;
         if bytes.len() as u64 != c.bytes {
             return Err(SourceError::BadRange {
                 path: c.source.clone(),
@@ -49,6 +59,20 @@ pub(super) async fn copy_files(
             }
             .into());
         }
+        let published = copied::published(source, &prepared.repo, &c.source);
+        published.check(&c.source, &bytes)?;
+        if require_hash && !published.any() {
+            return Err(InstallError::CopiedUnpublished {
+                file: c.source.clone(),
+            });
+        }
+        if c.source == tokenizer::FILE_NAME {
+            tokenizer::check_bounds(&bytes).map_err(|e| InstallError::Invalid {
+                file: c.source.clone(),
+                field: e.field,
+                detail: e.detail,
+            })?;
+        }
         let path = staging.join(&c.file);
         if let Some(dir) = path.parent() {
             nofollow::ensure_dirs(staging, dir)?;
@@ -56,6 +80,7 @@ pub(super) async fn copy_files(
         nofollow::create_fresh(&path)?
             .write_all(&bytes)
             .map_err(|e| io_err(&path, e))?;
+        record.push(published.record(&c.source, &c.file));
     }
     Ok(())
 }
@@ -139,12 +164,14 @@ fn hash_listed(
     Ok(files)
 }
 
-/// Hash every file, write the manifest, then the receipt, and fsync the directories.
+/// Hash every file, write the manifest, then the receipt (with `copied`, what
+/// [`copy_files`] recorded), and fsync the directories.
 pub(super) fn finalize(
     prepared: &Prepared,
     fingerprint: &str,
     staging: &Path,
     known: &[Option<String>],
+    copied: Vec<ReceiptCopied>,
     reporter: &dyn InstallReporter,
 ) -> Result<(), InstallError> {
     let plan = &prepared.plan;
@@ -162,7 +189,7 @@ pub(super) fn finalize(
     let manifest_bytes = manifest.to_canonical_bytes();
     write_synced(&mpath, &manifest_bytes)?;
     // The receipt: this install just hashed every file it lists.
-    let receipt = Receipt::new(
+    let mut receipt = Receipt::new(
         Prover::Install,
         crate::format::digest::sha256_hex(&manifest_bytes),
         manifest.files.iter().map(ReceiptFile::from).collect(),
@@ -171,6 +198,7 @@ pub(super) fn finalize(
         source_shards(plan),
         std::time::SystemTime::now(),
     );
+    receipt.source_copied = copied;
     let rpath = staging.join(receipt::FILE_NAME);
     write_synced(&rpath, &receipt.to_canonical_bytes())?;
     for dir in ["packed_experts", "ple", "tokenizer", ""] {

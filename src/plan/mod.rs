@@ -422,14 +422,17 @@ pub enum PlanError {
     },
     /// A tokenizer or config file to copy is larger than any real one.
     #[error(
-        "{file}: {bytes} bytes, more than the {} a tokenizer or config file may have; refusing before any weight is read",
-        MAX_COPIED_BYTES
+        "{file}: {bytes} bytes, more than the {max} {what} may have; refusing before any weight is read"
     )]
     CopiedTooLarge {
         /// Path in the repo.
         file: String,
         /// Size from the listing.
         bytes: u64,
+        /// The bound ([`copied_max_bytes`]).
+        max: u64,
+        /// What the bound is for.
+        what: &'static str,
     },
     /// Sizes overflow.
     #[error("{what}: sizes overflow 64 bits")]
@@ -974,6 +977,16 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
     out
 }
 
+/// The largest copy of `file` accepted, and what the bound is for: `tokenizer.json` has
+/// its own ([`crate::format::tokenizer::MAX_BYTES`]: the runtime loads all of it).
+pub fn copied_max_bytes(file: &str) -> (u64, &'static str) {
+    if file == crate::format::tokenizer::FILE_NAME {
+        (crate::format::tokenizer::MAX_BYTES, "a tokenizer.json")
+    } else {
+        (MAX_COPIED_BYTES, "a tokenizer or config file")
+    }
+}
+
 /// The *copied files* stage: the tokenizer and config files the repo has. Their sizes
 /// (from the listing) are checked here, at plan time, so an absurd one is refused
 /// before any weight streams rather than after.
@@ -982,10 +995,13 @@ fn copied_files(repo_files: &BTreeMap<String, u64>) -> Result<Vec<CopiedFile>, P
         .iter()
         .filter_map(|f| repo_files.get(*f).map(|&bytes| (f, bytes)))
         .map(|(f, bytes)| {
-            if bytes > MAX_COPIED_BYTES {
+            let (max, what) = copied_max_bytes(f);
+            if bytes > max {
                 return Err(PlanError::CopiedTooLarge {
                     file: f.to_string(),
                     bytes,
+                    max,
+                    what,
                 });
             }
             Ok(CopiedFile {

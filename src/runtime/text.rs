@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::format::tokenizer as tokenizer_bounds;
+
 /// Folder of an install that holds the tokenizer files copied from the source repo.
 pub const TOKENIZER_DIR: &str = "tokenizer";
 
@@ -98,6 +100,11 @@ impl std::fmt::Debug for TextCodec {
 /// Read a file of the tokenizer folder: a regular file (not a symlink that could point
 /// outside the install), at most [`MAX_FILE_BYTES`]. `Ok(None)` when absent.
 fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, TextError> {
+    read_optional_capped(path, MAX_FILE_BYTES)
+}
+
+/// [`read_optional`] with a cap of `max` bytes.
+fn read_optional_capped(path: &Path, max: u64) -> Result<Option<Vec<u8>>, TextError> {
     let meta = match fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -114,13 +121,10 @@ fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, TextError> {
             why: "not a regular file (symlinks and folders are refused)".into(),
         });
     }
-    if meta.len() > MAX_FILE_BYTES {
+    if meta.len() > max {
         return Err(TextError::File {
             path: path.into(),
-            why: format!(
-                "{} bytes, more than the {MAX_FILE_BYTES} accepted",
-                meta.len()
-            ),
+            why: format!("{} bytes, more than the {max} accepted", meta.len()),
         });
     }
     fs::read(path).map(Some).map_err(|e| TextError::File {
@@ -186,11 +190,21 @@ impl TextCodec {
     /// Load the text side of the install at `install_dir` (files under `tokenizer/`).
     pub fn load(install_dir: &Path) -> Result<TextCodec, TextError> {
         let dir = install_dir.join(TOKENIZER_DIR);
-        let tokenizer_path = dir.join("tokenizer.json");
-        let bytes = read_optional(&tokenizer_path)?.ok_or_else(|| TextError::File {
-            path: tokenizer_path.clone(),
-            why: "missing (the runtime needs a tokenizers-format tokenizer.json)".into(),
-        })?;
+        let tokenizer_path = dir.join(tokenizer_bounds::FILE_NAME);
+        let bytes = read_optional_capped(&tokenizer_path, tokenizer_bounds::MAX_BYTES)?
+            .ok_or_else(|| TextError::File {
+                path: tokenizer_path.clone(),
+                why: "missing (the runtime needs a tokenizers-format tokenizer.json)".into(),
+            })?;
+        // What loading it may cost is bounded before the tokenizers crate sees it: a
+        // 10 MB pattern took 3.1 GiB and 16 s there.
+        if let Err(e) = tokenizer_bounds::check_bounds(&bytes) {
+            return Err(TextError::Field {
+                path: tokenizer_path,
+                field: e.field,
+                why: e.detail,
+            });
+        }
         // The tokenizers crate is not written for hostile input; a panic while parsing
         // is turned into an error naming the file.
         let parsed = catch_unwind(AssertUnwindSafe(|| {

@@ -20,7 +20,10 @@
 //!    SHA-256 where the listing has no `lfs.oid` ([`RangeSource::published_sha256`]):
 //!    `X-Linked-Etag` (the hub's LFS SHA-256, on every LFS answer), else a strong `ETag`
 //!    of 64 hex digits from the endpoint itself (a CDN's ETag is its own business). An
-//!    `X-Linked-Etag` that contradicts the listing refuses the read.
+//!    `X-Linked-Etag` that contradicts the listing refuses the read. A file not in LFS
+//!    has its git blob id as the listing's `oid` and as the `ETag` of its answers
+//!    ([`RangeSource::published_git_oid`]; the `ETag` counts only where the listing has
+//!    none, and only from the endpoint itself).
 //! 4. **Check every ranged answer** (RFC 9110 §14): it must be `206 Partial Content` with
 //!    `Content-Range: bytes a-b/total` naming exactly the bytes asked for and the listed
 //!    size, a `Content-Length` (when sent) of exactly that length, and a body of exactly
@@ -165,6 +168,13 @@ struct Inner {
     locations: Mutex<HashMap<String, Url>>,
     /// Per file not hashed in the listing, the SHA-256 its answers published.
     published: Mutex<HashMap<String, (String, HashOrigin)>>,
+    /// Per file without a git blob id in the listing, the one an `ETag` of the
+    /// endpoint published.
+    git_oids: Mutex<HashMap<String, String>>,
+    /// Files whose answers said they are in LFS (`X-Linked-Size`, `X-Linked-Etag`):
+    /// a listing without their `lfs` block gives the blob id of their pointer file as
+    /// `oid`, which names no content bytes.
+    in_lfs: Mutex<BTreeSet<String>>,
     requests: AtomicU64,
     retries: AtomicU64,
     /// Retries after a `429` or `503`: the server asking for less.
@@ -194,6 +204,10 @@ struct Sent {
     url: Url,
     /// The SHA-256 the hops published for the file, and where.
     published: Option<(String, HashOrigin)>,
+    /// A git blob id the endpoint's own `ETag` published ([`git_oid_in`]).
+    git_oid: Option<String>,
+    /// A hop said the file is in LFS (`X-Linked-Size` or `X-Linked-Etag`).
+    lfs: bool,
 }
 
 /// Why one attempt failed, as the retry loop sees it.
@@ -283,6 +297,17 @@ fn published_in(headers: &HeaderMap, from_endpoint: bool) -> Option<(String, Has
         return Some((h, HashOrigin::Etag));
     }
     None
+}
+
+/// The git blob id a strong `ETag` of 40 hex digits publishes (the hub's `ETag` of a
+/// file not in LFS), from the endpoint's own origin only.
+fn git_oid_in(headers: &HeaderMap, from_endpoint: bool) -> Option<String> {
+    if !from_endpoint {
+        return None;
+    }
+    let v = headers.get(header::ETAG)?.to_str().ok()?.trim();
+    let v = v.strip_prefix('"')?.strip_suffix('"')?;
+    digest::is_hex(v, digest::GIT_OID_HEX_LEN).then(|| v.to_ascii_lowercase())
 }
 
 /// The reqwest read timeout: a backstop that should never fire before the low-speed
@@ -406,6 +431,9 @@ struct TreeEntry {
     kind: String,
     path: String,
     size: Option<u64>,
+    /// The git blob id: of the content for a file not in LFS, of the pointer for one in
+    /// LFS.
+    oid: Option<String>,
     lfs: Option<TreeLfs>,
 }
 
@@ -480,6 +508,8 @@ impl Inner {
             resolved: tokio::sync::OnceCell::new(),
             locations: Mutex::new(HashMap::new()),
             published: Mutex::new(HashMap::new()),
+            git_oids: Mutex::new(HashMap::new()),
+            in_lfs: Mutex::new(BTreeSet::new()),
             requests: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             pushbacks: AtomicU64::new(0),
@@ -607,6 +637,8 @@ impl Inner {
     async fn send(&self, start: &Url, range: Option<&Range<u64>>) -> Result<Sent, Failure> {
         let mut url = start.clone();
         let mut published: Option<(String, HashOrigin)> = None;
+        let mut git_oid: Option<String> = None;
+        let mut lfs = false;
         for _ in 0..=MAX_REDIRECTS {
             let mut req = self.client.get(url.clone());
             if let Some(r) = range {
@@ -650,6 +682,12 @@ impl Inner {
             {
                 published = Some(found);
             }
+            if let Some(found) = git_oid_in(resp.headers(), from_endpoint) {
+                git_oid = Some(found);
+            }
+            lfs |= ["x-linked-size", "x-linked-etag"]
+                .iter()
+                .any(|h| resp.headers().contains_key(*h));
             let location = resp
                 .headers()
                 .get(header::LOCATION)
@@ -677,6 +715,8 @@ impl Inner {
                 resp,
                 url,
                 published,
+                git_oid,
+                lfs,
             });
         }
         Err(Failure::Fatal(SourceError::Status {
@@ -904,6 +944,19 @@ impl Inner {
                     }
                     None => None,
                 };
+                // An LFS file's `oid` names its pointer file, not the content.
+                let git_oid = match &e.oid {
+                    Some(oid) if e.lfs.is_none() => {
+                        if !digest::is_hex(oid, digest::GIT_OID_HEX_LEN) {
+                            return Err(malformed(
+                                "oid",
+                                format!("{oid:?} is not a git blob id (40 hex digits)"),
+                            ));
+                        }
+                        Some(oid.to_ascii_lowercase())
+                    }
+                    _ => None,
+                };
                 if !seen_paths.insert(e.path.clone()) {
                     return Err(malformed("path", "listed twice".into()));
                 }
@@ -911,6 +964,7 @@ impl Inner {
                     path: e.path,
                     size,
                     sha256,
+                    git_oid,
                 });
             }
             let next = headers
@@ -955,6 +1009,8 @@ impl Inner {
             resp,
             url: final_url,
             published,
+            git_oid,
+            lfs,
         } = self.send_paced(url, Some(range), pace, path).await?;
         let status = resp.status();
         let bad = |detail: String| SourceError::BadRange {
@@ -1004,6 +1060,13 @@ impl Inner {
             ))));
         }
         self.learn_sha256(file, published, &final_url)?;
+        if lfs {
+            lock(&self.in_lfs).insert(path.clone());
+        } else if let Some(oid) =
+            git_oid.filter(|_| file.git_oid.is_none() && file.sha256.is_none())
+        {
+            lock(&self.git_oids).entry(path.clone()).or_insert(oid);
+        }
         if final_url != *url {
             self.lock_locations()
                 .insert(path.clone(), final_url.clone());
@@ -1062,6 +1125,11 @@ impl Failure {
             Self::Transient { error, .. } | Self::Fatal(error) | Self::Stale(error) => error,
         }
     }
+}
+
+/// A lock whose holder cannot leave the data inconsistent by panicking.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn header_text(headers: &HeaderMap, name: header::HeaderName) -> String {
@@ -1481,6 +1549,22 @@ impl RangeSource for HttpSource {
                 .map(|(h, _)| h.clone())
         })
     }
+
+    /// The listing's `oid` of a file without an `lfs` block, unless an answer for the
+    /// file said it is in LFS after all (then the `oid` is its pointer's); else a git
+    /// blob id an `ETag` of the endpoint published.
+    fn published_git_oid(&self, path: &str) -> Option<String> {
+        if lock(&self.inner.in_lfs).contains(path) {
+            return None;
+        }
+        let listed = self
+            .inner
+            .resolved
+            .get()
+            .and_then(|r| r.file(path))
+            .and_then(|f| f.git_oid.clone());
+        listed.or_else(|| lock(&self.inner.git_oids).get(path).cloned())
+    }
 }
 
 #[cfg(test)]
@@ -1548,6 +1632,7 @@ mod tests {
                 path: "w.bin".into(),
                 size,
                 sha256: None,
+                git_oid: None,
             },
             resolve_url: url.clone(),
             range,

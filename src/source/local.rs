@@ -9,7 +9,11 @@
 //!   `models--ORG--NAME` folder itself (the snapshot then comes from
 //!   `refs/<revision or main>`): files are symlinks into `../../blobs/`, accepted when
 //!   they stay inside `models--ORG--NAME`; the commit is the snapshot folder's name, and
-//!   a blob named by 64 hex digits (an LFS file) gives the file's SHA-256.
+//!   a blob named by 64 hex digits (an LFS file) gives the file's SHA-256, one named by
+//!   40 (any other file) its git blob id.
+//!
+//! A plain directory publishes no hash: its files are installed unverified (the install
+//! says so per file, and `--require-source-hash` refuses them).
 //!
 //! The directory is walked once, in [`LocalSource::open`]; each file's resolved location
 //! is kept, so later reads never follow a link again (a link swapped after the walk
@@ -30,7 +34,7 @@ use bytes::Bytes;
 use super::{
     ByteStream, RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path,
 };
-use crate::format::digest::is_hex;
+use crate::format::digest::{GIT_OID_HEX_LEN, SHA256_HEX_LEN, is_hex};
 
 /// Largest chunk [`LocalSource::stream_range`] yields: what one read holds in flight.
 pub const STREAM_CHUNK: usize = 1024 * 1024;
@@ -240,6 +244,11 @@ impl RangeSource for LocalSource {
             retries: 0,
             bytes: self.bytes.load(Ordering::Relaxed),
         }
+    }
+
+    /// A Hugging Face cache's blob name, for a file not in LFS; none for a plain folder.
+    fn published_git_oid(&self, path: &str) -> Option<String> {
+        self.repo.file(path).and_then(|f| f.git_oid.clone())
     }
 }
 
@@ -459,7 +468,7 @@ fn walk(
             }
             continue;
         }
-        let (target, sha256) = if kind.is_symlink() {
+        let (target, (sha256, git_oid)) = if kind.is_symlink() {
             let refuse = |why: String| SourceError::UnsafePath {
                 origin: origin.clone(),
                 name: rel.clone(),
@@ -477,16 +486,15 @@ fn walk(
                 return Err(refuse("symlink to a directory; not followed".into()));
             }
             // LFS blobs are named by their SHA-256; other blobs by a git SHA-1.
-            let sha = if layout.hf_cache {
+            let blob = |len| {
                 file_name(&target)
-                    .filter(|n| is_hex(n, 64))
+                    .filter(|n| layout.hf_cache && is_hex(n, len))
                     .map(str::to_ascii_lowercase)
-            } else {
-                None
             };
-            (target, sha)
+            let hashes = (blob(SHA256_HEX_LEN), blob(GIT_OID_HEX_LEN));
+            (target, hashes)
         } else if kind.is_file() {
-            (disk, None)
+            (disk, (None, None))
         } else {
             // A FIFO would block a read forever and a device is no repo content:
             // refuse the snapshot, naming the entry, rather than install without it.
@@ -501,6 +509,7 @@ fn walk(
             path: rel.clone(),
             size: meta.len(),
             sha256,
+            git_oid,
         });
         paths.insert(rel, target);
     }
@@ -893,6 +902,12 @@ mod tests {
         assert_eq!(repo.commit.as_deref(), Some(COMMIT));
         assert_eq!(repo.revision, COMMIT);
         assert_eq!(summary(&repo), want);
+        // A blob named by 40 hex digits gives the file's git blob id.
+        assert_eq!(
+            src.published_git_oid("config.json").as_deref(),
+            Some(GIT_OID)
+        );
+        assert_eq!(src.published_git_oid("model.safetensors"), None);
         let got = src.read_range("model.safetensors", 250..300).await.unwrap();
         assert_eq!(&got[..], &pattern(300)[250..]);
 

@@ -35,6 +35,12 @@ pub struct RepoFile {
     /// SHA-256 of the content, lowercase hex, where the source publishes it
     /// (LFS files: `lfs.oid` in the tree listing or `X-Linked-Etag`).
     pub sha256: Option<String>,
+    /// The git blob id of the content (SHA-1 of `blob <len>\0` and the bytes,
+    /// lowercase hex), where the source publishes it: the tree listing's `oid` of a
+    /// file not in LFS (an LFS file's `oid` names its pointer, not its content), or the
+    /// blob name in a Hugging Face cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub git_oid: Option<String>,
 }
 
 /// A repository pinned to one commit, with its file listing.
@@ -115,6 +121,15 @@ pub trait RangeSource: Send + Sync {
     /// a file answer carried (HTTP: `X-Linked-Etag`, or an `ETag` that is a SHA-256).
     /// Asked after the shard headers are read, so those answers count.
     fn published_sha256(&self, path: &str) -> Option<String> {
+        let _ = path;
+        None
+    }
+
+    /// The git blob id the source publishes for `path`, as known now: the listing's
+    /// ([`RepoFile::git_oid`]), or (HTTP) the `ETag` of an answer for the file, which
+    /// the hub sets to the blob id for a file not in LFS. A source that publishes none
+    /// says `None`.
+    fn published_git_oid(&self, path: &str) -> Option<String> {
         let _ = path;
         None
     }

@@ -25,12 +25,12 @@ use std::time::{Instant, SystemTime};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::format::digest::{is_sha256, sha256_hex};
+use crate::format::digest::{git_blob_sha1, is_sha256, sha256_hex};
 use crate::format::manifest::{self, MAX_MANIFEST_BYTES, Manifest};
 use crate::format::quality::{self, Quality};
-use crate::format::receipt::{self, Prover, Receipt, ReceiptFile};
+use crate::format::receipt::{self, Prover, Receipt, ReceiptCopied, ReceiptFile};
 use crate::format::resident::ResidentHead;
-use crate::format::{LayoutError, PAGE, check_relative_path};
+use crate::format::{LayoutError, PAGE, check_relative_path, tokenizer};
 
 /// Bytes read and hashed at a time by each hashing thread: memory stays
 /// `threads × CHUNK` whatever the file sizes. Small enough that the kernel's copy and
@@ -48,9 +48,11 @@ const MAX_WALK_ENTRIES: usize = 100_000;
 const MAX_WALK_DEPTH: usize = 16;
 /// The `kind` values a manifest file entry may have.
 const KINDS: [&str; 4] = ["resident", "experts", "rows", "tokenizer"];
+/// The tokenizers-format tokenizer, held to [`tokenizer::check_bounds`].
+const TOKENIZER_JSON: &str = "tokenizer/tokenizer.json";
 /// Tokenizer files of which an install must have at least one.
 const TOKENIZER_MODELS: [&str; 3] = [
-    "tokenizer/tokenizer.json",
+    TOKENIZER_JSON,
     "tokenizer/tokenizer.model",
     "tokenizer/vocab.json",
 ];
@@ -420,6 +422,12 @@ pub fn check_layout(dir: &Path, m: &Manifest) -> Vec<VerifyFailure> {
         }
         if f.path == m.resident.file && f.kind == "resident" {
             out.extend(check_resident(file, len, m));
+        } else if f.path == TOKENIZER_JSON && len > tokenizer::MAX_BYTES {
+            out.push(VerifyFailure::new(
+                &f.path,
+                "size",
+                tokenizer::too_large(len),
+            ));
         } else if f.kind == "tokenizer"
             && f.path.ends_with(".json")
             && len == f.bytes
@@ -434,6 +442,11 @@ pub fn check_layout(dir: &Path, m: &Manifest) -> Vec<VerifyFailure> {
                             format!("line {} column {}", e.line(), e.column()),
                             format!("not valid JSON: {e}"),
                         ));
+                    } else if f.path == TOKENIZER_JSON
+                        && let Err(e) = tokenizer::check_bounds(&bytes)
+                    {
+                        // What loading it would cost `gturbo run`, checked here too.
+                        out.push(VerifyFailure::new(&f.path, e.field, e.detail));
                     }
                 }
             }
@@ -862,6 +875,16 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
         }
     }
     hashes.sort_by(|a, b| a.path.cmp(&b.path));
+    // The copied files against the hashes their source published, as the receipt
+    // records them: the install proved them once, this proves them again on disk.
+    if let Some(r) = old_receipt
+        .as_ref()
+        .filter(|r| r.manifest_sha256 == manifest_sha)
+    {
+        report
+            .failures
+            .extend(check_copied(dir, &m, &r.source_copied));
+    }
     report.ok = report.failures.is_empty();
     if report.ok && opts.write_receipt {
         match write_receipt(dir, &manifest_sha, hashes, old_receipt, quality_entry) {
@@ -874,6 +897,60 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
     }
     report.elapsed_s = started.elapsed().as_secs_f64();
     report
+}
+
+/// Each copied file the receipt records as verified, against the git blob id or SHA-256
+/// its source published. Only files the manifest lists are opened (a receipt naming
+/// another path is a failure), each at most the bound the install held it to
+/// ([`crate::plan::copied_max_bytes`]).
+fn check_copied(dir: &Path, m: &Manifest, copied: &[ReceiptCopied]) -> Vec<VerifyFailure> {
+    let mut out = Vec::new();
+    let rname = receipt::FILE_NAME;
+    for c in copied.iter().filter(|c| c.verified) {
+        let listed = (m.files.iter()).any(|f| f.path == c.file && f.kind == "tokenizer");
+        if !listed || check_relative_path(&c.file).is_err() {
+            out.push(VerifyFailure::new(
+                rname,
+                "source_copied",
+                format!("{:?} is not a copied file of the manifest", c.file),
+            ));
+            continue;
+        }
+        let bytes = match open_inside(dir, &c.file).and_then(|(file, _)| {
+            read_capped(file, crate::plan::copied_max_bytes(&c.path).0)
+                .map_err(|e| VerifyFailure::io(&c.file, &e))
+        }) {
+            Ok(b) => b,
+            Err(f) => {
+                out.push(f);
+                continue;
+            }
+        };
+        let checks = [
+            (
+                "source git blob id",
+                &c.git_oid,
+                git_blob_sha1 as fn(&[u8]) -> String,
+            ),
+            ("source sha256", &c.sha256, sha256_hex),
+        ];
+        for (at, want, hash) in checks {
+            if let Some(want) = want {
+                let got = hash(&bytes);
+                if got != *want {
+                    out.push(VerifyFailure::new(
+                        &c.file,
+                        at,
+                        format!(
+                            "{got} on disk, the source ({}) published {want}, as {rname} records",
+                            c.path
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// A file's SHA-256 (lowercase hex) and length as read.
@@ -1013,7 +1090,14 @@ fn write_receipt(
 ) -> Result<ReceiptOutcome, VerifyFailure> {
     let carried = old
         .filter(|r| r.manifest_sha256 == manifest_sha && r.files == files)
-        .map(|r| (r.source_repo, r.source_commit, r.source_shards));
+        .map(|r| {
+            (
+                r.source_repo,
+                r.source_commit,
+                r.source_shards,
+                r.source_copied,
+            )
+        });
     let outcome = if carried.is_some() {
         ReceiptOutcome::Rewritten
     } else {
@@ -1021,7 +1105,7 @@ fn write_receipt(
     };
     // No matching receipt: no provenance, `""`, `None` and no shards (FORMAT.md's
     // rewrite rule).
-    let (source_repo, source_commit, source_shards) = carried.unwrap_or_default();
+    let (source_repo, source_commit, source_shards, source_copied) = carried.unwrap_or_default();
     let mut r = Receipt::new(
         Prover::VerifyInstall,
         manifest_sha.to_string(),
@@ -1032,6 +1116,7 @@ fn write_receipt(
         SystemTime::now(),
     );
     r.quality = quality;
+    r.source_copied = source_copied;
     write_receipt_file(dir, &r)?;
     Ok(outcome)
 }

@@ -334,7 +334,7 @@ fn issue13_an_oversized_tokenizer_file_is_refused_before_any_weight_streams() {
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert_eq!(
             error_line(&o),
-            "gturbo: error: tokenizer.json: 2000000000 bytes, more than the 536870912 a tokenizer or config file may have; refusing before any weight is read"
+            "gturbo: error: tokenizer.json: 2000000000 bytes, more than the 67108864 a tokenizer.json may have; refusing before any weight is read"
         );
         assert!(!suffixed(&out, ".partial").exists() && !out.exists());
     }

@@ -537,7 +537,7 @@ async fn issue13_an_oversized_tokenizer_is_refused_before_any_weight_streams() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert_eq!(
         error_line(&err),
-        "gturbo: error: tokenizer.json: 2000000000 bytes, more than the 536870912 a tokenizer or config file may have; refusing before any weight is read"
+        "gturbo: error: tokenizer.json: 2000000000 bytes, more than the 67108864 a tokenizer.json may have; refusing before any weight is read"
     );
     let stats = hub.stats();
     for s in r.shards() {

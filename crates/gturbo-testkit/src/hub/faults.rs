@@ -5,7 +5,8 @@
 //! request is used (and only one per request). A fault with [`Fault::skip`] lets that many
 //! matching requests through first (e.g. a shard's header read); [`Fault::always`] keeps
 //! it armed for good ("a server that stalls every read"). Body faults only match answers that would
-//! carry file bytes (a `GET` of `/resolve` that is not redirected, or of `/cdn`); header
+//! carry file bytes (a `GET` of `/resolve` that is not redirected, or of `/cdn`: resets,
+//! truncations, slow bodies, swapped bytes); header
 //! faults only match file answers (`/resolve`, `/cdn`); status faults match any route.
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -58,6 +59,11 @@ pub enum FaultKind {
     Stall,
     /// Accept the request and never answer it.
     StallBeforeHeaders,
+    /// Serve these bytes instead of the file's, as a server that tampers with a file
+    /// and keeps its listing and `ETag` would: the same length (the answer's
+    /// headers, `Content-Range` included, are the file's own; bytes of another length
+    /// are answered 500), the asked-for range of them.
+    SwappedBody(Vec<u8>),
 }
 
 impl FaultKind {
@@ -71,6 +77,7 @@ impl FaultKind {
                 | Self::SlowDrip { .. }
                 | Self::Stall
                 | Self::StallBeforeHeaders
+                | Self::SwappedBody(_)
         )
     }
 

@@ -35,8 +35,9 @@
 //! [`HubConfig::published_hashes`] makes the hub publish less than the hub does, as a
 //! mirror may: only `X-Linked-Etag` (no `lfs` in the listing), only a SHA-256 `ETag`, or
 //! nothing at all ([`PublishedHashes`]). Scripted [`Fault`]s cover statuses with
-//! `Retry-After`, resets, truncations, wrong ranges and hashes, and slow servers: a drip
-//! of a few bytes at a time, a stall after the headers, a stall before them.
+//! `Retry-After`, resets, truncations, wrong ranges and hashes, other bytes of the same
+//! length under the file's own hashes, and slow servers: a drip of a few bytes at a
+//! time, a stall after the headers, a stall before them.
 
 mod faults;
 mod link;
@@ -1336,6 +1337,19 @@ async fn serve_file(
         *resp.status_mut() = StatusCode::PARTIAL_CONTENT;
     }
     if *method == Method::HEAD || len == 0 {
+        return resp;
+    }
+    if let Some(FaultKind::SwappedBody(bytes)) = &fault {
+        if bytes.len() as u64 != file.size {
+            let e = std::io::Error::other(format!(
+                "SwappedBody: {} bytes for a file of {}",
+                bytes.len(),
+                file.size
+            ));
+            return internal(&file.path, e);
+        }
+        let (a, n) = (start as usize, len as usize);
+        *resp.body_mut() = Body::from(Bytes::copy_from_slice(&bytes[a..a + n]));
         return resp;
     }
     let mut f = match tokio::fs::File::open(&file.abs).await {
