@@ -41,8 +41,17 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 /// Largest `config.json` accepted.
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
-/// Header reads in flight at once.
+/// Header reads in flight at once (fewer when their headers are large: [`HEADER_BUDGET`]).
 pub const HEADER_CONCURRENCY: usize = 16;
+/// The install's memory budget: its peak RSS at any `--jobs` (issue 9), headers
+/// included (issue 22). Its shares: the reorder window's (192 MiB, `WINDOW_BUDGET`)
+/// while data streams, [`HEADER_BUDGET`] while headers are read.
+pub const MEMORY_BUDGET: u64 = 256 << 20;
+/// What the header reads in flight may hold together ([`header::HeaderBudget`]): the
+/// reorder window's share of [`MEMORY_BUDGET`], since every header is read and parsed
+/// before the first window place is made, and the rest of the budget (the runtime,
+/// HTTP buffers) is there in both phases.
+pub const HEADER_BUDGET: u64 = stream::WINDOW_BUDGET;
 
 /// Where the expected index hash comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -435,9 +444,11 @@ pub async fn prepare(
     }
 
     let before_headers = source.stats().requests;
+    let budget = header::HeaderBudget::new(HEADER_BUDGET);
+    let budget = &budget;
     let headers: Vec<ShardHeader> = futures_util::stream::iter(shard_names.iter().map(|s| {
         let size = sizes[s];
-        async move { header::read_header(source, s, size).await }
+        async move { header::read_header(source, s, size, budget).await }
     }))
     .buffered(HEADER_CONCURRENCY)
     .try_collect()
