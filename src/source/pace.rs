@@ -8,11 +8,16 @@
 //!   stalls, or sends one byte every few seconds, fails here: a per-read timeout alone
 //!   never fires on a trickle. The window *slides*: it is always the last
 //!   `low_speed_time`, so the attempt fails at the first moment (once it has waited
-//!   `low_speed_time`) that window holds too few bytes. An attempt whose bytes stop
-//!   therefore fails at most `low_speed_time` after its last byte came, and at
-//!   `low_speed_time` when its bytes came in a burst at the start (issue 22: a window
-//!   that restarted whenever it closed with enough bytes let a burst then a stall hold
-//!   an attempt for twice `low_speed_time`).
+//!   `low_speed_time`) that window holds too few bytes. The exact bound: an attempt
+//!   fails `low_speed_time` after the arrival that last kept its window at the limit
+//!   (the oldest of the newest bytes that make up `low_speed_bytes`), and at
+//!   `low_speed_time` when no window ever held the limit. So a stall fails it at most
+//!   `low_speed_time` after its last byte, and a burst as the answer comes, then a
+//!   stall, fails it `low_speed_time` after the burst (issue 22: a window that
+//!   restarted whenever it closed with enough bytes gave that case a second window,
+//!   2 × `low_speed_time` per attempt). Arrivals are grouped to `low_speed_time / 64`
+//!   (`ARRIVAL_SLOTS`), counted as early as the group's first, so a verdict may come
+//!   up to that much sooner than the exact rule's, never later.
 //! - **range timeout**: one attempt at a range (its request and its whole body) may wait
 //!   `range_timeout` in all. It bounds a drip just fast enough to pass the low-speed limit.
 //!
@@ -20,15 +25,17 @@
 //! next chunk (a busy disk, a slow transform) is never blamed on the server.
 //!
 //! Worst case with the defaults, for a server that stalls every read, or sends a burst
-//! (of any size) at the start of each answer and then stalls: each attempt fails after
-//! [`DEFAULT_LOW_SPEED_TIME`] (30 s) of waiting; [`super::retry::DEFAULT_MAX_ATTEMPTS`]
-//! (6) attempts with the backoff between them (at most 2 × (0.25 + 0.5 + 1 + 2 + 4) =
-//! 15.5 s with jitter) end the install within 6 × 30 + 15.5 = 195.5 s, under 3.5
-//! minutes ([`stall_bound`]), plus what the stalled request waits beyond its budget to
-//! be judged (a timer's lateness, milliseconds). The README states the same figure.
-//! A server that keeps the rate up for a while before it stalls holds each attempt
-//! that long plus at most `low_speed_time`: the rule bounds the stall, not the transfer
-//! (the range timeout bounds that).
+//! (of any size) as it answers each read and then stalls: each attempt fails
+//! [`DEFAULT_LOW_SPEED_TIME`] (30 s) after the answer (its time to first byte counts
+//! as waiting too, with no bytes); [`super::retry::DEFAULT_MAX_ATTEMPTS`] (6) attempts
+//! with the backoff between them (at most 2 × (0.25 + 0.5 + 1 + 2 + 4) = 15.5 s with
+//! jitter) end the install within 6 × 30 + 15.5 = 195.5 s, under 3.5 minutes
+//! ([`stall_bound`]), plus the answers' times to first byte and a timer's lateness
+//! (milliseconds). The README states the same figure. A server that keeps an attempt
+//! at the limit for a while (`low_speed_bytes` in every `low_speed_time`: a late
+//! burst is one such window) holds it that long plus `low_speed_time`: no rule that
+//! asks for `low_speed_bytes` in every `low_speed_time` may fail it sooner, and the
+//! range timeout bounds the whole attempt.
 
 use std::fmt;
 use std::time::Duration;
