@@ -749,7 +749,9 @@ async fn small_header_takes_one_speculative_read() {
     let json = r#"{"w":{"dtype":"U8","shape":[200000],"data_offsets":[0,200000]}}"#;
     let src = MemSource::new(shard_file(json, 200_000));
     let size = src.data.len() as u64;
-    let h = read_header(&src, SHARD, size).await.unwrap();
+    let h = read_header(&src, SHARD, size, &HeaderBudget::new(1 << 30))
+        .await
+        .unwrap();
     assert_eq!(h.tensors[0].data, 0..200_000);
     assert_eq!(src.requests(), vec![0..SPECULATIVE_READ]);
 
@@ -757,7 +759,9 @@ async fn small_header_takes_one_speculative_read() {
     let json = r#"{"w":{"dtype":"U8","shape":[10],"data_offsets":[0,10]}}"#;
     let src = MemSource::new(shard_file(json, 10));
     let size = src.data.len() as u64;
-    read_header(&src, SHARD, size).await.unwrap();
+    read_header(&src, SHARD, size, &HeaderBudget::new(1 << 30))
+        .await
+        .unwrap();
     assert_eq!(src.requests(), vec![0..size]);
 }
 
@@ -772,7 +776,9 @@ async fn long_header_takes_exactly_two_reads_and_never_the_data() {
     let size = src.data.len() as u64;
     let data_start = 8 + json.len() as u64;
     assert!(data_start > SPECULATIVE_READ);
-    let h = read_header(&src, SHARD, size).await.unwrap();
+    let h = read_header(&src, SHARD, size, &HeaderBudget::new(1 << 30))
+        .await
+        .unwrap();
     assert_eq!(h.data_start(), data_start);
     assert_eq!(h.metadata["blob"].len(), 100_000);
     assert_eq!(
@@ -787,7 +793,9 @@ async fn long_header_takes_exactly_two_reads_and_never_the_data() {
 async fn read_header_refuses_before_reading_more() {
     // A file too small for the length field costs no request.
     let src = MemSource::new(vec![1, 2, 3]);
-    let err = read_header(&src, SHARD, 3).await.unwrap_err();
+    let err = read_header(&src, SHARD, 3, &HeaderBudget::new(1 << 30))
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, ShardError::Header(HeaderError::FileTooSmall { .. })),
         "{err:?}"
@@ -798,11 +806,70 @@ async fn read_header_refuses_before_reading_more() {
     let mut data = b"\xff\xff\xff\xff\x00\x00\x00\x00{}".to_vec();
     data.resize(100_000, 0);
     let src = MemSource::new(data);
-    let err = read_header(&src, SHARD, 100_000).await.unwrap_err();
+    let err = read_header(&src, SHARD, 100_000, &HeaderBudget::new(1 << 30))
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, ShardError::Header(HeaderError::HeaderTooLarge { .. })),
         "{err:?}"
     );
     assert_eq!(src.requests(), vec![0..SPECULATIVE_READ]);
     assert!(err.to_string().starts_with(SHARD), "{err}");
+}
+
+/// A source that notes what is left of a header budget at each read.
+struct BudgetProbe {
+    inner: MemSource,
+    budget: std::sync::Arc<HeaderBudget>,
+    seen: Mutex<Vec<u64>>,
+}
+
+#[async_trait]
+impl RangeSource for BudgetProbe {
+    fn describe(&self) -> String {
+        "probe".into()
+    }
+
+    async fn resolve(&self) -> Result<ResolvedRepo, SourceError> {
+        unimplemented!("not used by read_header")
+    }
+
+    async fn read_range(&self, path: &str, range: Range<u64>) -> Result<Bytes, SourceError> {
+        self.seen.lock().unwrap().push(self.budget.available());
+        self.inner.read_range(path, range).await
+    }
+
+    async fn read_file(&self, _: &str, _: u64) -> Result<Bytes, SourceError> {
+        unimplemented!("not used by read_header")
+    }
+
+    fn stats(&self) -> SourceStats {
+        SourceStats::default()
+    }
+}
+
+/// Issue 22, defect 4: a header holds HEADER_MEMORY_FACTOR × its length of the shared
+/// budget from once its length is known until it is parsed, and a header costing more
+/// than the whole budget holds all of it (it is read alone).
+#[tokio::test]
+async fn a_header_holds_its_share_of_the_budget_while_it_is_read() {
+    let blob = "m".repeat(100_000);
+    let json = format!(
+        r#"{{"__metadata__":{{"blob":"{blob}"}},"w":{{"dtype":"U8","shape":[1000],"data_offsets":[0,1000]}}}}"#
+    );
+    let n = json.len() as u64;
+    for (total, held) in [(1 << 20, HEADER_MEMORY_FACTOR * n), (300_000, 300_000)] {
+        let budget = std::sync::Arc::new(HeaderBudget::new(total));
+        let src = BudgetProbe {
+            inner: MemSource::new(shard_file(&json, 1000)),
+            budget: budget.clone(),
+            seen: Mutex::new(Vec::new()),
+        };
+        let size = src.inner.data.len() as u64;
+        read_header(&src, SHARD, size, &budget).await.unwrap();
+        // The first read (which gives the length) holds nothing; the rest holds the
+        // header's share; parsed, the share is back.
+        assert_eq!(*src.seen.lock().unwrap(), vec![total, total - held]);
+        assert_eq!(budget.available(), total);
+    }
 }

@@ -42,8 +42,17 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 /// Largest `config.json` accepted.
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
-/// Header reads in flight at once.
+/// Header reads in flight at once (fewer when their headers are large: [`HEADER_BUDGET`]).
 pub const HEADER_CONCURRENCY: usize = 16;
+/// The install's memory budget: its peak RSS at any `--jobs` (issue 9), headers
+/// included (issue 22). Its shares: the reorder window's (192 MiB, `WINDOW_BUDGET`)
+/// while data streams, [`HEADER_BUDGET`] while headers are read.
+pub const MEMORY_BUDGET: u64 = 256 << 20;
+/// What the header reads in flight may hold together ([`header::HeaderBudget`]): the
+/// reorder window's share of [`MEMORY_BUDGET`], since every header is read and parsed
+/// before the first window place is made, and the rest of the budget (the runtime,
+/// HTTP buffers) is there in both phases.
+pub const HEADER_BUDGET: u64 = stream::WINDOW_BUDGET;
 
 /// Where the expected index hash comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -362,6 +371,30 @@ struct Index {
     total_size: Option<u64>,
 }
 
+/// Every tensor of `h` is in the index, under `h`'s shard.
+fn check_against_index(ix: &Index, h: &ShardHeader) -> Result<(), InstallError> {
+    for t in &h.tensors {
+        match ix.weight_map.get(&t.name) {
+            Some(f) if *f == h.shard => {}
+            Some(f) => {
+                return Err(invalid(
+                    INDEX_FILE,
+                    &format!("weight_map.{}", t.name),
+                    format!("says {f}, but the tensor is in {}", h.shard),
+                ));
+            }
+            None => {
+                return Err(invalid(
+                    INDEX_FILE,
+                    "weight_map",
+                    format!("has no entry for `{}`, which {} holds", t.name, h.shard),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn parse_index(bytes: &[u8]) -> Result<Index, InstallError> {
     let v: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| invalid(INDEX_FILE, "(document)", format!("not JSON: {e}")))?;
@@ -492,9 +525,24 @@ pub async fn prepare(
     }
 
     let before_headers = source.stats().requests;
+    let budget = header::HeaderBudget::new(HEADER_BUDGET);
+    let budget = &budget;
+    let index = &index;
     let headers: Vec<ShardHeader> = futures_util::stream::iter(shard_names.iter().map(|s| {
         let size = sizes[s];
-        async move { header::read_header(source, s, size).await }
+        async move {
+            let mut h = header::read_header(source, s, size, budget).await?;
+            // What is kept of each header until the plan is made must be bounded too
+            // (issue 22): its tensors are checked against the index as it comes, so
+            // no header keeps more tensors than the index names, and `__metadata__`
+            // (validated, never used by the plan) is not kept: 24 headers of 100 MB
+            // of it kept 2.4 GB.
+            if let Some(ix) = index {
+                check_against_index(ix, &h)?;
+            }
+            h.metadata = BTreeMap::new();
+            Ok::<_, InstallError>(h)
+        }
     }))
     .buffered(HEADER_CONCURRENCY)
     .try_collect()
@@ -513,29 +561,7 @@ pub async fn prepare(
         .collect();
 
     if let Some(ix) = &index {
-        let mut in_headers = 0usize;
-        for h in &headers {
-            for t in &h.tensors {
-                in_headers += 1;
-                match ix.weight_map.get(&t.name) {
-                    Some(f) if *f == h.shard => {}
-                    Some(f) => {
-                        return Err(invalid(
-                            INDEX_FILE,
-                            &format!("weight_map.{}", t.name),
-                            format!("says {f}, but the tensor is in {}", h.shard),
-                        ));
-                    }
-                    None => {
-                        return Err(invalid(
-                            INDEX_FILE,
-                            "weight_map",
-                            format!("has no entry for `{}`, which {} holds", t.name, h.shard),
-                        ));
-                    }
-                }
-            }
-        }
+        let in_headers: usize = headers.iter().map(|h| h.tensors.len()).sum();
         if in_headers != ix.weight_map.len() {
             let present: BTreeSet<&str> = headers
                 .iter()

@@ -1099,13 +1099,13 @@ pub(super) struct Links {
     spare: std::sync::Mutex<Vec<Vec<u8>>>,
 }
 
-/// The reorder window's share of the install's memory budget (256 MiB of RSS at any
-/// `--jobs`, issue 9): the rest is tiles, HTTP buffers and the runtime (about 45 MiB
-/// at 16 connections, measured). 192 MiB so that at 4 connections (`--jobs 4`,
+/// The reorder window's share of the install's memory budget ([`super::MEMORY_BUDGET`],
+/// 256 MiB of RSS at any `--jobs`, issue 9): the rest is tiles, HTTP buffers and the
+/// runtime (about 45 MiB at 16 connections, measured). 192 MiB so that at 4 connections (`--jobs 4`,
 /// `--jobs auto`'s start) a 64 MiB read is two requests of 32 MiB, not three of 21.3:
 /// each request waits its time to first byte, and at 40 ms and 50 MB/s per
 /// connection that wait cost 8.6 % of the link at 21.3 MiB, 5.6 % at 32.
-pub(super) const WINDOW_BUDGET: u64 = 192 << 20;
+pub(super) const WINDOW_BUDGET: u64 = super::MEMORY_BUDGET - (64 << 20);
 
 /// The sub-range size `--sub-range-kib auto` gives `connections`: the largest whole
 /// MiB whose window ([`places_for`] the connections) fits [`WINDOW_BUDGET`], within 4

@@ -3,21 +3,39 @@
 //!
 //! Two rules, each failing the attempt (which then counts against the one retry budget
 //! of the request, like a reset would):
-//! - **low-speed limit**: fewer than `low_speed_bytes` arrive in `low_speed_time` of
-//!   waiting (curl's `--speed-limit`/`--speed-time`). A server that stalls, or sends one
-//!   byte every few seconds, fails here: a per-read timeout alone never fires on a
-//!   trickle.
+//! - **low-speed limit**: fewer than `low_speed_bytes` arrive in the last
+//!   `low_speed_time` of waiting (curl's `--speed-limit`/`--speed-time`). A server that
+//!   stalls, or sends one byte every few seconds, fails here: a per-read timeout alone
+//!   never fires on a trickle. The window *slides*: it is always the last
+//!   `low_speed_time`, so the attempt fails at the first moment (once it has waited
+//!   `low_speed_time`) that window holds too few bytes. The exact bound: an attempt
+//!   fails `low_speed_time` after the arrival that last kept its window at the limit
+//!   (the oldest of the newest bytes that make up `low_speed_bytes`), and at
+//!   `low_speed_time` when no window ever held the limit. So a stall fails it at most
+//!   `low_speed_time` after its last byte, and a burst as the answer comes, then a
+//!   stall, fails it `low_speed_time` after the burst (issue 22: a window that
+//!   restarted whenever it closed with enough bytes gave that case a second window,
+//!   2 × `low_speed_time` per attempt). Arrivals are grouped to `low_speed_time / 64`
+//!   (`ARRIVAL_SLOTS`), counted as early as the group's first, so a verdict may come
+//!   up to that much sooner than the exact rule's, never later.
 //! - **range timeout**: one attempt at a range (its request and its whole body) may wait
 //!   `range_timeout` in all. It bounds a drip just fast enough to pass the low-speed limit.
 //!
 //! Only time spent waiting on the server counts: a consumer that is slow to ask for the
 //! next chunk (a busy disk, a slow transform) is never blamed on the server.
 //!
-//! Worst case with the defaults, for a server that stalls every read: each attempt fails
-//! after [`DEFAULT_LOW_SPEED_TIME`] (30 s); [`super::retry::DEFAULT_MAX_ATTEMPTS`] (6)
-//! attempts with the backoff between them (at most 0.5 + 1 + 2 + 4 + 8 = 15.5 s with
-//! jitter) end the install within 6 × 30 + 15.5 ≈ 196 s, under 3.5 minutes
-//! ([`stall_bound`]). The README states the same figure.
+//! Worst case with the defaults, for a server that stalls every read, or sends a burst
+//! (of any size) as it answers each read and then stalls: each attempt fails
+//! [`DEFAULT_LOW_SPEED_TIME`] (30 s) after the answer (its time to first byte counts
+//! as waiting too, with no bytes); [`super::retry::DEFAULT_MAX_ATTEMPTS`] (6) attempts
+//! with the backoff between them (at most 2 × (0.25 + 0.5 + 1 + 2 + 4) = 15.5 s with
+//! jitter) end the install within 6 × 30 + 15.5 = 195.5 s, under 3.5 minutes
+//! ([`stall_bound`]), plus the answers' times to first byte and a timer's lateness
+//! (milliseconds). The README states the same figure. A server that keeps an attempt
+//! at the limit for a while (`low_speed_bytes` in every `low_speed_time`: a late
+//! burst is one such window) holds it that long plus `low_speed_time`: no rule that
+//! asks for `low_speed_bytes` in every `low_speed_time` may fail it sooner, and the
+//! range timeout bounds the whole attempt.
 
 use std::fmt;
 use std::time::Duration;
@@ -149,6 +167,13 @@ impl fmt::Display for Slow {
     }
 }
 
+/// Arrivals closer together than `low_speed_time / ARRIVAL_SLOTS` share one record in
+/// [`Pace`]'s window, stamped with the earlier time: the window then holds at most this
+/// many records (plus one) however many chunks a server sends, and a byte is only ever
+/// counted as older than it is, so the attempt fails no later than the exact rule says
+/// (at most `low_speed_time / ARRIVAL_SLOTS` sooner, for a rate right at the limit).
+const ARRIVAL_SLOTS: u32 = 64;
+
 /// The progress of one attempt: record each wait with [`Pace::record`], and ask
 /// [`Pace::check`] before the next one. A chunk that arrived is always kept; the rules
 /// are judged before waiting again, so bytes already on hand are never thrown away.
@@ -158,9 +183,13 @@ pub struct Pace {
     /// Waiting so far, and bytes so far, in all.
     waited: Duration,
     bytes: u64,
-    /// The same within the current low-speed window.
-    window_waited: Duration,
-    window_bytes: u64,
+    /// The arrivals of the sliding low-speed window, oldest first: (waiting time at
+    /// which they came, bytes). Only the newest arrivals that reach
+    /// `low_speed_bytes` together are kept: an older one cannot change when the window
+    /// falls under the limit, since it leaves the window first.
+    recent: std::collections::VecDeque<(Duration, u64)>,
+    /// The bytes of `recent`.
+    recent_bytes: u64,
 }
 
 impl Pace {
@@ -170,20 +199,42 @@ impl Pace {
             limits,
             waited: Duration::ZERO,
             bytes: 0,
-            window_waited: Duration::ZERO,
-            window_bytes: 0,
+            recent: std::collections::VecDeque::new(),
+            recent_bytes: 0,
         }
     }
 
-    /// How long the next wait may last before [`Pace::check`] must judge it: what is
-    /// left of the window or of the range timeout, whichever ends first. `None` when no
-    /// rule is on.
+    /// Drop the arrivals that have left the window (came `low_speed_time` or more ago).
+    fn slide(&mut self) {
+        while let Some(&(at, n)) = self.recent.front() {
+            if at + self.limits.low_speed_time > self.waited {
+                break;
+            }
+            self.recent.pop_front();
+            self.recent_bytes -= n;
+        }
+    }
+
+    /// The waiting time at which the low-speed rule fails the attempt if no byte comes
+    /// before: once the oldest arrival that keeps the window at the limit leaves it,
+    /// and never before one whole window of waiting.
+    fn low_speed_deadline(&self) -> Duration {
+        let t = self.limits.low_speed_time;
+        match self.recent.front() {
+            Some(&(at, _)) if self.recent_bytes >= self.limits.low_speed_bytes => at + t,
+            // Too few bytes in the window: it fails once a whole window has passed.
+            _ => t,
+        }
+    }
+
+    /// How long the next wait may last before [`Pace::check`] must judge it: until the
+    /// sliding window would hold too few bytes, or what is left of the range timeout,
+    /// whichever ends first. `None` when no rule is on.
     pub fn budget(&self) -> Option<Duration> {
-        let window = self.limits.low_speed_on().then(|| {
-            self.limits
-                .low_speed_time
-                .saturating_sub(self.window_waited)
-        });
+        let window = self
+            .limits
+            .low_speed_on()
+            .then(|| self.low_speed_deadline().saturating_sub(self.waited));
         let deadline = (!self.limits.range_timeout.is_zero())
             .then(|| self.limits.range_timeout.saturating_sub(self.waited));
         match (window, deadline) {
@@ -196,13 +247,31 @@ impl Pace {
     pub fn record(&mut self, waited: Duration, bytes: u64) {
         self.waited += waited;
         self.bytes += bytes;
-        self.window_waited += waited;
-        self.window_bytes += bytes;
+        if !self.limits.low_speed_on() {
+            return;
+        }
+        self.slide();
+        if bytes > 0 {
+            let grain = self.limits.low_speed_time / ARRIVAL_SLOTS;
+            match self.recent.back_mut() {
+                Some((at, n)) if self.waited.saturating_sub(*at) < grain => *n += bytes,
+                _ => self.recent.push_back((self.waited, bytes)),
+            }
+            self.recent_bytes += bytes;
+            // Keep only the newest arrivals that reach the limit together.
+            while let Some(&(_, n)) = self.recent.front() {
+                if self.recent_bytes - n < self.limits.low_speed_bytes {
+                    break;
+                }
+                self.recent.pop_front();
+                self.recent_bytes -= n;
+            }
+        }
     }
 
     /// Whether the attempt may wait again: `Err` once the range timeout is used up, or
-    /// when a low-speed window closed with too few bytes (a window with enough bytes
-    /// closes and the next one starts).
+    /// when, after one whole low-speed window of waiting, the last `low_speed_time` of
+    /// it brought fewer than `low_speed_bytes`.
     pub fn check(&mut self) -> Result<(), Slow> {
         if !self.limits.range_timeout.is_zero() && self.waited >= self.limits.range_timeout {
             return Err(Slow::Deadline {
@@ -211,16 +280,15 @@ impl Pace {
                 waited: self.waited,
             });
         }
-        if self.limits.low_speed_on() && self.window_waited >= self.limits.low_speed_time {
-            if self.window_bytes < self.limits.low_speed_bytes {
+        if self.limits.low_speed_on() && self.waited >= self.limits.low_speed_time {
+            self.slide();
+            if self.recent_bytes < self.limits.low_speed_bytes {
                 return Err(Slow::LowSpeed {
                     limits: self.limits,
-                    bytes: self.window_bytes,
-                    waited: self.window_waited,
+                    bytes: self.recent_bytes,
+                    waited: self.limits.low_speed_time,
                 });
             }
-            self.window_waited = Duration::ZERO;
-            self.window_bytes = 0;
         }
         Ok(())
     }
@@ -297,30 +365,45 @@ mod tests {
         p.record(S(4), 60);
         p.check().unwrap();
         assert_eq!(p.budget(), Some(S(6)));
-        // The window closes with 110 bytes: enough, a new window starts.
+        // 110 bytes by 10 s: the window holds the limit until the 60 bytes of 4 s
+        // leave it, at 14 s.
         p.record(S(6), 50);
         p.check().unwrap();
+        assert_eq!(p.budget(), Some(S(4)));
+        p.record(S(3), 100);
+        p.check().unwrap();
+        // 13 s waited; the 100 bytes of 13 s alone hold the limit until 23 s, and the
+        // range timeout ends at 25 s.
         assert_eq!(p.budget(), Some(S(10)));
+        p.record(S(10), 0);
+        let e = p.check().unwrap_err();
+        assert_eq!(
+            e,
+            Slow::LowSpeed {
+                limits,
+                bytes: 0,
+                waited: S(10)
+            }
+        );
+
+        let mut p = Pace::new(limits);
         p.record(S(9), 100);
+        p.record(S(9), 1000);
         p.check().unwrap();
-        // 19 s waited: 1 s left of the window, 6 s of the range timeout.
-        assert_eq!(p.budget(), Some(S(1)));
-        p.record(S(1), 0);
-        p.check().unwrap();
-        assert_eq!(p.budget(), Some(S(5)));
-        p.record(S(5), 1000);
+        assert_eq!(p.budget(), Some(S(7)), "the range timeout ends first");
+        p.record(S(7), 1000);
         let e = p.check().unwrap_err();
         assert_eq!(
             e,
             Slow::Deadline {
                 limits,
-                bytes: 1210,
+                bytes: 2100,
                 waited: S(25)
             }
         );
         assert_eq!(
             e.to_string(),
-            "the range timeout of 25 s passed: 1210 bytes in 25.0 s, 48.4 B/s"
+            "the range timeout of 25 s passed: 2100 bytes in 25.0 s, 84.0 B/s"
         );
 
         let mut p = Pace::new(limits);
@@ -340,6 +423,84 @@ mod tests {
         assert_eq!(p.budget(), None);
         p.record(S(1000), 0);
         p.check().unwrap();
+    }
+
+    /// Feed `arrivals` (waiting time, bytes) to a fresh attempt as a server would, each
+    /// wait cut at the budget as [`super::super::http`] cuts it, then wait on with no
+    /// byte: the waiting time at which the attempt fails.
+    fn fails_at(limits: ProgressLimits, arrivals: &[(Duration, u64)]) -> Duration {
+        let mut p = Pace::new(limits);
+        let mut now = Duration::ZERO;
+        for &(at, n) in arrivals {
+            p.check()
+                .unwrap_or_else(|e| panic!("failed at {now:?} before {at:?}: {e}"));
+            let budget = p.budget().unwrap();
+            assert!(
+                at - now <= budget,
+                "the attempt would have failed at {:?}, before the bytes of {at:?}",
+                now + budget
+            );
+            p.record(at - now, n);
+            now = at;
+        }
+        loop {
+            if p.check().is_err() {
+                return now;
+            }
+            let budget = p.budget().unwrap();
+            assert!(!budget.is_zero(), "a budget of 0 that check passes");
+            p.record(budget, 0);
+            now += budget;
+        }
+    }
+
+    /// Issue 22, defect 5: the window slides. A burst and then a stall used to pass one
+    /// window (it held the burst), then fail a second one: 2 × `low_speed_time` per
+    /// attempt. Now an attempt fails `low_speed_time` after the arrival that last kept
+    /// its window at the limit, and exactly at `low_speed_time` when nothing came.
+    #[test]
+    fn the_low_speed_window_slides() {
+        let limits = ProgressLimits {
+            low_speed_bytes: 64 * 1024,
+            low_speed_time: S(30),
+            range_timeout: Duration::ZERO,
+        };
+        // The issue's case: a burst as the answer comes, then nothing.
+        assert_eq!(fails_at(limits, &[(MS(20), 10 << 20)]), S(30) + MS(20));
+        // Nothing at all; too little in a burst.
+        assert_eq!(fails_at(limits, &[]), S(30));
+        assert_eq!(fails_at(limits, &[(MS(20), 1000)]), S(30));
+        // A burst late in the first window holds the attempt until it leaves it.
+        assert_eq!(fails_at(limits, &[(S(29), 1 << 20)]), S(59));
+        // A good transfer that stops: fails 30 s after the arrivals that last made
+        // up 64 KiB, whatever came before.
+        let mut steady: Vec<(Duration, u64)> = (1..=100).map(|i| (S(i), 16 * 1024)).collect();
+        assert_eq!(fails_at(limits, &steady), S(97 + 30));
+        // ... and a trickle after it does not extend that.
+        steady.push((S(101), 100));
+        steady.push((S(120), 100));
+        assert_eq!(fails_at(limits, &steady), S(97 + 30));
+        // Exactly the limit in every window (64 KiB every 30 s) is never failed by
+        // this rule (the range timeout bounds it).
+        let at_limit: Vec<(Duration, u64)> = (1..=20).map(|i| (S(30 * i), 64 * 1024)).collect();
+        assert_eq!(fails_at(limits, &at_limit), S(600 + 30));
+        // Many small chunks (10 bytes a millisecond): the window keeps a bounded number
+        // of records, and its verdict comes no later than the exact rule's: the oldest of
+        // the last 64 KiB came 6.553 s ago, so it leaves the window in 23.447 s.
+        let mut p = Pace::new(limits);
+        for _ in 0..100_000 {
+            p.record(MS(1), 10);
+        }
+        assert!(
+            p.recent.len() <= ARRIVAL_SLOTS as usize + 1,
+            "{}",
+            p.recent.len()
+        );
+        assert!(p.recent_bytes >= 65_536, "{}", p.recent_bytes);
+        p.check().unwrap();
+        let left = p.budget().unwrap();
+        let grain = limits.low_speed_time / ARRIVAL_SLOTS;
+        assert!(left <= MS(23_447) && left + grain > MS(23_447), "{left:?}");
     }
 
     #[test]

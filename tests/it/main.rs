@@ -8,6 +8,7 @@ mod flash_next_run;
 mod gpu;
 #[cfg(feature = "gpu")]
 mod gpu_flash;
+mod hostile_bounds;
 mod hostile_copied;
 mod hostile_install;
 mod hostile_net;

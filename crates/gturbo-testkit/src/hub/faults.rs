@@ -57,6 +57,13 @@ pub enum FaultKind {
     },
     /// Send the headers, then no body byte ever (until the client gives up).
     Stall,
+    /// Send the headers and the first `bytes` of the body at once, then nothing more
+    /// (until the client gives up): a burst that passes one low-speed window, then a
+    /// stall (issue 22).
+    BurstThenStall {
+        /// Bytes sent before the stall (the whole body when it is shorter).
+        bytes: u64,
+    },
     /// Accept the request and never answer it.
     StallBeforeHeaders,
     /// Serve these bytes instead of the file's, as a server that tampers with a file
@@ -76,6 +83,7 @@ impl FaultKind {
                 | Self::WrongContentRange
                 | Self::SlowDrip { .. }
                 | Self::Stall
+                | Self::BurstThenStall { .. }
                 | Self::StallBeforeHeaders
                 | Self::SwappedBody(_)
         )

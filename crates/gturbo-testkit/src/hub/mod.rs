@@ -1369,6 +1369,13 @@ async fn serve_file(
         Some(FaultKind::Stall) => {
             Body::from_stream(futures_util::stream::pending::<std::io::Result<Bytes>>())
         }
+        Some(FaultKind::BurstThenStall { bytes }) => {
+            let burst = body_stream(f, len, Some((bytes.min(len), false)));
+            Body::from_stream(futures_util::StreamExt::chain(
+                burst,
+                futures_util::stream::pending(),
+            ))
+        }
         Some(FaultKind::SlowDrip { bytes, every_ms }) => Body::from_stream(drip_stream(
             f,
             len,
