@@ -4,18 +4,18 @@
 //! that cannot be planned offline.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
 use serde_json::Value;
 
-use crate::mlx_source::text;
-use crate::support::{gturbo_bin, temp_dir};
+use crate::support::cli::{gturbo, install, text};
+use crate::support::temp_dir;
 
 const GIB: u64 = 1 << 30;
 
 fn doctor(args: &[&str], env: &[(&str, String)]) -> Output {
-    let mut c = Command::new(gturbo_bin());
+    let mut c = gturbo();
     c.arg("doctor").args(args);
     for (k, v) in env {
         c.env(k, v);
@@ -54,14 +54,7 @@ fn installed(tmp: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let snap = tmp.join("snap");
     write_qwen3_moe(&snap, &Qwen3MoeSpec::tiny()).unwrap();
     let out = tmp.join("m.gturbo");
-    let o = Command::new(gturbo_bin())
-        .args(["-q", "install", "--family", "qwen3_moe", "x/y", "--from"])
-        .arg(&snap)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    install("qwen3_moe", &snap, &out, &[]);
     (snap, out)
 }
 
@@ -217,7 +210,7 @@ fn doctor_on_a_family_checks_disk_and_memory_against_its_plan() {
     assert_eq!(plan["facts"]["profile"], "int4");
     let total = plan["facts"]["install_bytes"].as_u64().unwrap();
     // The same bytes a dry run at int4 predicts.
-    let dry = Command::new(gturbo_bin())
+    let dry = gturbo()
         .args([
             "-q",
             "install",

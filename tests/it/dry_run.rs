@@ -3,26 +3,22 @@
 //! names, unmatched tensors, single-file repos and `--family` repos.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use gturbo_testkit::hub::HubConfig;
 use gturbo_testkit::replica::{self, FlashNextSpec, Qwen3MoeSpec, Qwen3Spec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
+use crate::support::cli::{gturbo, stderr};
+use crate::support::{sha256_hex, start_hub, temp_dir};
 
-fn gturbo(args: &[&str]) -> Output {
-    Command::new(gturbo_bin())
+/// `gturbo ARGS…` with no Hugging Face home to read a token or cache from.
+fn gturbo_homeless(args: &[&str]) -> Output {
+    gturbo()
         .args(args)
-        .env_remove("HF_ENDPOINT")
-        .env_remove("HF_TOKEN")
         .env("HF_HOME", "/nonexistent-gturbo-test-home")
         .output()
         .expect("run gturbo")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 fn index_sha(dir: &Path) -> String {
@@ -49,7 +45,7 @@ async fn full_flash_next_replica_over_the_hub_plans_every_tensor_in_two_requests
     let sha = index_sha(dir.path());
     let url = hub.url().to_string();
     let o = tokio::task::spawn_blocking(move || {
-        gturbo(&[
+        gturbo_homeless(&[
             "install",
             "qwen38flashnext",
             "--dry-run",
@@ -124,7 +120,7 @@ fn skip_mtp_drops_the_sidecar_pool_and_changes_the_fingerprint() {
     replica::write_flash_next(dir.path(), &FlashNextSpec::scaled()).unwrap();
     let sha = index_sha(dir.path());
     let from = dir.path().to_str().unwrap();
-    let with = json_stdout(&gturbo(&[
+    let with = json_stdout(&gturbo_homeless(&[
         "install",
         "qwen38flashnext",
         "--dry-run",
@@ -134,7 +130,7 @@ fn skip_mtp_drops_the_sidecar_pool_and_changes_the_fingerprint() {
         "--index-sha256",
         &sha,
     ]));
-    let without = json_stdout(&gturbo(&[
+    let without = json_stdout(&gturbo_homeless(&[
         "install",
         "qwen38flashnext",
         "--dry-run",
@@ -153,7 +149,7 @@ fn skip_mtp_drops_the_sidecar_pool_and_changes_the_fingerprint() {
     );
     assert_ne!(with["fingerprint"], without["fingerprint"]);
     // Same inputs, same plan.
-    let again = json_stdout(&gturbo(&[
+    let again = json_stdout(&gturbo_homeless(&[
         "install",
         "qwen38flashnext",
         "--dry-run",
@@ -171,7 +167,7 @@ fn index_pin_mismatch_is_a_hard_gate_printing_both_hashes() {
     let dir = temp_dir();
     replica::write_flash_next(dir.path(), &FlashNextSpec::scaled()).unwrap();
     let computed = index_sha(dir.path());
-    let o = gturbo(&[
+    let o = gturbo_homeless(&[
         "install",
         "qwen38flashnext",
         "--dry-run",
@@ -214,7 +210,7 @@ fn traversal_names_in_the_index_are_refused_before_any_read() {
         let dir = qwen3_with_index(|v| {
             v["weight_map"]["model.norm.weight"] = Value::String(evil.into());
         });
-        let o = gturbo(&[
+        let o = gturbo_homeless(&[
             "install",
             "--family",
             "qwen3",
@@ -238,7 +234,7 @@ fn index_that_disagrees_with_the_headers_names_the_tensor() {
         v["weight_map"]["model.layers.0.ghost.weight"] =
             Value::String("model-00001-of-00002.safetensors".into());
     });
-    let o = gturbo(&[
+    let o = gturbo_homeless(&[
         "install",
         "--family",
         "qwen3",
@@ -275,7 +271,7 @@ fn a_tensor_no_rule_matches_is_an_error_naming_it() {
     );
     let fam = dir.path().join("forgetful.json");
     std::fs::write(&fam, text).unwrap();
-    let o = gturbo(&[
+    let o = gturbo_homeless(&[
         "install",
         "local/tiny",
         "--family-file",
@@ -306,7 +302,7 @@ fn single_file_repo_without_index_plans() {
     )
     .unwrap();
     assert!(s.index.is_none());
-    let d = json_stdout(&gturbo(&[
+    let d = json_stdout(&gturbo_homeless(&[
         "install",
         "--family",
         "qwen3",
@@ -333,7 +329,7 @@ async fn family_repo_over_the_hub_packs_unfused_experts() {
     let (hub, _) = start_hub("someone/tiny-moe", dir.path(), HubConfig::default()).await;
     let url = hub.url().to_string();
     let o = tokio::task::spawn_blocking(move || {
-        gturbo(&[
+        gturbo_homeless(&[
             "install",
             "--family",
             "qwen3_moe",
@@ -392,7 +388,7 @@ async fn missing_and_gated_repos_fail_fast_without_leaking_the_token() {
     let (hub, _) = start_hub("org/gated", dir.path(), config).await;
     let url = hub.url().to_string();
     let (missing, gated) = tokio::task::spawn_blocking(move || {
-        let missing = gturbo(&[
+        let missing = gturbo_homeless(&[
             "install",
             "--family",
             "qwen3",
@@ -401,7 +397,7 @@ async fn missing_and_gated_repos_fail_fast_without_leaking_the_token() {
             "--endpoint",
             &url,
         ]);
-        let gated = Command::new(gturbo_bin())
+        let gated = gturbo()
             .args([
                 "-vv",
                 "install",
@@ -444,7 +440,7 @@ async fn missing_and_gated_repos_fail_fast_without_leaking_the_token() {
 
 #[test]
 fn families_lists_pins_and_runners() {
-    let o = gturbo(&["families", "--json"]);
+    let o = gturbo_homeless(&["families", "--json"]);
     let d = json_stdout(&o);
     let fams = d["families"].as_array().unwrap();
     let flash = fams.iter().find(|f| f["id"] == "qwen38flashnext").unwrap();
@@ -457,7 +453,7 @@ fn families_lists_pins_and_runners() {
         "99e815241ef03325536b0aaa4441deea45174c17fae31e10f0bb456410c590de"
     );
     assert_eq!(flash["runner"], "flash-next");
-    let text = String::from_utf8(gturbo(&["families"]).stdout).unwrap();
+    let text = String::from_utf8(gturbo_homeless(&["families"]).stdout).unwrap();
     assert!(
         text.lines().any(|l| l.starts_with("qwen38flashnext")
             && l.contains("Qwen/Qwen3.8-Flash-Next")

@@ -26,7 +26,7 @@ use gturbo::runtime::generate::argmax;
 use gturbo::runtime::kernels::Cpu;
 use serde_json::Value;
 
-use crate::support::gturbo_bin;
+use crate::support::cli::install;
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/flashnext_toy");
 /// f32 agreement asked of every module output and of the logits.
@@ -38,25 +38,11 @@ fn toy_install() -> &'static Path {
     DIR.get_or_init(|| {
         let tmp = tempfile::tempdir().expect("temp dir").keep();
         let out = tmp.join("toy.gturbo");
-        let o = Command::new(gturbo_bin())
-            .args([
-                "-q",
-                "install",
-                "--family",
-                "qwen38flashnext",
-                "local/toy",
-                "--from",
-                TOY,
-            ])
-            .args(["--quant", "bf16", "--out"])
-            .arg(&out)
-            .env_remove("HF_ENDPOINT")
-            .output()
-            .expect("run gturbo install");
-        assert!(
-            o.status.success(),
-            "install: {}",
-            String::from_utf8_lossy(&o.stderr)
+        install(
+            "qwen38flashnext",
+            Path::new(TOY),
+            &out,
+            &["--quant", "bf16"],
         );
         out
     })
@@ -210,23 +196,38 @@ fn ple_row_ids_are_exact_on_both_prompts() {
     assert!(prompt("long").contains(&cfg.eos));
 }
 
+/// The largest |Δ| seen per op in one test, printed at its end.
+#[derive(Default)]
+struct Worst(HashMap<&'static str, f32>);
+
+impl Worst {
+    fn note(&mut self, op: &'static str, d: f32) {
+        let e = self.0.entry(op).or_insert(0.0);
+        *e = e.max(d);
+    }
+
+    fn print(self) {
+        let mut worst: Vec<_> = self.0.into_iter().collect();
+        worst.sort_by(|a, b| a.0.cmp(b.0));
+        eprintln!("worst per op: {worst:?}");
+    }
+}
+
+/// Each module test runs on the toy bound on one CPU thread, against the short
+/// prompt's goldens: every module is fed the reference's own inputs, so an error in
+/// one does not show up as a drift in the next.
 #[test]
-fn each_module_matches_the_reference_on_its_own_inputs() {
+fn ple_matches_the_reference_on_its_own_inputs() {
     let inst = open_toy(1 << 12);
     let be = Cpu::new(1);
     let model = FlashModel::new(&inst, &be).expect("bind the toy");
     let cfg = &model.cfg;
     let g = Golden::load("short");
-    let t = g.rows("embed");
     let ids: Vec<i64> = prompt("short").iter().map(|&t| t as i64).collect();
-    let mut worst: HashMap<&str, f32> = HashMap::new();
-    let mut note = |k: &'static str, d: f32| {
-        let e = worst.entry(k).or_insert(0.0);
-        *e = e.max(d);
-    };
+    let mut worst = Worst::default();
     for (l, layer) in model.layers().iter().enumerate() {
         let p = format!("layers.{l}");
-        let mut x = g.f32(&format!("{p}.in")).to_vec();
+        let x = g.f32(&format!("{p}.in")).to_vec();
         if let Some(pw) = &layer.ple {
             let mut st = PleState::new(&be, &cfg.ple).unwrap();
             let rows = inst.row_cache(l).unwrap();
@@ -237,7 +238,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 want,
                 "{p}.ple.ids"
             );
-            note(
+            worst.note(
                 "ple.emb",
                 assert_close(
                     &format!("{p}.ple.emb"),
@@ -245,7 +246,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                     g.f32(&format!("{p}.ple.emb")),
                 ),
             );
-            note(
+            worst.note(
                 "ple.out",
                 assert_close(
                     &format!("{p}.ple.out"),
@@ -253,12 +254,31 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                     g.f32(&format!("{p}.ple.out")),
                 ),
             );
+        }
+    }
+    worst.print();
+}
+
+#[test]
+fn hyper_connections_match_the_reference_on_their_own_inputs() {
+    let inst = open_toy(1 << 12);
+    let be = Cpu::new(1);
+    let model = FlashModel::new(&inst, &be).expect("bind the toy");
+    let cfg = &model.cfg;
+    let g = Golden::load("short");
+    let t = g.rows("embed");
+    let mut worst = Worst::default();
+    for (l, layer) in model.layers().iter().enumerate() {
+        let p = format!("layers.{l}");
+        // The attention's read takes the layer's input plus the reference's PLE output.
+        let mut x = g.f32(&format!("{p}.in")).to_vec();
+        if layer.ple.is_some() {
             for (a, b) in x.iter_mut().zip(g.f32(&format!("{p}.ple.out"))) {
                 *a += b;
             }
         }
         let r = hc_read(&be, &layer.attn_hc, cfg.hc, &x, t).unwrap();
-        note(
+        worst.note(
             "hc.mix",
             assert_close(
                 &format!("{p}.attn_hc.mix"),
@@ -266,7 +286,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.attn_hc.mix")),
             ),
         );
-        note(
+        worst.note(
             "hc.mixed",
             assert_close(
                 &format!("{p}.attn_hc.mixed"),
@@ -274,7 +294,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.attn_hc.mixed")),
             ),
         );
-        note(
+        worst.note(
             "hc.inject",
             assert_close(
                 &format!("{p}.attn_hc.inject"),
@@ -282,88 +302,9 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.attn_hc.inject")),
             ),
         );
-        let u = g.f32(&format!("{p}.attn_hc.mixed")).to_vec();
-        match &layer.mixer {
-            Mixer::Gdn(gw) => {
-                let mut st = GdnState::new(&be, &cfg.gdn).unwrap();
-                let o = gdn_forward(&be, gw, &cfg.gdn, &mut st, &u, t).unwrap();
-                note(
-                    "gdn.qkv",
-                    assert_close(
-                        &format!("{p}.gdn.qkv"),
-                        &o.qkv,
-                        g.f32(&format!("{p}.gdn.qkv")),
-                    ),
-                );
-                note(
-                    "gdn.core",
-                    assert_close(
-                        &format!("{p}.gdn.core"),
-                        &o.core,
-                        g.f32(&format!("{p}.gdn.core")),
-                    ),
-                );
-                note(
-                    "gdn.gated",
-                    assert_close(
-                        &format!("{p}.gdn.gated"),
-                        &o.gated,
-                        g.f32(&format!("{p}.gdn.gated")),
-                    ),
-                );
-                note(
-                    "gdn.out",
-                    assert_close(
-                        &format!("{p}.gdn.out"),
-                        &o.out,
-                        g.f32(&format!("{p}.gdn.out")),
-                    ),
-                );
-            }
-            Mixer::Attn(aw) => {
-                let a = &cfg.attn;
-                let mut cache = be.attn_cache(a.kv_heads, a.head_dim, a.indexer).unwrap();
-                let o = attention_forward(&be, aw, a, model.rope(), &mut cache, 0, &u, t).unwrap();
-                note(
-                    "attn.gated",
-                    assert_close(
-                        &format!("{p}.attn.gated"),
-                        &o.gated,
-                        g.f32(&format!("{p}.attn.gated")),
-                    ),
-                );
-                note(
-                    "attn.out",
-                    assert_close(
-                        &format!("{p}.attn.out"),
-                        &o.out,
-                        g.f32(&format!("{p}.attn.out")),
-                    ),
-                );
-                let want = g.f32(&format!("{p}.indexer.scores"));
-                let nb = want.len() / t;
-                let mut got = vec![f32::NAN; t * nb];
-                for (q, s) in o.scores.iter().enumerate() {
-                    got[q * nb..q * nb + s.len()].copy_from_slice(s);
-                }
-                // NaN marks blocks not yet complete: same places on both sides.
-                for (i, (a, b)) in got.iter().zip(want).enumerate() {
-                    assert_eq!(a.is_nan(), b.is_nan(), "{p}.indexer.scores[{i}]");
-                }
-                let fin = |v: &[f32]| {
-                    v.iter()
-                        .map(|x| if x.is_nan() { 0.0 } else { *x })
-                        .collect::<Vec<_>>()
-                };
-                note(
-                    "indexer.scores",
-                    assert_close(&format!("{p}.indexer.scores"), &fin(&got), &fin(want)),
-                );
-            }
-        }
         let xa = g.f32(&format!("{p}.after_attn")).to_vec();
         let r = hc_read(&be, &layer.mlp_hc, cfg.hc, &xa, t).unwrap();
-        note(
+        worst.note(
             "hc.mix",
             assert_close(
                 &format!("{p}.mlp_hc.mix"),
@@ -371,7 +312,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.mlp_hc.mix")),
             ),
         );
-        note(
+        worst.note(
             "hc.mixed",
             assert_close(
                 &format!("{p}.mlp_hc.mixed"),
@@ -379,7 +320,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.mlp_hc.mixed")),
             ),
         );
-        note(
+        worst.note(
             "hc.inject",
             assert_close(
                 &format!("{p}.mlp_hc.inject"),
@@ -387,6 +328,137 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.mlp_hc.inject")),
             ),
         );
+    }
+    let last = g.f32(&format!("layers.{}.out", cfg.layers - 1)).to_vec();
+    let r = hc_read(&be, model.mixer(), cfg.hc, &last, t).unwrap();
+    worst.note(
+        "mixer.out",
+        assert_close("mixer.out", &r.mixed, g.f32("mixer.out")),
+    );
+    worst.print();
+}
+
+#[test]
+fn gated_delta_net_matches_the_reference_on_its_own_inputs() {
+    let inst = open_toy(1 << 12);
+    let be = Cpu::new(1);
+    let model = FlashModel::new(&inst, &be).expect("bind the toy");
+    let cfg = &model.cfg;
+    let g = Golden::load("short");
+    let t = g.rows("embed");
+    let mut worst = Worst::default();
+    for (l, layer) in model.layers().iter().enumerate() {
+        let p = format!("layers.{l}");
+        let Mixer::Gdn(gw) = &layer.mixer else {
+            continue;
+        };
+        let u = g.f32(&format!("{p}.attn_hc.mixed")).to_vec();
+        let mut st = GdnState::new(&be, &cfg.gdn).unwrap();
+        let o = gdn_forward(&be, gw, &cfg.gdn, &mut st, &u, t).unwrap();
+        worst.note(
+            "gdn.qkv",
+            assert_close(
+                &format!("{p}.gdn.qkv"),
+                &o.qkv,
+                g.f32(&format!("{p}.gdn.qkv")),
+            ),
+        );
+        worst.note(
+            "gdn.core",
+            assert_close(
+                &format!("{p}.gdn.core"),
+                &o.core,
+                g.f32(&format!("{p}.gdn.core")),
+            ),
+        );
+        worst.note(
+            "gdn.gated",
+            assert_close(
+                &format!("{p}.gdn.gated"),
+                &o.gated,
+                g.f32(&format!("{p}.gdn.gated")),
+            ),
+        );
+        worst.note(
+            "gdn.out",
+            assert_close(
+                &format!("{p}.gdn.out"),
+                &o.out,
+                g.f32(&format!("{p}.gdn.out")),
+            ),
+        );
+    }
+    worst.print();
+}
+
+#[test]
+fn attention_and_its_indexer_scores_match_the_reference_on_their_own_inputs() {
+    let inst = open_toy(1 << 12);
+    let be = Cpu::new(1);
+    let model = FlashModel::new(&inst, &be).expect("bind the toy");
+    let cfg = &model.cfg;
+    let g = Golden::load("short");
+    let t = g.rows("embed");
+    let mut worst = Worst::default();
+    for (l, layer) in model.layers().iter().enumerate() {
+        let p = format!("layers.{l}");
+        let Mixer::Attn(aw) = &layer.mixer else {
+            continue;
+        };
+        let u = g.f32(&format!("{p}.attn_hc.mixed")).to_vec();
+        let a = &cfg.attn;
+        let mut cache = be.attn_cache(a.kv_heads, a.head_dim, a.indexer).unwrap();
+        let o = attention_forward(&be, aw, a, model.rope(), &mut cache, 0, &u, t).unwrap();
+        worst.note(
+            "attn.gated",
+            assert_close(
+                &format!("{p}.attn.gated"),
+                &o.gated,
+                g.f32(&format!("{p}.attn.gated")),
+            ),
+        );
+        worst.note(
+            "attn.out",
+            assert_close(
+                &format!("{p}.attn.out"),
+                &o.out,
+                g.f32(&format!("{p}.attn.out")),
+            ),
+        );
+        let want = g.f32(&format!("{p}.indexer.scores"));
+        let nb = want.len() / t;
+        let mut got = vec![f32::NAN; t * nb];
+        for (q, s) in o.scores.iter().enumerate() {
+            got[q * nb..q * nb + s.len()].copy_from_slice(s);
+        }
+        // NaN marks blocks not yet complete: same places on both sides.
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert_eq!(a.is_nan(), b.is_nan(), "{p}.indexer.scores[{i}]");
+        }
+        let fin = |v: &[f32]| {
+            v.iter()
+                .map(|x| if x.is_nan() { 0.0 } else { *x })
+                .collect::<Vec<_>>()
+        };
+        worst.note(
+            "indexer.scores",
+            assert_close(&format!("{p}.indexer.scores"), &fin(&got), &fin(want)),
+        );
+    }
+    worst.print();
+}
+
+#[test]
+fn moe_routing_and_experts_match_the_reference_on_their_own_inputs() {
+    let inst = open_toy(1 << 12);
+    let be = Cpu::new(1);
+    let model = FlashModel::new(&inst, &be).expect("bind the toy");
+    let cfg = &model.cfg;
+    let g = Golden::load("short");
+    let t = g.rows("embed");
+    let mut worst = Worst::default();
+    for (l, layer) in model.layers().iter().enumerate() {
+        let p = format!("layers.{l}");
         let u = g.f32(&format!("{p}.mlp_hc.mixed")).to_vec();
         let o = moe_forward(
             &be,
@@ -400,7 +472,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
             true,
         )
         .unwrap();
-        note(
+        worst.note(
             "moe.router_logits",
             assert_close(
                 &format!("{p}.moe.router_logits"),
@@ -419,7 +491,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
             "{p}.moe.topk_idx (torch order)"
         );
         let wts: Vec<f32> = o.routes.iter().flat_map(|r| r.weights.clone()).collect();
-        note(
+        worst.note(
             "moe.topk_w",
             assert_close(
                 &format!("{p}.moe.topk_w"),
@@ -427,7 +499,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.moe.topk_w")),
             ),
         );
-        note(
+        worst.note(
             "moe.shared",
             assert_close(
                 &format!("{p}.moe.shared"),
@@ -435,7 +507,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
                 g.f32(&format!("{p}.moe.shared")),
             ),
         );
-        note(
+        worst.note(
             "moe.out",
             assert_close(
                 &format!("{p}.moe.out"),
@@ -444,15 +516,7 @@ fn each_module_matches_the_reference_on_its_own_inputs() {
             ),
         );
     }
-    let last = g.f32(&format!("layers.{}.out", cfg.layers - 1)).to_vec();
-    let r = hc_read(&be, model.mixer(), cfg.hc, &last, t).unwrap();
-    note(
-        "mixer.out",
-        assert_close("mixer.out", &r.mixed, g.f32("mixer.out")),
-    );
-    let mut worst: Vec<_> = worst.into_iter().collect();
-    worst.sort_by(|a, b| a.0.cmp(b.0));
-    eprintln!("worst per op: {worst:?}");
+    worst.print();
 }
 
 /// The indexer sets the reference chose for `prompt` (per indexed layer, per query).
@@ -877,26 +941,7 @@ fn toy_install_int4() -> &'static Path {
     DIR.get_or_init(|| {
         let tmp = tempfile::tempdir().expect("temp dir").keep();
         let out = tmp.join("toy-int4.gturbo");
-        let o = Command::new(gturbo_bin())
-            .args([
-                "-q",
-                "install",
-                "--family",
-                "qwen38flashnext",
-                "local/toy",
-                "--from",
-                TOY,
-                "--out",
-            ])
-            .arg(&out)
-            .env_remove("HF_ENDPOINT")
-            .output()
-            .expect("run gturbo install");
-        assert!(
-            o.status.success(),
-            "install: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        install("qwen38flashnext", Path::new(TOY), &out, &[]);
         out
     })
 }

@@ -10,43 +10,19 @@ use std::process::{Command, Output};
 use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, temp_dir};
+use crate::support::cli::{self, gturbo, text};
+use crate::support::temp_dir;
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/flashnext_toy");
 
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn gturbo(args: &[&str]) -> Output {
-    Command::new(gturbo_bin())
-        .args(args)
-        .env_remove("HF_ENDPOINT")
-        .output()
-        .unwrap()
+/// `gturbo ARGS…`, run to the end.
+fn gturbo_args(args: &[&str]) -> Output {
+    gturbo().args(args).output().unwrap()
 }
 
 /// Install the snapshot `from` as family qwen38flashnext into `out`.
 fn install(from: &Path, out: &Path, extra: &[&str]) {
-    let mut args = vec![
-        "-q",
-        "install",
-        "--family",
-        "qwen38flashnext",
-        "local/flash",
-        "--from",
-        from.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let o = gturbo(&args);
-    assert!(o.status.success(), "install: {}", text(&o));
+    cli::install("qwen38flashnext", from, out, extra);
 }
 
 fn manifest(dir: &Path) -> Value {
@@ -64,7 +40,7 @@ fn run_json(dir: &Path, ids: &str, extra: &[&str]) -> (Value, String) {
         "2",
     ];
     args.extend_from_slice(extra);
-    let o = gturbo(&args);
+    let o = gturbo_args(&args);
     assert!(o.status.success(), "run {extra:?}: {}", text(&o));
     let doc: Value =
         serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
@@ -97,7 +73,7 @@ fn the_scaled_replica_at_int4_generates_the_same_tokens_at_2_16_slots_and_reside
     );
 
     // The quality rule, refusing side: a quantized install of the family, no record.
-    let o = gturbo(&["run", out.to_str().unwrap(), "--prompt-ids", "1,2,3"]);
+    let o = gturbo_args(&["run", out.to_str().unwrap(), "--prompt-ids", "1,2,3"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -164,7 +140,7 @@ fn the_scaled_replica_at_int4_generates_the_same_tokens_at_2_16_slots_and_reside
 
     // Bad input through the CLI: a token id outside the vocabulary, a prompt longer
     // than max_position_embeddings; refused with a message, exit 2.
-    let o = gturbo(&[
+    let o = gturbo_args(&[
         "run",
         out.to_str().unwrap(),
         "--prompt-ids",
@@ -179,7 +155,7 @@ fn the_scaled_replica_at_int4_generates_the_same_tokens_at_2_16_slots_and_reside
         text(&o)
     );
     let long = ids(4097, spec.vocab_size as usize);
-    let o = gturbo(&[
+    let o = gturbo_args(&[
         "run",
         out.to_str().unwrap(),
         "--prompt-ids",
@@ -263,7 +239,7 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
          the birds sing of rain, of wind and of the long road home",
     )
     .unwrap();
-    let o = gturbo(&[
+    let o = gturbo_args(&[
         "eval",
         q.to_str().unwrap(),
         b.to_str().unwrap(),
@@ -292,7 +268,7 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
     );
 
     // The accepting side of the rule: run now runs, and the footer gives the figures.
-    let o = gturbo(&[
+    let o = gturbo_args(&[
         "run",
         q.to_str().unwrap(),
         "--prompt-ids",
@@ -311,7 +287,7 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
         "{footer}"
     );
     // verify-install accepts it and keeps it in the receipt it rewrites.
-    let o = gturbo(&["verify-install", q.to_str().unwrap()]);
+    let o = gturbo_args(&["verify-install", q.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(receipt(&q)["quality"], r["quality"]);
 
@@ -325,7 +301,7 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
     );
     assert_ne!(edited.as_bytes(), &qbytes[..]);
     std::fs::write(t.join("quality.json"), edited).unwrap();
-    let o = gturbo(&["verify-install", t.to_str().unwrap()]);
+    let o = gturbo_args(&["verify-install", t.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("quality.json: sha256: ")
@@ -333,7 +309,7 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
         "{}",
         text(&o)
     );
-    let o = gturbo(&["run", t.to_str().unwrap(), "--prompt-ids", "1,2,3"]);
+    let o = gturbo_args(&["run", t.to_str().unwrap(), "--prompt-ids", "1,2,3"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(
         String::from_utf8_lossy(&o.stderr).contains("the recorded one was not accepted"),
@@ -343,7 +319,7 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
 
     // A quality file the receipt does not list (copied into another install).
     std::fs::write(b.join("quality.json"), &qbytes).unwrap();
-    let o = gturbo(&["verify-install", b.to_str().unwrap()]);
+    let o = gturbo_args(&["verify-install", b.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(
         text(&o).contains("quality.json: not covered by verified-install.json"),

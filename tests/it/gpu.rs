@@ -5,7 +5,6 @@
 //! as skipped (a failure in a strict run: CI).
 
 use std::path::Path;
-use std::process::Command;
 
 use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::generate::argmax;
@@ -13,12 +12,12 @@ use gturbo::runtime::kernels::gpu::{Gpu, GpuOptions};
 use gturbo::runtime::kernels::{Backend, Cpu};
 use gturbo::runtime::load::{self, LoadOptions};
 use gturbo::runtime::model::Model;
-use gturbo_testkit::replica::{self, Qwen3MoeSpec};
 use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
-use crate::runtime::{install, smollm2, text};
-use crate::support::{gturbo_bin, temp_dir};
+use crate::runtime::smollm2;
+use crate::support::cli::{gturbo, moe_install, text};
+use crate::support::temp_dir;
 
 /// The relative tolerance on logits: at every position, `max |gpu − cpu| ≤ LOGIT_RTOL ·
 /// max |cpu|` (FORMAT.md, "GPU numerics").
@@ -116,23 +115,6 @@ fn smollm2_int4_on_the_gpu_matches_the_cpu_for_32_greedy_tokens_and_every_logit(
     );
 }
 
-/// A tiny qwen3_moe whose pools (2 layers × 64 experts) far exceed 2 slots.
-fn moe_install(tmp: &Path) -> std::path::PathBuf {
-    let spec = Qwen3MoeSpec {
-        hidden_size: 256,
-        num_experts: 64,
-        num_experts_per_tok: 4,
-        moe_intermediate_size: 256,
-        seed: 3,
-        ..Qwen3MoeSpec::tiny()
-    };
-    let snap = tmp.join("snap");
-    replica::write_qwen3_moe(&snap, &spec).unwrap();
-    let out = tmp.join("moe.gturbo");
-    install("qwen3_moe", &snap, &out, &[]);
-    out
-}
-
 #[test]
 fn tiny_qwen3_moe_on_the_gpu_with_2_expert_slots_gives_the_cpu_tokens() {
     const TEST: &str = "tiny_qwen3_moe_on_the_gpu_with_2_expert_slots_gives_the_cpu_tokens";
@@ -140,7 +122,7 @@ fn tiny_qwen3_moe_on_the_gpu_with_2_expert_slots_gives_the_cpu_tokens() {
         return;
     };
     let tmp = temp_dir();
-    let out = moe_install(tmp.path());
+    let (_, out) = moe_install(tmp.path());
     let prompt = [
         5, 17, 200, 33, 9, 48, 310, 2, 77, 120, 64, 1, 250, 19, 8, 400,
     ];
@@ -155,11 +137,7 @@ fn tiny_qwen3_moe_on_the_gpu_with_2_expert_slots_gives_the_cpu_tokens() {
 }
 
 fn run(args: &[&str]) -> std::process::Output {
-    Command::new(gturbo_bin())
-        .arg("run")
-        .args(args)
-        .output()
-        .unwrap()
+    gturbo().arg("run").args(args).output().unwrap()
 }
 
 #[test]
@@ -171,7 +149,7 @@ fn run_backend_gpu_names_the_adapter_and_auto_skips_software_adapters() {
     let adapter = g.adapter().clone();
     drop(g);
     let tmp = temp_dir();
-    let out = moe_install(tmp.path());
+    let (_, out) = moe_install(tmp.path());
     let dir = out.to_str().unwrap();
     let ids = "5,17,200,33,9,48,310,2";
     let json = |backend: &str| -> Value {
@@ -256,7 +234,7 @@ fn an_install_the_runner_refuses_fails_alike_on_cpu_and_gpu() {
     };
     drop(g);
     let tmp = temp_dir();
-    let out = moe_install(tmp.path());
+    let (_, out) = moe_install(tmp.path());
     // The expert width the runner derives the pools' shapes from, edited: the pools on
     // disk no longer match it (a check of the model, after the install has opened).
     let path = out.join("manifest.json");

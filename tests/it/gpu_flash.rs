@@ -7,7 +7,6 @@
 //! adapter at all they are reported as skipped (a failure in a strict run: CI).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use gturbo::runtime::experts::ExpertMode;
@@ -19,8 +18,7 @@ use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
 use crate::gpu::{LOGIT_RTOL, gpu, rollout, worst_relative};
-use crate::runtime::{install as install_snapshot, text};
-use crate::support::gturbo_bin;
+use crate::support::cli::{gturbo, install, text};
 
 /// The scaled replica installed at INT4 once for this test binary (kept for the run).
 fn scaled_install() -> &'static Path {
@@ -30,7 +28,7 @@ fn scaled_install() -> &'static Path {
         let snap = tmp.join("snap");
         replica::write_flash_next(&snap, &FlashNextSpec::scaled()).expect("write the replica");
         let out = tmp.join("flash.gturbo");
-        install_snapshot("qwen38flashnext", &snap, &out, &[]);
+        install("qwen38flashnext", &snap, &out, &[]);
         out
     })
 }
@@ -101,7 +99,7 @@ fn the_scaled_flash_next_replica_on_the_gpu_gives_the_cpu_tokens_and_logits() {
 }
 
 fn run_json(dir: &Path, backend: &str) -> (Value, String) {
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .arg("run")
         .arg(dir)
         .args([

@@ -4,28 +4,17 @@
 //! (defect 5).
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use gturbo_testkit::hub::{Fault, FaultKind, HubConfig};
 use gturbo_testkit::replica::{self, Qwen3Spec};
 
-use crate::support::{Replica, gturbo_bin, temp_dir};
+use crate::support::cli::{error_line, gturbo, hub_install, stderr};
+use crate::support::{Replica, temp_dir};
 
 /// A shard of the replica that holds one INT4-bound matrix of 5 MiB.
 const SHARD: &str = "model-00003-of-00006.safetensors";
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// The `gturbo: error:` line of a failed run.
-fn error_line(stderr: &str) -> &str {
-    stderr
-        .lines()
-        .find(|l| l.starts_with("gturbo: error: "))
-        .unwrap_or_else(|| panic!("no error line in: {stderr}"))
-}
 
 /// Defect 5: a server that answers every read of a shard with a burst of 256 KiB (four
 /// times the low-speed limit) and then nothing. The low-speed window used to restart
@@ -40,21 +29,18 @@ async fn issue22_a_burst_then_a_stall_ends_the_install_within_the_stall_bound() 
     let (low_speed_time, attempts) = (Duration::from_secs(2), 3u32);
 
     // A clean install first: what the install costs without the fault.
+    let (time, tries) = (low_speed_time.as_secs().to_string(), attempts.to_string());
     let run = |out: &Path| {
-        Command::new(gturbo_bin())
-            .args(["install", "qwen38flashnext", "--endpoint", hub.url()])
-            .args(["--revision", &repo.commit, "--index-sha256", &r.index_sha])
-            .arg("--out")
-            .arg(out)
-            .args(["-q", "--jobs", "4", "--range-mib", "1"])
-            .args(["--low-speed-time", &low_speed_time.as_secs().to_string()])
-            .args(["--max-attempts", &attempts.to_string()])
-            .env_remove("HF_TOKEN")
-            .env_remove("GTURBO_LOW_SPEED_LIMIT")
-            .env_remove("GTURBO_RANGE_TIMEOUT")
-            .stdout(Stdio::null())
-            .output()
-            .unwrap()
+        let extra = ["-q", "--jobs", "4", "--range-mib", "1"];
+        let limits = ["--low-speed-time", &time, "--max-attempts", &tries];
+        hub_install(
+            hub.url(),
+            &repo.commit,
+            &r,
+            out,
+            &[&extra[..], &limits[..]].concat(),
+            &[],
+        )
     };
     let t = Instant::now();
     let o = run(&r.out("clean.gturbo"));
@@ -74,7 +60,7 @@ async fn issue22_a_burst_then_a_stall_ends_the_install_within_the_stall_bound() 
     let took = t.elapsed();
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    let line = error_line(&err);
+    let line = error_line(&o);
     assert!(
         line.starts_with(&format!("gturbo: error: {SHARD} (bytes "))
             && line.contains(&format!(
@@ -138,9 +124,8 @@ fn pad_headers(dir: &Path, header_len: usize) {
 /// Run `gturbo` with `args` and return its exit status, stderr and peak RSS in bytes:
 /// its `VmHWM` (which only grows), read every few milliseconds while it runs.
 fn run_with_peak_rss(args: &[&str]) -> (std::process::ExitStatus, String, u64) {
-    let mut child = Command::new(gturbo_bin())
+    let mut child = gturbo()
         .args(args)
-        .env_remove("HF_TOKEN")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -5,14 +5,15 @@
 //! is refused at install, at verify and at run, naming the file and the field.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo};
 use gturbo_testkit::replica::{self, Qwen3Spec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
+use crate::support::cli::{error_line, gturbo, install_cmd, text};
+use crate::support::{sha256_hex, start_hub, temp_dir};
 
 const REPO: &str = "Org/tiny-qwen3";
 
@@ -26,24 +27,6 @@ fn git_blob_sha1(bytes: &[u8]) -> String {
     hex::encode(h.finalize())
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// The `gturbo: error: ` line of a failed run.
-fn error_line(o: &Output) -> String {
-    let err = String::from_utf8_lossy(&o.stderr);
-    err.lines()
-        .find(|l| l.starts_with("gturbo: error: "))
-        .unwrap_or_else(|| panic!("no error line: {}", text(o)))
-        .to_string()
-}
-
 /// A tiny dense Qwen3 snapshot under `dir`.
 fn snapshot(dir: &Path) -> PathBuf {
     replica::write_qwen3(dir, &Qwen3Spec::tiny()).unwrap();
@@ -52,7 +35,7 @@ fn snapshot(dir: &Path) -> PathBuf {
 
 /// `gturbo install` of the tiny Qwen3 from `hub`.
 fn hub_install(hub: &Hub, repo: &HubRepo, out: &Path, extra: &[&str]) -> Output {
-    Command::new(gturbo_bin())
+    gturbo()
         .args([
             "install",
             "--family",
@@ -64,31 +47,18 @@ fn hub_install(hub: &Hub, repo: &HubRepo, out: &Path, extra: &[&str]) -> Output 
         .args(["--revision", &repo.commit, "--out"])
         .arg(out)
         .args(extra)
-        .env_remove("HF_TOKEN")
-        .env_remove("HF_ENDPOINT")
         .output()
         .unwrap()
 }
 
 /// `gturbo install` of the tiny Qwen3 from a local folder.
-fn local_install(gturbo: &Path, snap: &Path, out: &Path, extra: &[&str]) -> Output {
-    Command::new(gturbo)
-        .args(["install", "--family", "qwen3", "local/x", "--from"])
-        .arg(snap)
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .env_remove("HF_ENDPOINT")
-        .output()
-        .unwrap()
+fn local_install(snap: &Path, out: &Path, extra: &[&str]) -> Output {
+    install_cmd("qwen3", snap, out, extra).output().unwrap()
 }
 
-fn gturbo(args: &[&str], dir: &Path) -> Output {
-    Command::new(gturbo_bin())
-        .args(args)
-        .arg(dir)
-        .output()
-        .unwrap()
+/// `gturbo ARGS… DIR`.
+fn gturbo_on(args: &[&str], dir: &Path) -> Output {
+    gturbo().args(args).arg(dir).output().unwrap()
 }
 
 /// `bytes` with the first `from` replaced by `to`, of the same length.
@@ -215,7 +185,7 @@ async fn issue22_the_receipt_records_the_copied_files_hashes_and_verify_checks_t
         assert_eq!(c["sha256"], Value::Null, "{c}");
         assert_eq!(c["verified"], true, "{c}");
     }
-    let o = gturbo(&["verify-install"], &out);
+    let o = gturbo_on(&["verify-install"], &out);
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(receipt(&out)["source_copied"], r["source_copied"]);
 
@@ -224,7 +194,7 @@ async fn issue22_the_receipt_records_the_copied_files_hashes_and_verify_checks_t
     let honest = std::fs::read(&cfg).unwrap();
     let bad = swapped(&honest, "assistant", "attacker!");
     std::fs::write(&cfg, &bad).unwrap();
-    let o = gturbo(&["verify-install"], &out);
+    let o = gturbo_on(&["verify-install"], &out);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(
         text(&o).contains("tokenizer/tokenizer_config.json: sha256: "),
@@ -259,7 +229,7 @@ async fn issue22_the_receipt_records_the_copied_files_hashes_and_verify_checks_t
         serde_json::to_vec_pretty(&forged).unwrap(),
     )
     .unwrap();
-    let o = gturbo(&["verify-install"], &out);
+    let o = gturbo_on(&["verify-install"], &out);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(
         text(&o).contains(&format!(
@@ -313,7 +283,7 @@ fn issue22_local_sources_verify_copies_where_they_name_a_hash_and_require_covers
 
     let named = hf_cache(&tmp.path().join("a"), &snap, true);
     let out = tmp.path().join("named.gturbo");
-    let o = local_install(&gturbo_bin(), &named, &out, &["--require-source-hash"]);
+    let o = local_install(&named, &out, &["--require-source-hash"]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(!text(&o).contains("not verified"), "{}", text(&o));
     for c in receipt(&out)["source_copied"].as_array().unwrap() {
@@ -323,7 +293,7 @@ fn issue22_local_sources_verify_copies_where_they_name_a_hash_and_require_covers
     let cfg = std::fs::read(named.join("tokenizer_config.json")).unwrap();
     let blob = std::fs::canonicalize(named.join("tokenizer_config.json")).unwrap();
     std::fs::write(&blob, swapped(&cfg, "assistant", "attacker!")).unwrap();
-    let o = local_install(&gturbo_bin(), &named, &tmp.path().join("x.gturbo"), &[]);
+    let o = local_install(&named, &tmp.path().join("x.gturbo"), &[]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert_eq!(
         error_line(&o),
@@ -332,7 +302,7 @@ fn issue22_local_sources_verify_copies_where_they_name_a_hash_and_require_covers
 
     let plain = hf_cache(&tmp.path().join("b"), &snap, false);
     let out = tmp.path().join("plain.gturbo");
-    let o = local_install(&gturbo_bin(), &plain, &out, &["--require-source-hash"]);
+    let o = local_install(&plain, &out, &["--require-source-hash"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert_eq!(
         error_line(&o),
@@ -340,7 +310,7 @@ fn issue22_local_sources_verify_copies_where_they_name_a_hash_and_require_covers
     );
     assert!(!out.exists());
     // Without the flag the install goes ahead and says which files it could not prove.
-    let o = local_install(&gturbo_bin(), &plain, &out, &[]);
+    let o = local_install(&plain, &out, &[]);
     assert!(o.status.success(), "{}", text(&o));
     for f in ["config.json", "tokenizer.json"] {
         assert!(
@@ -356,7 +326,7 @@ fn issue22_local_sources_verify_copies_where_they_name_a_hash_and_require_covers
             "{c}"
         );
     }
-    let o = gturbo(&["verify-install"], &out);
+    let o = gturbo_on(&["verify-install"], &out);
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -393,7 +363,7 @@ fn issue22_a_tokenizer_with_a_huge_pattern_is_refused_at_install_naming_file_and
     )
     .unwrap();
     let out = tmp.path().join("m.gturbo");
-    let o = local_install(&gturbo_bin(), &snap, &out, &["-q"]);
+    let o = local_install(&snap, &out, &["-q"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_eq!(
         error_line(&o),
@@ -405,7 +375,7 @@ fn issue22_a_tokenizer_with_a_huge_pattern_is_refused_at_install_naming_file_and
     // A real-sized pattern is fine.
     std::fs::write(snap.join("tokenizer.json"), hostile_tokenizer(&honest, 200)).unwrap();
     let out = tmp.path().join("ok.gturbo");
-    let o = local_install(&gturbo_bin(), &snap, &out, &["-q"]);
+    let o = local_install(&snap, &out, &["-q"]);
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -419,7 +389,7 @@ fn issue22_a_run_of_an_install_whose_tokenizer_is_out_of_bounds_fails_fast() {
     let tmp = temp_dir();
     let snap = snapshot(&tmp.path().join("snap"));
     let out = tmp.path().join("m.gturbo");
-    let o = local_install(&gturbo_bin(), &snap, &out, &["-q"]);
+    let o = local_install(&snap, &out, &["-q"]);
     assert!(o.status.success(), "{}", text(&o));
     let tok = out.join("tokenizer/tokenizer.json");
     let bad = hostile_tokenizer(&std::fs::read(&tok).unwrap(), 1 << 20);
@@ -438,7 +408,7 @@ fn issue22_a_run_of_an_install_whose_tokenizer_is_out_of_bounds_fails_fast() {
     );
 
     let started = Instant::now();
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args(["run"])
         .arg(&out)
         .args(["--prompt", "hello", "--max-tokens", "1"])
@@ -449,10 +419,10 @@ fn issue22_a_run_of_an_install_whose_tokenizer_is_out_of_bounds_fails_fast() {
     assert!(error_line(&o).contains(&want), "{}", text(&o));
     assert!(took < Duration::from_secs(10), "{took:?}");
 
-    let o = gturbo(&["verify-install"], &out);
+    let o = gturbo_on(&["verify-install"], &out);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains(&want), "{}", text(&o));
-    let o = gturbo(&["doctor", "--json"], &out);
+    let o = gturbo_on(&["doctor", "--json"], &out);
     assert!(text(&o).contains(&want), "{}", text(&o));
 
     let e = gturbo::runtime::text::TextCodec::load(&out).unwrap_err();

@@ -7,53 +7,18 @@
 
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use gturbo_testkit::replica::{self, Qwen3MoeSpec, Qwen3Spec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, temp_dir};
-
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn install_cmd(family: &str, snap: &Path, out: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(gturbo_bin());
-    c.args(["install", "--family", family, "local/x", "--from"])
-        .arg(snap)
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .env_remove("HF_ENDPOINT")
-        .env_remove("GTURBO_TEST_ABORT_AFTER_READS")
-        .env_remove("GTURBO_TEST_EXIT_AFTER_PUBLISH");
-    c
-}
-
-fn install(family: &str, snap: &Path, out: &Path, extra: &[&str]) -> Output {
-    install_cmd(family, snap, out, extra).output().unwrap()
-}
+use crate::support::cli::{error_line, gturbo, install_cmd, text, try_install};
+use crate::support::temp_dir;
 
 /// A tiny dense Qwen3 snapshot (one file, no index) under `tmp/snap`.
 fn qwen3_snapshot(tmp: &Path) -> PathBuf {
     let snap = tmp.join("snap");
     replica::write_qwen3(&snap, &Qwen3Spec::tiny()).unwrap();
     snap
-}
-
-/// The `gturbo: error: ` line of a failed run.
-fn error_line(o: &Output) -> String {
-    let err = String::from_utf8_lossy(&o.stderr);
-    err.lines()
-        .find(|l| l.starts_with("gturbo: error: "))
-        .unwrap_or_else(|| panic!("no error line: {}", text(o)))
-        .to_string()
 }
 
 /// Every file under `dir` (links not followed) with its bytes, sorted by path.
@@ -97,7 +62,7 @@ fn issue13_planted_links_are_refused_naming_the_path_and_targets_stay_untouched(
     let before = tree(&victim_dir);
 
     let refused = |link: &Path, extra: &[&str]| {
-        let o = install("qwen3", &snap, &out, extra);
+        let o = try_install("qwen3", &snap, &out, extra);
         assert_eq!(o.status.code(), Some(2), "{}: {}", link.display(), text(&o));
         assert!(
             error_line(&o).starts_with(&format!(
@@ -166,7 +131,7 @@ fn issue13_planted_links_are_refused_naming_the_path_and_targets_stay_untouched(
 
     // With every link gone the same command installs, into a real directory, and
     // leaves nothing beside it.
-    let o = install("qwen3", &snap, &out, &["-q"]);
+    let o = try_install("qwen3", &snap, &out, &["-q"]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(std::fs::symlink_metadata(&out).unwrap().is_dir());
     for s in [".partial", ".partial.lock", ".partial.journal"] {
@@ -196,7 +161,7 @@ fn issue13_a_kill_after_the_publish_rename_is_recognised_and_cleaned_up() {
     assert!(out.is_dir() && journal.is_file() && lock.is_file());
     let published = tree(&out);
 
-    let o = install("qwen3", &snap, &out, &[]);
+    let o = try_install("qwen3", &snap, &out, &[]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(
         text(&o).contains(&format!(
@@ -209,7 +174,7 @@ fn issue13_a_kill_after_the_publish_rename_is_recognised_and_cleaned_up() {
     assert!(!journal.exists() && !lock.exists());
     assert_eq!(tree(&out), published, "the install is left as published");
     // Now a plain rerun refuses as before.
-    let o = install("qwen3", &snap, &out, &["-q"]);
+    let o = try_install("qwen3", &snap, &out, &["-q"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(error_line(&o).ends_with("already exists; pass --overwrite to replace it"));
 
@@ -226,7 +191,7 @@ fn issue13_a_kill_after_the_publish_rename_is_recognised_and_cleaned_up() {
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
     std::fs::write(&resident, &bytes).unwrap();
-    let o = install("qwen3", &snap, &out2, &["-q"]);
+    let o = try_install("qwen3", &snap, &out2, &["-q"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let line = error_line(&o);
     assert!(
@@ -250,7 +215,7 @@ fn issue13_a_changed_plan_says_what_changed() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(137), "{}", text(&o));
-    let o = install(
+    let o = try_install(
         "qwen3",
         &snap,
         &out,
@@ -299,7 +264,7 @@ fn issue13_non_finite_passthrough_tensors_are_refused_naming_tensor_and_file() {
         std::fs::write(&file, &bytes).unwrap();
         for quant in ["int4", "bf16"] {
             let out = tmp.path().join(format!("nan-{quant}.gturbo"));
-            let o = install("qwen3", &snap, &out, &["-q", "--quant", quant]);
+            let o = try_install("qwen3", &snap, &out, &["-q", "--quant", quant]);
             assert_eq!(o.status.code(), Some(1), "{tensor}: {}", text(&o));
             assert_eq!(
                 error_line(&o),
@@ -311,7 +276,7 @@ fn issue13_non_finite_passthrough_tensors_are_refused_naming_tensor_and_file() {
         }
     }
     std::fs::write(&file, &pristine).unwrap();
-    let o = install("qwen3", &snap, &tmp.path().join("ok.gturbo"), &["-q"]);
+    let o = try_install("qwen3", &snap, &tmp.path().join("ok.gturbo"), &["-q"]);
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -330,7 +295,7 @@ fn issue13_an_oversized_tokenizer_file_is_refused_before_any_weight_streams() {
     drop(f);
     let out = tmp.path().join("m.gturbo");
     for extra in [&["-q", "--dry-run"][..], &["-q"]] {
-        let o = install("qwen3", &snap, &out, extra);
+        let o = try_install("qwen3", &snap, &out, extra);
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert_eq!(
             error_line(&o),
@@ -417,7 +382,7 @@ fn issue13_absurd_config_axes_are_refused_at_plan_time_naming_field_and_bound() 
         let snap = moe_snapshot(tmp.path(), &format!("snap{i}"), &[(field, value.clone())]);
         let out = tmp.path().join(format!("m{i}.gturbo"));
         for extra in [&["-q", "--dry-run"][..], &["-q"]] {
-            let o = install("qwen3_moe", &snap, &out, extra);
+            let o = try_install("qwen3_moe", &snap, &out, extra);
             assert_eq!(o.status.code(), Some(2), "{field}={value}: {}", text(&o));
             assert_eq!(
                 error_line(&o),
@@ -437,7 +402,7 @@ fn issue13_an_absurd_manifest_axis_is_refused_by_run_eval_and_verify() {
     let tmp = temp_dir();
     let snap = moe_snapshot(tmp.path(), "snap", &[]);
     let out = tmp.path().join("m.gturbo");
-    let o = install("qwen3_moe", &snap, &out, &["-q"]);
+    let o = try_install("qwen3_moe", &snap, &out, &["-q"]);
     assert!(o.status.success(), "{}", text(&o));
     let path = out.join("manifest.json");
     let mut m: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
@@ -464,16 +429,12 @@ fn issue13_an_absurd_manifest_axis_is_refused_by_run_eval_and_verify() {
             text_file.to_str().unwrap(),
         ],
     ] {
-        let o = Command::new(gturbo_bin()).args(&args).output().unwrap();
+        let o = gturbo().args(&args).output().unwrap();
         // Exit 1, the install at fault (it was 134, SIGABRT).
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", text(&o));
         assert!(text(&o).contains(want), "{args:?}: {}", text(&o));
     }
-    let o = Command::new(gturbo_bin())
-        .arg("verify-install")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let o = gturbo().arg("verify-install").arg(&out).output().unwrap();
     assert_ne!(o.status.code(), Some(0), "{}", text(&o));
     assert!(
         text(&o).contains(
@@ -485,7 +446,7 @@ fn issue13_an_absurd_manifest_axis_is_refused_by_run_eval_and_verify() {
     // A manifest naming more layers than the install holds is refused at run too.
     m["arch"]["axes"]["num_layers"] = Value::from(1);
     std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args([
             "run",
             out.to_str().unwrap(),
@@ -539,7 +500,7 @@ fn issue22_overwrite_removes_only_what_gturbo_made_and_never_the_source() {
         (inside.clone(), "lies inside", "write into the source"),
     ] {
         for extra in [&["-q"][..], &["-q", "--overwrite"][..]] {
-            let o = install("qwen3", &snap, &out, extra);
+            let o = try_install("qwen3", &snap, &out, extra);
             assert_eq!(o.status.code(), Some(2), "{}: {}", out.display(), text(&o));
             assert_eq!(
                 error_line(&o),
@@ -560,7 +521,7 @@ fn issue22_overwrite_removes_only_what_gturbo_made_and_never_the_source() {
     let snap_partial = tmp.path().join("src.partial");
     std::fs::rename(&snap, &snap_partial).unwrap();
     let out = tmp.path().join("src");
-    let o = install("qwen3", &snap_partial, &out, &["-q", "--discard-partial"]);
+    let o = try_install("qwen3", &snap_partial, &out, &["-q", "--discard-partial"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
         error_line(&o).starts_with(&format!(
@@ -581,7 +542,7 @@ fn issue22_overwrite_removes_only_what_gturbo_made_and_never_the_source() {
     std::fs::create_dir(mine.join("figures")).unwrap();
     std::fs::write(mine.join("figures/fig1.png"), b"not a png").unwrap();
     let theirs = snapshot_of(&mine).unwrap();
-    let o = install("qwen3", &snap, &mine, &["-q", "--overwrite"]);
+    let o = try_install("qwen3", &snap, &mine, &["-q", "--overwrite"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
         error_line(&o).starts_with(&format!(
@@ -609,12 +570,12 @@ fn issue22_overwrite_removes_only_what_gturbo_made_and_never_the_source() {
     // A published install is replaced; one that also holds a user's file is not, and
     // one whose manifest is gone (no longer recognisably gturbo's) is not either.
     let out = tmp.path().join("m.gturbo");
-    let o = install("qwen3", &snap, &out, &["-q"]);
+    let o = try_install("qwen3", &snap, &out, &["-q"]);
     assert!(o.status.success(), "{}", text(&o));
-    let o = install("qwen3", &snap, &out, &["-q", "--overwrite"]);
+    let o = try_install("qwen3", &snap, &out, &["-q", "--overwrite"]);
     assert!(o.status.success(), "{}", text(&o));
     std::fs::write(out.join("notes.md"), b"my notes on this model").unwrap();
-    let o = install("qwen3", &snap, &out, &["-q", "--overwrite"]);
+    let o = try_install("qwen3", &snap, &out, &["-q", "--overwrite"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
         error_line(&o).starts_with(&format!(
@@ -630,7 +591,7 @@ fn issue22_overwrite_removes_only_what_gturbo_made_and_never_the_source() {
     );
     std::fs::remove_file(out.join("notes.md")).unwrap();
     std::fs::remove_file(out.join("verified-install.json")).unwrap();
-    let o = install("qwen3", &snap, &out, &["-q", "--overwrite"]);
+    let o = try_install("qwen3", &snap, &out, &["-q", "--overwrite"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
         error_line(&o)
@@ -642,7 +603,7 @@ fn issue22_overwrite_removes_only_what_gturbo_made_and_never_the_source() {
     // An empty folder holds nothing to lose: replaced.
     let empty = tmp.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
-    let o = install("qwen3", &snap, &empty, &["-q", "--overwrite"]);
+    let o = try_install("qwen3", &snap, &empty, &["-q", "--overwrite"]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(empty.join("manifest.json").exists());
     assert_eq!(snapshot_of(&snap).unwrap(), source);

@@ -4,13 +4,14 @@
 //! a `Retry-After` over the limit, and the CLI bounds (`--threads`, FIFOs in `--from`).
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, HubRepo, PublishedHashes};
 use serde_json::Value;
 
-use crate::support::{Replica, gturbo_bin, sha256_hex};
+use crate::support::cli::{error_line, gturbo, hub_install, stderr};
+use crate::support::{Replica, sha256_hex};
 
 const REPO: &str = Replica::REPO;
 /// A shard that holds one INT4-bound matrix, `layers.1.ple.key_proj.weight` [1024, 2560].
@@ -29,38 +30,7 @@ fn install_env(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Output {
-    let mut c = Command::new(gturbo_bin());
-    c.args(["install", "qwen38flashnext", "--endpoint", hub.url()])
-        .args(["--revision", &repo.commit, "--index-sha256", &r.index_sha])
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .envs(env.iter().copied())
-        .env_remove("HF_TOKEN")
-        .stdout(Stdio::null());
-    for k in [
-        "GTURBO_LOW_SPEED_LIMIT",
-        "GTURBO_LOW_SPEED_TIME",
-        "GTURBO_RANGE_TIMEOUT",
-        "GTURBO_MAX_ATTEMPTS",
-    ] {
-        if !env.iter().any(|(e, _)| *e == k) {
-            c.env_remove(k);
-        }
-    }
-    c.output().unwrap()
-}
-
-/// The `gturbo: error:` line of a failed run.
-fn error_line(stderr: &str) -> &str {
-    stderr
-        .lines()
-        .find(|l| l.starts_with("gturbo: error: "))
-        .unwrap_or_else(|| panic!("no error line in: {stderr}"))
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    hub_install(hub.url(), &repo.commit, r, out, extra, env)
 }
 
 /// Nothing of a refused install is left but what a rerun resumes from: no published
@@ -152,7 +122,7 @@ async fn issue13_a_stalling_or_dripping_server_ends_the_install_within_the_bound
     assert_eq!(o.status.code(), Some(2), "{err}");
     // 2 attempts × 1 s, 0.5 s of backoff at most, and the rest of the install.
     assert!(took < Duration::from_secs(20), "{took:?}: {err}");
-    let line = error_line(&err);
+    let line = error_line(&o);
     // Any of the shard's sub-ranges in flight may give up first; it is named.
     assert!(
         line.starts_with(&format!("gturbo: error: {SHARD} (bytes "))
@@ -194,7 +164,7 @@ async fn issue13_a_stalling_or_dripping_server_ends_the_install_within_the_bound
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(took < Duration::from_secs(20), "{took:?}: {err}");
-    let line = error_line(&err);
+    let line = error_line(&o);
     assert!(
         // Sub-ranges of the shard are in flight at once: whichever gives up first is
         // named, with its byte range.
@@ -345,11 +315,7 @@ async fn issue13_unpublished_hashes_are_reported_per_shard_recorded_and_can_be_r
     assert_eq!(recorded, want);
 
     // verify-install rewrites the receipt and carries the record forward.
-    let v = Command::new(gturbo_bin())
-        .arg("verify-install")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let v = gturbo().arg("verify-install").arg(&out).output().unwrap();
     assert!(v.status.success(), "{}", stderr(&v));
     let again: Value =
         serde_json::from_slice(&std::fs::read(out.join("verified-install.json")).unwrap()).unwrap();
@@ -428,7 +394,7 @@ fn issue13_threads_beyond_the_bound_are_refused() {
         vec!["eval", "a", "b", "--text", "t", "--threads", &over],
         vec!["verify-install", "x.gturbo", "--threads", &over],
     ] {
-        let o = Command::new(gturbo_bin()).args(&args).output().unwrap();
+        let o = gturbo().args(&args).output().unwrap();
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(
@@ -455,7 +421,7 @@ fn issue13_a_fifo_in_a_from_snapshot_is_named_and_refused() {
             .success()
     );
     let out = r.out("fifo.gturbo");
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args(["-q", "install", "qwen38flashnext", "--from"])
         .arg(&r.dir)
         .args(["--index-sha256", &r.index_sha, "--out"])
@@ -502,7 +468,7 @@ async fn issue13_a_changed_source_hash_is_named_when_the_resume_is_refused() {
     let o = install(&hub, &repo, &r, &out, &flags);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    let line = error_line(&err);
+    let line = error_line(&o);
     assert!(
         line.contains(&format!(
             " (changed: {SHARD}: published SHA-256: was {old}, now {new}); refusing to mix them"
@@ -536,7 +502,7 @@ async fn issue13_an_oversized_tokenizer_is_refused_before_any_weight_streams() {
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert_eq!(
-        error_line(&err),
+        error_line(&o),
         "gturbo: error: tokenizer.json: 2000000000 bytes, more than the 67108864 a tokenizer.json may have; refusing before any weight is read"
     );
     let stats = hub.stats();
@@ -607,11 +573,7 @@ async fn issue22_a_poisoned_journal_is_cleared_in_one_rerun() {
         .collect();
     assert!(!refetched.is_empty(), "{err}");
     assert!(!err.contains("mismatch"), "{err}");
-    let v = Command::new(gturbo_bin())
-        .arg("verify-install")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let v = gturbo().arg("verify-install").arg(&out).output().unwrap();
     assert!(v.status.success(), "{}", stderr(&v));
 
     // The same bytes as an install from the clean hub alone.

@@ -9,67 +9,24 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use gturbo_testkit::hub::HubConfig;
-use gturbo_testkit::replica::{self, FlashNextSpec};
+use gturbo_testkit::replica;
 use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
-
-struct Replica {
-    _tmp: tempfile::TempDir,
-    dir: PathBuf,
-    index_sha: String,
-}
-
-fn scaled_replica() -> Replica {
-    let tmp = temp_dir();
-    let dir = tmp.path().join("snapshot");
-    replica::write_flash_next(&dir, &FlashNextSpec::scaled()).unwrap();
-    let index_sha = sha256_hex(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap());
-    Replica {
-        _tmp: tmp,
-        dir,
-        index_sha,
-    }
-}
+use crate::support::cli::{gturbo, hub_install, stderr, tree_hashes};
+use crate::support::{Replica, sha256_hex, start_hub, temp_dir};
 
 fn install(r: &Replica, out: &Path, extra: &[&str], abort_after: Option<u64>) -> Output {
-    let mut c = Command::new(gturbo_bin());
+    let mut c = gturbo();
     c.args(["-q", "install", "qwen38flashnext", "--from"])
         .arg(&r.dir)
         .args(["--index-sha256", &r.index_sha, "--out"])
         .arg(out)
-        .args(extra)
-        .env_remove("HF_ENDPOINT");
+        .args(extra);
     if let Some(n) = abort_after {
         c.env("GTURBO_TEST_ABORT_AFTER_READS", n.to_string());
     }
     c.output().unwrap()
-}
-
-fn text(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// path → sha256 of every file under `dir`, except the receipt, which records the time
-/// of the install by design.
-pub(crate) fn tree_hashes(dir: &Path) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-                if rel != "verified-install.json" {
-                    out.insert(rel, sha256_hex(&std::fs::read(&p).unwrap()));
-                }
-            }
-        }
-    }
-    out
 }
 
 fn summary_numbers(stderr: &str) -> (u64, u64, u64) {
@@ -97,7 +54,7 @@ fn summary_numbers(stderr: &str) -> (u64, u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let config = HubConfig {
         redirect_to_cdn: true,
         ..HubConfig::default()
@@ -132,19 +89,15 @@ async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
             let mut dry = base.to_vec();
             dry.push(out.to_str().unwrap());
             dry.push("--dry-run");
-            let plan = Command::new(gturbo_bin()).args(&dry).output().unwrap();
-            let inst = Command::new(gturbo_bin())
-                .args(base)
-                .arg(&out)
-                .output()
-                .unwrap();
+            let plan = gturbo().args(&dry).output().unwrap();
+            let inst = gturbo().args(base).arg(&out).output().unwrap();
             (plan, inst)
         })
         .await
         .unwrap()
     };
-    assert!(plan.status.success(), "{}", text(&plan));
-    assert!(inst.status.success(), "{}", text(&inst));
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    assert!(inst.status.success(), "{}", stderr(&inst));
     let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
 
     // Dry-run bytes == installed bytes, file by file kind and in total.
@@ -300,12 +253,12 @@ const SMALL_RANGES: &[&str] = &["--range-mib", "1", "--jobs", "2"];
 
 #[test]
 fn killed_installs_resume_to_identical_bytes_refetching_only_unjournaled_reads() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let base = r.dir.parent().unwrap();
     let reference = base.join("reference.gturbo");
     let o = install(&r, &reference, SMALL_RANGES, None);
-    assert!(o.status.success(), "{}", text(&o));
-    let (total_reads, kept, _) = summary_numbers(&text(&o));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (total_reads, kept, _) = summary_numbers(&stderr(&o));
     assert_eq!(kept, 0);
     assert!(
         total_reads >= 20,
@@ -319,11 +272,16 @@ fn killed_installs_resume_to_identical_bytes_refetching_only_unjournaled_reads()
     {
         let out = base.join(format!("kill{i}.gturbo"));
         let o = install(&r, &out, SMALL_RANGES, Some(k));
-        assert_eq!(o.status.code(), Some(137), "abort after {k}: {}", text(&o));
+        assert_eq!(
+            o.status.code(),
+            Some(137),
+            "abort after {k}: {}",
+            stderr(&o)
+        );
         assert!(!out.exists(), "nothing is published before the end");
         let o = install(&r, &out, SMALL_RANGES, None);
-        assert!(o.status.success(), "resume after {k}: {}", text(&o));
-        let (fetched, kept, damaged) = summary_numbers(&text(&o));
+        assert!(o.status.success(), "resume after {k}: {}", stderr(&o));
+        let (fetched, kept, damaged) = summary_numbers(&stderr(&o));
         // Every journaled read is kept; only the rest (including what was in flight
         // at the kill) is fetched again.
         assert_eq!(
@@ -341,13 +299,13 @@ fn killed_installs_resume_to_identical_bytes_refetching_only_unjournaled_reads()
 
 #[test]
 fn real_sigkill_mid_stream_resumes_to_identical_bytes() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let base = r.dir.parent().unwrap();
     let reference = base.join("reference.gturbo");
     assert!(install(&r, &reference, SMALL_RANGES, None).status.success());
     let out = base.join("killed.gturbo");
     let journal = base.join("killed.gturbo.partial.journal");
-    let mut child = Command::new(gturbo_bin())
+    let mut child = gturbo()
         .args(["-q", "install", "qwen38flashnext", "--from"])
         .arg(&r.dir)
         .args(["--index-sha256", &r.index_sha, "--out"])
@@ -382,15 +340,15 @@ fn real_sigkill_mid_stream_resumes_to_identical_bytes() {
     );
     assert!(!out.exists());
     let o = install(&r, &out, SMALL_RANGES, None);
-    assert!(o.status.success(), "{}", text(&o));
-    let (_, kept, _) = summary_numbers(&text(&o));
-    assert!(kept >= 3, "journaled reads were not kept: {}", text(&o));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, kept, _) = summary_numbers(&stderr(&o));
+    assert!(kept >= 3, "journaled reads were not kept: {}", stderr(&o));
     assert_eq!(tree_hashes(&out), tree_hashes(&reference));
 }
 
 #[test]
 fn another_plan_refuses_the_partial_install_and_damage_is_redone() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let base = r.dir.parent().unwrap();
     let reference = base.join("reference.gturbo");
     assert!(install(&r, &reference, SMALL_RANGES, None).status.success());
@@ -402,8 +360,8 @@ fn another_plan_refuses_the_partial_install_and_damage_is_redone() {
 
     // Other flags, other fingerprint: refused, exit 1, the journal named.
     let o = install(&r, &out, &["--range-mib", "2"], None);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    let err = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
     assert!(
         err.contains("p.gturbo.partial.journal: the partial install was planned with fingerprint"),
         "{err}"
@@ -425,7 +383,7 @@ fn another_plan_refuses_the_partial_install_and_damage_is_redone() {
         ],
         None,
     );
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.status.success(), "{}", stderr(&o));
     let plan: Value = serde_json::from_slice(&std::fs::read(&plan_path).unwrap()).unwrap();
     let journal = std::fs::read_to_string(base.join("p.gturbo.partial.journal")).unwrap();
     // Line 1 is the head, line 2 the plan's facts; then one line per read.
@@ -468,12 +426,12 @@ fn another_plan_refuses_the_partial_install_and_damage_is_redone() {
     bytes[at] ^= 0x5a;
     std::fs::write(&resident, &bytes).unwrap();
     let o = install(&r, &out, SMALL_RANGES, None);
-    assert!(o.status.success(), "{}", text(&o));
-    let (_, kept, damaged) = summary_numbers(&text(&o));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, kept, damaged) = summary_numbers(&stderr(&o));
     assert!(
         damaged >= 1,
         "the damaged read was not detected: {}",
-        text(&o)
+        stderr(&o)
     );
     assert_eq!(kept + damaged, 6);
     assert_eq!(tree_hashes(&out), tree_hashes(&reference));
@@ -485,13 +443,13 @@ fn another_plan_refuses_the_partial_install_and_damage_is_redone() {
         Some(137)
     );
     let o = install(&r, &out2, &["--range-mib", "2", "--discard-partial"], None);
-    assert!(o.status.success(), "{}", text(&o));
-    assert_eq!(summary_numbers(&text(&o)).1, 0);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(summary_numbers(&stderr(&o)).1, 0);
 }
 
 #[test]
 fn an_existing_output_and_a_held_lock_are_refused() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let base = r.dir.parent().unwrap();
     let out = base.join("x.gturbo");
     assert!(install(&r, &out, &[], None).status.success());
@@ -499,12 +457,12 @@ fn an_existing_output_and_a_held_lock_are_refused() {
     let o = install(&r, &out, &[], None);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        text(&o).contains("x.gturbo already exists; pass --overwrite to replace it"),
+        stderr(&o).contains("x.gturbo already exists; pass --overwrite to replace it"),
         "{}",
-        text(&o)
+        stderr(&o)
     );
     let o = install(&r, &out, &["--overwrite"], None);
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(tree_hashes(&out), before);
 
     let other = base.join("y.gturbo");
@@ -513,9 +471,9 @@ fn an_existing_output_and_a_held_lock_are_refused() {
     let o = install(&r, &other, &[], None);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        text(&o).contains("y.gturbo.partial.lock is locked by another gturbo install"),
+        stderr(&o).contains("y.gturbo.partial.lock is locked by another gturbo install"),
         "{}",
-        text(&o)
+        stderr(&o)
     );
     drop(lock);
 }
@@ -528,25 +486,12 @@ fn http_install(
     extra: &[&str],
     abort_after: Option<u64>,
 ) -> Output {
-    let mut c = Command::new(gturbo_bin());
-    c.args([
-        "install",
-        "qwen38flashnext",
-        "--endpoint",
-        url,
-        "--revision",
-        commit,
-        "--index-sha256",
-        &r.index_sha,
-        "--out",
-    ])
-    .arg(out)
-    .args(extra)
-    .stdout(Stdio::null());
-    if let Some(n) = abort_after {
-        c.env("GTURBO_TEST_ABORT_AFTER_READS", n.to_string());
-    }
-    c.output().unwrap()
+    let n = abort_after.map(|n| n.to_string());
+    let env: Vec<(&str, &str)> = n
+        .iter()
+        .map(|n| ("GTURBO_TEST_ABORT_AFTER_READS", n.as_str()))
+        .collect();
+    hub_install(url, commit, r, out, extra, &env)
 }
 
 fn verified_count(stderr: &str) -> u64 {
@@ -562,7 +507,7 @@ fn verified_count(stderr: &str) -> u64 {
 /// install still proves every shard from the hash state in the journal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_shards_are_verified_across_a_resume() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let (hub, repo) = start_hub("Qwen/Qwen3.8-Flash-Next", &r.dir, HubConfig::default()).await;
     let url = hub.url().to_string();
     let base = r.dir.parent().unwrap().to_path_buf();
@@ -614,16 +559,21 @@ async fn source_shards_are_verified_across_a_resume() {
     .await
     .unwrap();
     let (whole, killed, resumed, want, got) = outcome;
-    assert!(whole.status.success(), "{}", text(&whole));
-    assert_eq!(verified_count(&text(&whole)), shards);
-    assert_eq!(killed.status.code(), Some(137), "{}", text(&killed));
-    assert!(resumed.status.success(), "{}", text(&resumed));
-    assert_eq!(summary_numbers(&text(&resumed)).1, 5, "{}", text(&resumed));
+    assert!(whole.status.success(), "{}", stderr(&whole));
+    assert_eq!(verified_count(&stderr(&whole)), shards);
+    assert_eq!(killed.status.code(), Some(137), "{}", stderr(&killed));
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
     assert_eq!(
-        verified_count(&text(&resumed)),
+        summary_numbers(&stderr(&resumed)).1,
+        5,
+        "{}",
+        stderr(&resumed)
+    );
+    assert_eq!(
+        verified_count(&stderr(&resumed)),
         shards,
         "{}",
-        text(&resumed)
+        stderr(&resumed)
     );
     assert_eq!(got, want);
 }
@@ -632,7 +582,7 @@ async fn source_shards_are_verified_across_a_resume() {
 /// shard and both hashes, and publishes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_that_does_not_match_its_published_hash_is_refused() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let (hub, repo) = start_hub("Qwen/Qwen3.8-Flash-Next", &r.dir, HubConfig::default()).await;
     let url = hub.url().to_string();
     let base = r.dir.parent().unwrap().to_path_buf();
@@ -646,7 +596,7 @@ async fn a_shard_that_does_not_match_its_published_hash_is_refused() {
             &["--dry-run"],
             None,
         );
-        assert!(dry.status.success(), "{}", text(&dry));
+        assert!(dry.status.success(), "{}", stderr(&dry));
         // Flip the last byte of the first shard (the vision tower comes first in the
         // state dict and is excluded, so the plan does not change).
         let shard = r.dir.join("model-00001-of-00006.safetensors");
@@ -662,8 +612,8 @@ async fn a_shard_that_does_not_match_its_published_hash_is_refused() {
     .await
     .unwrap();
     let (o, published, tampered, published_dir) = outcome;
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    let err = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
     assert!(
         err.contains("model-00001-of-00006.safetensors: source SHA-256 mismatch"),
         "{err}"
@@ -712,7 +662,7 @@ impl Drop for SmallDisk {
 
 #[test]
 fn a_full_disk_is_refused_up_front_and_enospc_mid_install_stays_resumable() {
-    let r = scaled_replica();
+    let r = Replica::new();
     let base = r.dir.parent().unwrap();
     let reference = base.join("reference.gturbo");
     assert!(install(&r, &reference, SMALL_RANGES, None).status.success());
@@ -725,15 +675,15 @@ fn a_full_disk_is_refused_up_front_and_enospc_mid_install_stays_resumable() {
 
     // The 12 MB install does not fit 8 MB: refused before writing, with the figures.
     let o = install(&r, &out, SMALL_RANGES, None);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    let err = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
     assert!(
         err.contains("m.gturbo.partial: not enough free space: the rest of the install needs"),
         "{err}"
     );
 
     // Past the preflight, the disk fills up mid-stream: a clear error, and resumable.
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args(["-q", "install", "qwen38flashnext", "--from"])
         .arg(&r.dir)
         .args(["--index-sha256", &r.index_sha, "--out"])
@@ -742,8 +692,8 @@ fn a_full_disk_is_refused_up_front_and_enospc_mid_install_stays_resumable() {
         .env("GTURBO_TEST_SKIP_SPACE_CHECK", "1")
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    let err = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
     assert!(
         err.contains("no space left on device") && err.contains("rerun the same command to resume"),
         "{err}"
@@ -752,7 +702,7 @@ fn a_full_disk_is_refused_up_front_and_enospc_mid_install_stays_resumable() {
 
     disk.grow(128); // the output plus the 64 MiB reserve
     let o = install(&r, &out, SMALL_RANGES, None);
-    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(tree_hashes(&out), tree_hashes(&reference));
 }
 
@@ -778,18 +728,18 @@ fn a_non_finite_weight_is_refused_naming_tensor_and_element() {
     bytes[at..at + 2].copy_from_slice(&0x7f80u16.to_le_bytes()); // BF16 +inf
     std::fs::write(&shard, &bytes).unwrap();
     let out = tmp.path().join("inf.gturbo");
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args(["-q", "install", "--family", "qwen3", "local/tiny", "--from"])
         .arg(&dir)
         .arg("--out")
         .arg(&out)
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(
-        text(&o).contains("tensor `model.layers.0.mlp.up_proj.weight`: non-finite weight (inf or NaN) at element 1000"),
+        stderr(&o).contains("tensor `model.layers.0.mlp.up_proj.weight`: non-finite weight (inf or NaN) at element 1000"),
         "{}",
-        text(&o)
+        stderr(&o)
     );
     assert!(!out.exists());
 }

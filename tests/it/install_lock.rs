@@ -6,62 +6,22 @@
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-use gturbo_testkit::replica::{self, Qwen3MoeSpec};
+use crate::support::cli::{self, gturbo, moe_install, text};
+use crate::support::temp_dir;
 
-use crate::support::{gturbo_bin, temp_dir};
-
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
+/// `gturbo -qq install --family qwen3_moe local/x --from SNAP --out OUT EXTRA…`.
 fn install_cmd(snap: &Path, out: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(gturbo_bin());
-    c.args([
-        "-qq",
-        "install",
-        "--family",
-        "qwen3_moe",
-        "local/x",
-        "--from",
-    ])
-    .arg(snap)
-    .arg("--out")
-    .arg(out)
-    .args(extra)
-    .env_remove("HF_ENDPOINT");
+    let mut c = cli::install_cmd("qwen3_moe", snap, out, extra);
+    c.arg("-qq");
     c
-}
-
-/// A qwen3_moe install whose experts stream through 2 cache slots: slow enough that
-/// a few hundred tokens take a while, small enough to install in a moment.
-fn moe_install(tmp: &Path) -> (PathBuf, PathBuf) {
-    let spec = Qwen3MoeSpec {
-        hidden_size: 256,
-        num_experts: 64,
-        num_experts_per_tok: 4,
-        moe_intermediate_size: 256,
-        seed: 3,
-        ..Qwen3MoeSpec::tiny()
-    };
-    let snap = tmp.join("snap");
-    replica::write_qwen3_moe(&snap, &spec).unwrap();
-    let out = tmp.join("moe.gturbo");
-    let o = install_cmd(&snap, &out, &[]).output().unwrap();
-    assert!(o.status.success(), "install: {}", text(&o));
-    (snap, out)
 }
 
 const PROMPT: &str = "5,17,200,33,9,48,310,2,77,120,64,1,250,19,8,400";
 
 fn run_cmd(dir: &Path, max_tokens: &str, json: bool) -> Command {
-    let mut c = Command::new(gturbo_bin());
+    let mut c = gturbo();
     c.arg("run").arg(dir).args([
         "--max-tokens",
         max_tokens,
@@ -183,21 +143,13 @@ fn readers_refuse_an_install_an_overwrite_holds() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_eq!(String::from_utf8_lossy(&o.stderr), want);
     assert!(o.stdout.is_empty(), "{}", text(&o));
-    let o = Command::new(gturbo_bin())
-        .arg("verify-install")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let o = gturbo().arg("verify-install").arg(&out).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_eq!(String::from_utf8_lossy(&o.stderr), want);
     drop(held);
     // Released: both read again (verify rewrites the receipt by rename only).
     let o = run_cmd(&out, "4", true).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    let o = Command::new(gturbo_bin())
-        .arg("verify-install")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let o = gturbo().arg("verify-install").arg(&out).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
 }

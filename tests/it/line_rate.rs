@@ -2,14 +2,14 @@
 //! bounded reorder window (resume, corruption), and `--jobs auto`.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use gturbo::source::RangeSource;
 use gturbo::source::http::{HttpConfig, HttpSource};
 use gturbo_testkit::hub::{Fault, FaultKind, Hub, HubConfig, LinkShape};
 
-use crate::support::{self, Replica, gturbo_bin, sha256_hex, temp_dir};
+use crate::support::cli::{hub_install, stderr, tree_hashes};
+use crate::support::{self, Replica, sha256_hex, temp_dir};
 
 const REPO: &str = Replica::REPO;
 
@@ -82,36 +82,6 @@ async fn a_server_failing_every_request_is_tried_exactly_the_budget_with_its_wai
     }
 }
 
-/// `gturbo install` of the replica from `hub` with `extra` flags and `env`.
-fn install(
-    hub_url: &str,
-    commit: &str,
-    r: &Replica,
-    out: &Path,
-    extra: &[&str],
-    env: &[(&str, &str)],
-) -> Output {
-    let mut c = Command::new(gturbo_bin());
-    c.args(["install", "qwen38flashnext", "--endpoint", hub_url])
-        .args(["--revision", commit, "--index-sha256", &r.index_sha])
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .envs(env.iter().copied())
-        .env_remove("HF_TOKEN")
-        .stdout(Stdio::null());
-    for k in ["GTURBO_MAX_ATTEMPTS", "GTURBO_TEST_ABORT_AFTER_READS"] {
-        if !env.iter().any(|(e, _)| *e == k) {
-            c.env_remove(k);
-        }
-    }
-    c.output().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 /// Point 5 through the installer: nothing above the source retries a read, so a weight
 /// read that always fails costs exactly `--max-attempts` requests, spaced by the
 /// server's `Retry-After`.
@@ -133,7 +103,7 @@ async fn an_install_against_a_failing_server_spends_exactly_one_budget() {
     let out = r.out("fail.gturbo");
     let url = hub.url().to_string();
     let o = tokio::task::block_in_place(|| {
-        install(
+        hub_install(
             &url,
             &repo.commit,
             &r,
@@ -178,26 +148,6 @@ fn weight_bytes_requested(hub: &Hub, shards: &[String]) -> u64 {
                 .sum::<u64>()
         })
         .sum()
-}
-
-/// path → SHA-256 of every file under `dir` but the receipt (it records the time).
-fn tree_hashes(dir: &Path) -> std::collections::BTreeMap<String, String> {
-    let mut out = std::collections::BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-                if rel != "verified-install.json" {
-                    out.insert(rel, sha256_hex(&std::fs::read(&p).unwrap()));
-                }
-            }
-        }
-    }
-    out
 }
 
 /// The number in `stderr`'s summary line just before `key`.
@@ -247,7 +197,7 @@ async fn a_kill_inside_the_reorder_window_resumes_to_identical_bytes() {
             .as_deref()
             .map(|k| vec![("GTURBO_TEST_ABORT_AFTER_READS", k)])
             .unwrap_or_default();
-        tokio::task::block_in_place(|| install(&url, &repo.commit, &r, out, WINDOWED, &env))
+        tokio::task::block_in_place(|| hub_install(&url, &repo.commit, &r, out, WINDOWED, &env))
     };
     let reference = r.out("ref.gturbo");
     let o = run(&reference, None);
@@ -337,8 +287,9 @@ async fn a_corrupted_middle_sub_range_is_caught_and_its_shard_discarded() {
     std::fs::write(&path, &bad).unwrap();
     let url = hub.url().to_string();
     let out = r.out("bad.gturbo");
-    let o =
-        tokio::task::block_in_place(|| install(&url, &hub_repo.commit, &r, &out, WINDOWED, &[]));
+    let o = tokio::task::block_in_place(|| {
+        hub_install(&url, &hub_repo.commit, &r, &out, WINDOWED, &[])
+    });
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
@@ -360,8 +311,9 @@ async fn a_corrupted_middle_sub_range_is_caught_and_its_shard_discarded() {
     // Repaired: the rerun fetches that shard whole again and proves it.
     std::fs::write(&path, &original).unwrap();
     hub.reset_stats();
-    let o =
-        tokio::task::block_in_place(|| install(&url, &hub_repo.commit, &r, &out, WINDOWED, &[]));
+    let o = tokio::task::block_in_place(|| {
+        hub_install(&url, &hub_repo.commit, &r, &out, WINDOWED, &[])
+    });
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     // Shards journaled whole in the first run are proven from their journaled state.
@@ -396,7 +348,7 @@ async fn jobs_auto_grows_connections_on_a_capped_link_and_a_fixed_count_holds() 
     let url = hub.url().to_string();
     let flags = |jobs: &'static str| ["--sub-range-kib", "256", "--jobs", jobs];
     let auto = tokio::task::block_in_place(|| {
-        install(
+        hub_install(
             &url,
             &repo.commit,
             &r,
@@ -412,7 +364,7 @@ async fn jobs_auto_grows_connections_on_a_capped_link_and_a_fixed_count_holds() 
     assert!(err.contains(" connections, peak "), "{err}");
 
     let fixed = tokio::task::block_in_place(|| {
-        install(
+        hub_install(
             &url,
             &repo.commit,
             &r,
@@ -465,7 +417,8 @@ async fn jobs_auto_keeps_within_the_hubs_resolver_budget() {
         cdn.reset_stats();
         let out = r.out(&format!("cdn-{jobs}.gturbo"));
         let flags = ["--sub-range-kib", "256", "--jobs", jobs];
-        let o = tokio::task::block_in_place(|| install(&url, &repo.commit, &r, &out, &flags, &[]));
+        let o =
+            tokio::task::block_in_place(|| hub_install(&url, &repo.commit, &r, &out, &flags, &[]));
         assert!(o.status.success(), "--jobs {jobs}: {}", stderr(&o));
         let per_shard: Vec<u64> = shards
             .iter()
@@ -499,7 +452,7 @@ async fn jobs_auto_keeps_within_the_hubs_resolver_budget() {
     let url = direct.url().to_string();
     let out = r.out("limited.gturbo");
     let o = tokio::task::block_in_place(|| {
-        install(
+        hub_install(
             &url,
             &repo.commit,
             &r,

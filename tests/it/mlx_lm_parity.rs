@@ -11,7 +11,8 @@ use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
 use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, temp_dir};
+use crate::support::cli::{install, text};
+use crate::support::temp_dir;
 
 fn script() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/mlx_lm_parity.py")
@@ -57,15 +58,6 @@ fn run_script(snapshot: &Path, install: &Path, mlx_dir: &Path) -> Output {
         .unwrap()
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// Flip bit `mask` of the byte at `offset` in `path`.
 fn flip(path: &Path, offset: usize, mask: u8) {
     let mut bytes = std::fs::read(path).unwrap();
@@ -90,14 +82,7 @@ fn int4_install_matches_mlx_lm_convert_for_every_tensor_and_expert() {
     let spec = Qwen3MoeSpec::tiny();
     write_qwen3_moe(&snap, &spec).unwrap();
 
-    let o = Command::new(gturbo_bin())
-        .args(["install", "--family", "qwen3_moe", "local/tiny", "--from"])
-        .arg(&snap)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "install: {}", text(&o));
+    install("qwen3_moe", &snap, &out, &[]);
 
     // What must be compared, from the spec: 3 projections per expert per layer; per
     // layer q/k/v/o (INT4), the router (INT8 in both tools), four norms (passthrough);

@@ -22,7 +22,8 @@ use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
 use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex, start_hub, temp_dir};
+use crate::support::cli::{gturbo, text, tree_hashes};
+use crate::support::{sha256_hex, start_hub, temp_dir};
 
 /// Largest |gturbo − mlx-lm| logit accepted, absolute: both compute in f32 on the
 /// same bytes and differ only in summation order (measured on the tiny MoE: under
@@ -41,15 +42,6 @@ pub(crate) enum Tolerance {
 }
 /// Greedy steps compared.
 const STEPS: usize = 8;
-
-pub(crate) fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -194,7 +186,7 @@ pub(crate) fn install_over_hub_with(
     let (hub, r) = rt.block_on(start_hub(repo, mlx, HubConfig::default()));
     let index_sha = sha256_hex(&std::fs::read(mlx.join("model.safetensors.index.json")).unwrap());
     let args = |dry: bool| {
-        let mut c = Command::new(gturbo_bin());
+        let mut c = gturbo();
         c.args(["-q", "install", "--family", family, repo, "--endpoint"])
             .arg(hub.url())
             .args([
@@ -402,7 +394,7 @@ pub(crate) fn compare_logits(dir: &Path, case_dir: &Path, case: &str, tol: Toler
 
     // Greedy tokens through `gturbo run`.
     let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args(["-q", "run"])
         .arg(dir)
         .args([
@@ -666,13 +658,12 @@ fn mlx_smollm2_requantize_resumes_byte_identical_and_matches_mlx() {
     let src = dir.join("q4g64");
     let plan_file = tmp.path().join("plan.json");
     let install = |out: &Path, abort: Option<&str>| {
-        let mut c = Command::new(gturbo_bin());
+        let mut c = gturbo();
         c.args(["-q", "install", "--family", "llama", "x/smol", "--from"])
             .arg(&src)
             .args(["--quant", "int8", "--requantize", "--range-mib", "8"])
             .args(["--emit-plan", plan_file.to_str().unwrap(), "--out"])
-            .arg(out)
-            .env_remove("GTURBO_TEST_ABORT_AFTER_READS");
+            .arg(out);
         if let Some(n) = abort {
             c.env("GTURBO_TEST_ABORT_AFTER_READS", n);
         }
@@ -697,10 +688,7 @@ fn mlx_smollm2_requantize_resumes_byte_identical_and_matches_mlx() {
         "{}",
         text(&resumed)
     );
-    assert_eq!(
-        crate::install_e2e::tree_hashes(&out),
-        crate::install_e2e::tree_hashes(&reference)
-    );
+    assert_eq!(tree_hashes(&out), tree_hashes(&reference));
     let Some((expected, targets)) = mlx_requantized(test, &src, &plan_file) else {
         return;
     };

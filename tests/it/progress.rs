@@ -1,12 +1,11 @@
 //! Machine progress output: `gturbo install --json` on a real install prints JSON Lines
 //! on stdout (phases, the plan, byte progress, the outcome), one object per line.
 
-use std::process::Command;
-
 use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, sha256_hex, temp_dir};
+use crate::support::cli::gturbo;
+use crate::support::{sha256_hex, temp_dir};
 
 #[test]
 fn json_install_prints_json_lines_ending_in_done() {
@@ -15,12 +14,11 @@ fn json_install_prints_json_lines_ending_in_done() {
     replica::write_flash_next(&dir, &FlashNextSpec::scaled()).unwrap();
     let index_sha = sha256_hex(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap());
     let out = tmp.path().join("m.gturbo");
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args(["install", "qwen38flashnext", "--json", "--from"])
         .arg(&dir)
         .args(["--index-sha256", &index_sha, "--out"])
         .arg(&out)
-        .env_remove("HF_ENDPOINT")
         .env_remove("GTURBO_NO_PROGRESS")
         .output()
         .unwrap();

@@ -25,9 +25,10 @@ use serde_json::Value;
 
 use crate::mlx_source::{
     Tolerance, check_dry_run, compare_logits, compare_with_sources, moe_cases, smol_cases,
-    source_tensors, text,
+    source_tensors,
 };
-use crate::support::{gturbo_bin, temp_dir};
+use crate::support::cli::{gturbo, install_cmd, text};
+use crate::support::temp_dir;
 
 const GIB: u64 = 1 << 30;
 
@@ -35,7 +36,7 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `gturbo install --from snap --family family` with `extra`; `env` set.
+/// `gturbo -q install --from snap --family family` with `extra`; `env` set.
 fn install(
     snap: &Path,
     family: &str,
@@ -43,12 +44,8 @@ fn install(
     extra: &[&str],
     env: &[(&str, String)],
 ) -> Output {
-    let mut c = Command::new(gturbo_bin());
-    c.args(["-q", "install", "--family", family, "x/y", "--from"])
-        .arg(snap)
-        .arg("--out")
-        .arg(out)
-        .args(extra);
+    let mut c = install_cmd(family, snap, out, extra);
+    c.arg("-q");
     for (k, v) in env {
         c.env(k, v);
     }
@@ -309,7 +306,7 @@ fn dry_run_predicts_every_profiles_bytes_exactly() {
         let o = install(&snap, "qwen3_moe", &out, &["--quant", profile], &[]);
         assert!(o.status.success(), "{profile}: {}", text(&o));
         check_dry_run(&dry, &out);
-        let v = Command::new(gturbo_bin())
+        let v = gturbo()
             .args(["-q", "verify-install"])
             .arg(&out)
             .output()

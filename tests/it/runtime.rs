@@ -14,42 +14,15 @@ use gturbo_testkit::replica::{self, FlashNextSpec, Qwen3MoeSpec, Qwen3Spec};
 use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, rewrite_as_manifest_1_0, sha256_hex, temp_dir};
-
-pub(crate) fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// `gturbo install --family FAMILY local/x --from SNAP --out OUT`, asserting success.
-pub(crate) fn install(family: &str, snap: &Path, out: &Path, extra: &[&str]) {
-    let o = Command::new(gturbo_bin())
-        .args(["-q", "install", "--family", family, "local/x", "--from"])
-        .arg(snap)
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .env_remove("HF_ENDPOINT")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "install: {}", text(&o));
-}
+use crate::support::cli::{gturbo, install, moe_install, text};
+use crate::support::{rewrite_as_manifest_1_0, sha256_hex, temp_dir};
 
 fn run(dir: &Path, args: &[&str]) -> Output {
-    Command::new(gturbo_bin())
-        .arg("run")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap()
+    gturbo().arg("run").arg(dir).args(args).output().unwrap()
 }
 
-/// The one error line `gturbo` printed.
-fn error_line(o: &Output) -> String {
+/// The one line `gturbo` printed on stderr: its error line, and nothing else.
+fn sole_error_line(o: &Output) -> String {
     let err = String::from_utf8_lossy(&o.stderr);
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 1, "expected one stderr line: {}", text(o));
@@ -63,12 +36,11 @@ fn a_flash_next_install_requiring_an_axis_its_runner_lacks_is_refused_before_any
     replica::write_flash_next(&snap, &FlashNextSpec::scaled()).unwrap();
     let index_sha = sha256_hex(&std::fs::read(snap.join("model.safetensors.index.json")).unwrap());
     let out = tmp.path().join("flash.gturbo");
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .args(["-q", "install", "qwen38flashnext", "--from"])
         .arg(&snap)
         .args(["--index-sha256", &index_sha, "--out"])
         .arg(&out)
-        .env_remove("HF_ENDPOINT")
         .output()
         .unwrap();
     assert!(o.status.success(), "install: {}", text(&o));
@@ -87,7 +59,7 @@ fn a_flash_next_install_requiring_an_axis_its_runner_lacks_is_refused_before_any
     let o = run(&out, &["--prompt-ids", "1,2,3"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert_eq!(
-        error_line(&o),
+        sole_error_line(&o),
         "gturbo: error: family qwen38flashnext is installed but its runner flash-next lacks \
          axes; missing axes: multiTokenPrediction"
     );
@@ -125,7 +97,7 @@ fn a_manifest_claiming_an_axis_no_runner_implements_is_refused() {
     let o = run(&out, &["--prompt-ids", "1,2,3"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert_eq!(
-        error_line(&o),
+        sole_error_line(&o),
         "gturbo: error: family qwen3 is installed but its runner decoder lacks axes; missing \
          axes: slidingWindowAttention, hyperConnectionsLowRank"
     );
@@ -149,10 +121,7 @@ fn an_install_written_before_manifest_1_1_runs_with_the_same_tokens() {
 
 #[test]
 fn families_lists_the_runner_of_each_family() {
-    let o = Command::new(gturbo_bin())
-        .args(["families", "--json"])
-        .output()
-        .unwrap();
+    let o = gturbo().args(["families", "--json"]).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
     let runners: Vec<(String, Value)> = doc["families"]
@@ -170,7 +139,7 @@ fn families_lists_the_runner_of_each_family() {
             ("qwen3_moe".to_string(), Value::from("decoder")),
         ]
     );
-    let o = Command::new(gturbo_bin()).arg("families").output().unwrap();
+    let o = gturbo().arg("families").output().unwrap();
     let table = String::from_utf8_lossy(&o.stdout);
     let flash = table
         .lines()
@@ -289,24 +258,6 @@ fn qwen3_moe_int4_matches_mlx_lm_logits_and_greedy_tokens() {
 
 // ------------------------------------------------------------------ expert streaming
 
-/// A qwen3_moe install whose pools (2 layers × 64 experts, 112 KiB stride, 14 MiB)
-/// are far larger than 2 or 16 cache slots.
-fn streaming_install(tmp: &Path) -> PathBuf {
-    let spec = Qwen3MoeSpec {
-        hidden_size: 256,
-        num_experts: 64,
-        num_experts_per_tok: 4,
-        moe_intermediate_size: 256,
-        seed: 3,
-        ..Qwen3MoeSpec::tiny()
-    };
-    let snap = tmp.join("snap");
-    replica::write_qwen3_moe(&snap, &spec).unwrap();
-    let out = tmp.join("moe.gturbo");
-    install("qwen3_moe", &snap, &out, &[]);
-    out
-}
-
 fn run_json(dir: &Path, args: &[&str]) -> Value {
     let mut all = vec![
         "--json",
@@ -330,7 +281,7 @@ const RSS_OVERHEAD: u64 = 24 << 20;
 #[test]
 fn experts_stream_through_2_or_16_slots_with_the_tokens_of_resident_mode() {
     let tmp = temp_dir();
-    let out = streaming_install(tmp.path());
+    let (_, out) = moe_install(tmp.path());
     let m: Value =
         serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
     let pools: u64 = m["expert_pools"]
@@ -509,7 +460,7 @@ fn smollm2_int4_stays_close_to_bf16_by_kl_divergence() {
     let tmp = temp_dir();
     let para = tmp.path().join("paragraph.txt");
     std::fs::write(&para, PARAGRAPH).unwrap();
-    let o = Command::new(gturbo_bin())
+    let o = gturbo()
         .arg("eval")
         .args([int4, bf16])
         .arg("--text")
@@ -540,7 +491,7 @@ fn input_the_install_cannot_run_is_reported_as_input_with_exit_2() {
     // A token id past the vocabulary is the caller's, not a fault of the install.
     let o = run(&out, &["--prompt-ids", "1,4000000000"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    let line = error_line(&o);
+    let line = sole_error_line(&o);
     assert!(
         line.starts_with("gturbo: error: input: token id 4000000000 is outside the vocabulary ("),
         "{line}"
@@ -554,7 +505,7 @@ fn input_the_install_cannot_run_is_reported_as_input_with_exit_2() {
     let o = run(&out, &["--prompt-ids", "1,2,3", "--max-tokens", "5"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_eq!(
-        error_line(&o),
+        sole_error_line(&o),
         "gturbo: error: input: a sequence of 5 tokens (prompt and generated) exceeds the \
          model's max_position_embeddings 4"
     );

@@ -359,7 +359,7 @@ fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
     let work = temp_dir();
     for quant in ["int4", "bf16"] {
         let out = work.path().join(format!("smollm2-{quant}.gturbo"));
-        let o = Command::new(crate::support::gturbo_bin())
+        let o = crate::support::cli::gturbo()
             .args([
                 "install",
                 "HuggingFaceTB/SmolLM2-135M-Instruct",

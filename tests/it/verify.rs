@@ -5,13 +5,14 @@
 //! and the field or offset, exit code 1, and no panic.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::OnceLock;
 
 use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
-use crate::support::{gturbo_bin, rewrite_as_manifest_1_0, sha256_hex};
+use crate::support::cli::{gturbo, streams};
+use crate::support::{rewrite_as_manifest_1_0, sha256_hex};
 
 /// One pristine install per test run, copied by each test that damages it.
 fn pristine() -> &'static Path {
@@ -24,15 +25,14 @@ fn pristine() -> &'static Path {
         let index_sha =
             sha256_hex(&std::fs::read(snap.join("model.safetensors.index.json")).unwrap());
         let out = root.join("pristine.gturbo");
-        let o = Command::new(gturbo_bin())
+        let o = gturbo()
             .args(["-qq", "install", "qwen38flashnext", "--from"])
             .arg(&snap)
             .args(["--index-sha256", &index_sha, "--out"])
             .arg(&out)
-            .env_remove("HF_ENDPOINT")
             .output()
             .unwrap();
-        assert!(o.status.success(), "install: {}", text(&o));
+        assert!(o.status.success(), "install: {}", streams(&o));
         out
     })
 }
@@ -72,7 +72,7 @@ fn copy_tree(from: &Path, to: &Path) {
 }
 
 fn verify(dir: &Path, extra: &[&str]) -> Output {
-    Command::new(gturbo_bin())
+    gturbo()
         .arg("verify-install")
         .arg(dir)
         .args(extra)
@@ -81,19 +81,11 @@ fn verify(dir: &Path, extra: &[&str]) -> Output {
         .unwrap()
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// Runs verify on a damaged copy: exit 1, no panic, and every expected line appears
 /// among the failure lines.
 fn assert_caught(dir: &Path, expected: &[&str]) -> String {
     let o = verify(dir, &[]);
-    let out = text(&o);
+    let out = streams(&o);
     assert_eq!(o.status.code(), Some(1), "{out}");
     assert!(!out.contains("panicked"), "{out}");
     assert!(out.contains("check") && out.contains("failed"), "{out}");
@@ -164,7 +156,7 @@ fn an_install_written_before_manifest_1_1_still_verifies() {
     r["manifest_sha256"] = sha256_hex(&old).into();
     std::fs::write(&rpath, serde_json::to_vec_pretty(&r).unwrap()).unwrap();
     let o = verify(&c.dir, &["--json"]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(0), "{}", streams(&o));
     let report: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(report["receipt"], "rewritten", "{report}");
     assert_eq!(std::fs::read(c.dir.join("manifest.json")).unwrap(), old);
@@ -191,7 +183,7 @@ fn pristine_install_verifies_and_rewrites_the_receipt() {
     let c = copy();
     let m = manifest(&c.dir);
     let o = verify(&c.dir, &[]);
-    let out = text(&o);
+    let out = streams(&o);
     assert_eq!(o.status.code(), Some(0), "{out}");
     let files = m["files"].as_array().unwrap();
     let bytes: u64 = files
@@ -237,7 +229,7 @@ fn pristine_install_verifies_and_rewrites_the_receipt() {
     // Without a previous receipt the provenance is not carried forward.
     std::fs::remove_file(c.dir.join("verified-install.json")).unwrap();
     let o = verify(&c.dir, &["--json"]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(0), "{}", streams(&o));
     let j: Value = serde_json::from_slice(&o.stdout).expect("--json prints one JSON object");
     assert_eq!(j["ok"], true);
     assert_eq!(j["failures"], Value::Array(vec![]));
@@ -641,19 +633,16 @@ fn the_receipt_vouches_for_sizes_only_while_it_matches() {
 fn usage_errors_exit_2() {
     let tmp = tempfile::tempdir().unwrap();
     let o = verify(&tmp.path().join("nope.gturbo"), &[]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("nope.gturbo: not a directory"));
-    let o = Command::new(gturbo_bin())
-        .arg("verify-install")
-        .output()
-        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", streams(&o));
+    assert!(streams(&o).contains("nope.gturbo: not a directory"));
+    let o = gturbo().arg("verify-install").output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     // An empty directory is an install with no manifest: damage, exit 1.
     let o = verify(tmp.path(), &[]);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", streams(&o));
     assert!(
-        text(&o).contains("manifest.json: missing: not a .gturbo install, or an unfinished one"),
+        streams(&o).contains("manifest.json: missing: not a .gturbo install, or an unfinished one"),
         "{}",
-        text(&o)
+        streams(&o)
     );
 }

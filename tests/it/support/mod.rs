@@ -1,6 +1,9 @@
 //! Shared test helpers: temp dirs, small snapshot fixtures, the in-process hub, and the
-//! path of the built `gturbo` binary. Generic on purpose; each test module uses a subset.
+//! path of the built `gturbo` binary; running that binary is in [`cli`]. Generic on
+//! purpose; each test module uses a subset.
 #![allow(dead_code)]
+
+pub mod cli;
 
 use std::path::{Path, PathBuf};
 
