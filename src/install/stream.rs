@@ -603,7 +603,7 @@ pub(super) async fn run(
                 break;
             };
             let (ctx, events, id) = (ctx.clone(), events.clone(), started.len());
-            let resumed = job.start_hash.as_ref().is_some_and(|h| h.len() > 0);
+            let resumed = job.start_hash.as_ref().is_some_and(|h| !h.is_empty());
             started.push((job.shard, resumed));
             requesting.insert(id);
             running.spawn(async move { (id, run_job(ctx, job, id, events).await) });
