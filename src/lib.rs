@@ -25,7 +25,7 @@
 //! workspace's `crates/gturbo-testkit`, which only tests, benchmarks and the demo use.
 
 pub mod cli;
-pub mod env;
+pub use format::env;
 pub mod family;
 pub mod format;
 pub mod header;

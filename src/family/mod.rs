@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::format::Scheme;
 
-pub mod axes;
+pub use crate::format::axes;
 
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/families.rs"));

@@ -7,11 +7,17 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod axes;
+pub mod check;
 pub mod digest;
+pub mod dtype;
+pub mod env;
 pub mod json;
+pub mod lock;
 pub mod manifest;
 pub mod pools;
 pub mod quality;
+pub mod quant;
 pub mod receipt;
 pub mod resident;
 pub mod sizes;

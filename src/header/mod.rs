@@ -29,89 +29,7 @@ pub const SPECULATIVE_READ: u64 = 64 * 1024;
 /// Largest header accepted (the safetensors crate's own limit).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
 
-/// Element types a safetensors header may declare.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[allow(missing_docs, non_camel_case_types, clippy::upper_case_acronyms)]
-pub enum Dtype {
-    BOOL,
-    U8,
-    I8,
-    F8_E5M2,
-    F8_E4M3,
-    I16,
-    U16,
-    F16,
-    BF16,
-    I32,
-    U32,
-    F32,
-    F64,
-    I64,
-    U64,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub fn size(self) -> u64 {
-        match self {
-            Dtype::BOOL | Dtype::U8 | Dtype::I8 | Dtype::F8_E5M2 | Dtype::F8_E4M3 => 1,
-            Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 2,
-            Dtype::I32 | Dtype::U32 | Dtype::F32 => 4,
-            Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,
-        }
-    }
-
-    /// Every dtype, in declaration order.
-    pub const ALL: [Dtype; 15] = [
-        Dtype::BOOL,
-        Dtype::U8,
-        Dtype::I8,
-        Dtype::F8_E5M2,
-        Dtype::F8_E4M3,
-        Dtype::I16,
-        Dtype::U16,
-        Dtype::F16,
-        Dtype::BF16,
-        Dtype::I32,
-        Dtype::U32,
-        Dtype::F32,
-        Dtype::F64,
-        Dtype::I64,
-        Dtype::U64,
-    ];
-
-    /// The dtype a header names (`BF16`, ...), exactly as [`Dtype::name`] writes it.
-    pub fn from_name(name: &str) -> Option<Dtype> {
-        Dtype::ALL.into_iter().find(|d| d.name() == name)
-    }
-
-    /// The name as written in headers (`BF16`, `I64`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::BOOL => "BOOL",
-            Dtype::U8 => "U8",
-            Dtype::I8 => "I8",
-            Dtype::F8_E5M2 => "F8_E5M2",
-            Dtype::F8_E4M3 => "F8_E4M3",
-            Dtype::I16 => "I16",
-            Dtype::U16 => "U16",
-            Dtype::F16 => "F16",
-            Dtype::BF16 => "BF16",
-            Dtype::I32 => "I32",
-            Dtype::U32 => "U32",
-            Dtype::F32 => "F32",
-            Dtype::F64 => "F64",
-            Dtype::I64 => "I64",
-            Dtype::U64 => "U64",
-        }
-    }
-}
-
-impl std::fmt::Display for Dtype {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::format::dtype::Dtype;
 
 /// One tensor as its shard's header declares it, after validation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -352,7 +270,7 @@ fn check_layout(
 pub const HEADER_MEMORY_FACTOR: u64 = 4;
 
 /// The memory that header reads in flight may hold together, shared by every read of
-/// one install ([`crate::install`] sizes it): a header takes [`HEADER_MEMORY_FACTOR`]
+/// one install (the installer sizes it): a header takes [`HEADER_MEMORY_FACTOR`]
 /// × its length of it once its length is known, before the rest of it is fetched, and
 /// gives it back once parsed. A header whose cost is over the whole budget takes the
 /// whole budget: it is read alone. Issue 22: 16 reads of 100 MB headers in flight took

@@ -9,7 +9,7 @@ pub mod copied;
 pub mod execute;
 mod finished;
 mod journal;
-pub mod lock;
+pub use crate::format::lock;
 mod nofollow;
 pub mod pin;
 mod publish;

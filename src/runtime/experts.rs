@@ -18,9 +18,9 @@ use memmap2::Mmap;
 
 use super::error::RunError;
 use crate::format::Scheme;
+use crate::format::dtype::Dtype;
 use crate::format::manifest::{self, Manifest};
 use crate::format::pools::ExpertPool;
-use crate::header::Dtype;
 
 mod slots;
 

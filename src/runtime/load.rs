@@ -14,12 +14,12 @@ use super::error::RunError;
 use super::experts::{ExpertMode, ExpertStore};
 use super::gate::{self, Runner};
 use super::kernels::Matrix;
+use crate::format::check::{self as verify, VerifyFailure};
 use crate::format::check_relative_path;
+use crate::format::dtype::Dtype;
+use crate::format::lock::InstallLock;
 use crate::format::manifest::{self, Manifest};
 use crate::format::resident::{ResidentEntry, ResidentHead, ResidentIndex, Span, Storage};
-use crate::header::Dtype;
-use crate::install::lock::InstallLock;
-use crate::verify::{self, VerifyFailure};
 
 /// How to open an install.
 #[derive(Debug, Clone, Copy)]
@@ -70,7 +70,7 @@ pub struct Install {
     /// Routed experts.
     pub experts: ExpertStore,
     /// The install's shared lock, held while the install is open (see
-    /// [`crate::install::lock`]): no overwrite replaces it under the maps.
+    /// [`crate::format::lock`]): no overwrite replaces it under the maps.
     _lock: InstallLock,
 }
 
@@ -114,7 +114,7 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
     let file = File::open(&path).map_err(|e| RunError::io(rel, e))?;
     let len = file.metadata().map_err(|e| RunError::io(rel, e))?.len();
     // SAFETY: the map is only read, and no gturbo process truncates or rewrites a
-    // published file (`crate::install::lock`): `install --overwrite` refuses while
+    // published file (`crate::format::lock`): `install --overwrite` refuses while
     // `lock` (this install's shared lock, held as long as the map) is held, and even
     // then replaces a directory only by rename, the receipt by rename too, so the
     // mapped inode keeps its length and bytes. Only a foreign writer truncating

@@ -111,7 +111,7 @@ impl Config {
     /// `rms_norm_eps = 1e-6`, `rope_theta = 10000`.
     pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
         // The install's own rules first (the planner checked the config with them).
-        crate::family::axes::check(&m.arch.axes).map_err(|e| axis_err(m, &e.axis, &e.detail))?;
+        crate::format::axes::check(&m.arch.axes).map_err(|e| axis_err(m, &e.axis, &e.detail))?;
         if m.arch
             .axes
             .get("rope_scaling")

@@ -19,14 +19,14 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::format::dtype::Dtype;
 use crate::format::pools::RowPool;
+use crate::format::quant::GROUP;
 use crate::format::{RowBlocks, Scheme};
-use crate::header::Dtype;
 use crate::runtime::RunError;
 use crate::runtime::experts::CacheStats;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::load::safe_join;
-use crate::transform::quant::GROUP;
 
 /// No entry (end of the recency list).
 const NIL: usize = usize::MAX;

@@ -26,9 +26,9 @@ use super::backend::{Backend, Causal, ExpertRef, NormGain};
 use super::tests::Rng;
 use super::{Cpu, GROUP, Matrix, bf16_at, quant_row_bytes};
 use crate::format::Scheme;
+use crate::format::dtype::Dtype;
 use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
-use crate::header::Dtype;
-use crate::transform::quant::{Bits, dequantize_rows, f32_to_bf16, quantize_rows};
+use crate::format::quant::{Bits, dequantize_rows, f32_to_bf16, quantize_rows};
 
 /// SmolLM2-135M's widths.
 const HIDDEN: usize = 576;

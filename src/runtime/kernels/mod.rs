@@ -18,7 +18,7 @@
 //! s·Σ q_k·x_k + b·Σ x_k`: the per-group sums `Σ x_k` are computed once per input
 //! vector and the inner loop is an f32 multiply-add of the integer codes against `x`.
 //! Everything accumulates in f32; results agree with "dequantize the row with
-//! [`crate::transform::quant::dequantize_rows`], then dot" to f32 rounding (the unit
+//! [`crate::format::quant::dequantize_rows`], then dot" to f32 rounding (the unit
 //! tests bound the difference by `1e-5 · Σ |w·x|`).
 //!
 //! # Speed
@@ -33,10 +33,10 @@
 //! [`Matrix::check`] passed and the slice lengths are the documented ones; they panic
 //! (never read out of bounds) when that is not so. `check` itself never panics.
 
+use crate::format::dtype::Dtype;
 use crate::format::pools::{BlobPart, ExpertPool};
+use crate::format::quant::{GROUP, bf16_to_f32};
 use crate::format::{Affine, Scheme};
-use crate::header::Dtype;
-use crate::transform::quant::{GROUP, bf16_to_f32};
 use rayon::prelude::*;
 
 mod backend;

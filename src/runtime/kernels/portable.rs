@@ -2,7 +2,7 @@
 //! vectorises them on any target (NEON on Apple silicon, SSE2 on baseline x86-64).
 
 use super::{Matrix, Prepared, bf16_at, quant_row_bytes};
-use crate::transform::quant::{self, Bits, GROUP, MAX_GROUP, bf16_to_f32};
+use crate::format::quant::{self, Bits, GROUP, MAX_GROUP, bf16_to_f32};
 
 /// `y = W x` over all rows of `w`.
 pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {

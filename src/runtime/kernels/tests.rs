@@ -8,7 +8,7 @@
 //! and `b·Σx` separately). f32 accumulation over ≤ 1536 terms stays well inside that.
 
 use super::*;
-use crate::transform::quant::{Bits, Spec, dequantize_rows, f32_to_bf16, quantize_rows};
+use crate::format::quant::{Bits, Spec, dequantize_rows, f32_to_bf16, quantize_rows};
 
 const TOL: f64 = 1e-5;
 

@@ -6,7 +6,7 @@
 //! unaligned from the slice's own pointer.
 
 use super::{Matrix, Prepared, bf16_at, quant_row_bytes};
-use crate::transform::quant::GROUP;
+use crate::format::quant::GROUP;
 use std::arch::x86_64::*;
 
 /// Whether this CPU has AVX2, FMA and F16C (detection is cached by std).

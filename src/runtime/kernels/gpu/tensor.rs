@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 use super::context::GpuContext;
 use super::ops::Scratch;
 use super::{GpuError, Result};
+use crate::format::dtype::Dtype;
 use crate::format::pools::ExpertPool;
-use crate::header::Dtype;
+use crate::format::quant::GROUP;
 use crate::runtime::kernels::Matrix;
-use crate::transform::quant::GROUP;
 
 /// Element type of a [`GpuTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,12 +11,12 @@ use std::sync::OnceLock;
 
 use super::shaders::{Kernel, Shader};
 use super::*;
+use crate::format::dtype::Dtype;
 use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
+use crate::format::quant::{Bits, Group, Spec, f32_to_bf16, quantize_rows};
 use crate::format::{PAGE, Scheme, align_up};
-use crate::header::Dtype;
 use crate::runtime::kernels::expert_matrices;
 use crate::runtime::kernels::{Cpu, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
-use crate::transform::quant::{Bits, Group, Spec, f32_to_bf16, quantize_rows};
 
 // ---------------------------------------------------------------- shader check
 
@@ -249,9 +249,9 @@ impl Fixture {
         let mut b = vec![0u8; n / g * 2];
         quantize_rows(&src, cols, spec, &mut w, &mut s, &mut b).unwrap();
         let mut dense = vec![0f32; n];
-        crate::transform::quant::dequantize_rows(&w, &s, &b, cols, spec, &mut dense).unwrap();
+        crate::format::quant::dequantize_rows(&w, &s, &b, cols, spec, &mut dense).unwrap();
         let bias = |i: usize| {
-            crate::transform::quant::bf16_to_f32(u16::from_le_bytes([
+            crate::format::quant::bf16_to_f32(u16::from_le_bytes([
                 b[2 * (i / g)],
                 b[2 * (i / g) + 1],
             ]))
@@ -278,7 +278,7 @@ impl Fixture {
                 (
                     b.iter().flat_map(|v| v.to_le_bytes()).collect(),
                     b.iter()
-                        .map(|&v| crate::transform::quant::bf16_to_f32(v))
+                        .map(|&v| crate::format::quant::bf16_to_f32(v))
                         .collect(),
                 )
             }

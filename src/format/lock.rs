@@ -2,7 +2,7 @@
 //! under a process that has it open.
 //!
 //! # The rule
-//! - Readers — `gturbo run` and `gturbo eval` (through [`crate::runtime::load::open`])
+//! - Readers — `gturbo run` and `gturbo eval` (through the runtime's `runtime::load::open`)
 //!   and `gturbo verify-install` — hold a **shared** `flock(2)` on the directory itself
 //!   for as long as they use it. Many readers may hold it at once. The two that
 //!   write into an install, `verify-install` (the receipt) and `eval --record`
