@@ -300,8 +300,11 @@ mod tests {
 
     /// The seed manifest of the fuzz script: a consistent version 1.1 manifest.
     fn seed() -> String {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fuzz.sh"))
-            .unwrap();
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../scripts/fuzz.sh"
+        ))
+        .unwrap();
         let start = text.find("<<'JSON'\n").unwrap() + 8;
         let end = text[start..].find("\nJSON\n").unwrap() + start;
         text[start..end].to_string()

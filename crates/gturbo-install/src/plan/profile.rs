@@ -21,7 +21,7 @@ use crate::family::Family;
 use crate::format::Scheme;
 
 /// The profiles file, as shipped.
-const PROFILES_JSON: &str = include_str!("../../profiles/quant.json");
+const PROFILES_JSON: &str = include_str!("../../../../profiles/quant.json");
 
 /// Where the profiles come from (for messages).
 pub const PROFILES_FILE: &str = "profiles/quant.json";

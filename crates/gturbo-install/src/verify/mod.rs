@@ -657,8 +657,11 @@ mod tests {
 
     /// The seed manifest of the fuzz script, in a directory with files of its sizes.
     fn manifest() -> Manifest {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fuzz.sh"))
-            .unwrap();
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../scripts/fuzz.sh"
+        ))
+        .unwrap();
         let start = text.find("<<'JSON'\n").unwrap() + 8;
         let end = text[start..].find("\nJSON\n").unwrap() + start;
         Manifest::parse(&text.as_bytes()[start..end]).unwrap()

@@ -245,7 +245,7 @@ mod tests {
     fn cases() -> Vec<Case> {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/data/flashnext_toy/golden/topk_ties.json"
+            "/../../tests/data/flashnext_toy/golden/topk_ties.json"
         );
         serde_json::from_slice(&std::fs::read(path).expect("read topk_ties.json"))
             .expect("parse topk_ties.json")

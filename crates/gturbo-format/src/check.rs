@@ -5,7 +5,7 @@
 //! any link. Hashing, the receipt and the quality record are `verify-install`'s.
 //!
 //! Everything in the directory is hostile input: paths are checked before any
-//! filesystem call ([`crate::format::check_relative_path`]), symlinks are never
+//! filesystem call ([`crate::check_relative_path`]), symlinks are never
 //! followed (a listed path through a link is a failure naming the link), sizes are
 //! capped before anything is allocated, and each failure names the file and the field
 //! or byte offset it is about.
@@ -17,12 +17,12 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::format::digest::is_sha256;
-use crate::format::manifest::{self, MAX_MANIFEST_BYTES, Manifest};
-use crate::format::quality;
-use crate::format::receipt;
-use crate::format::resident::ResidentHead;
-use crate::format::{LayoutError, PAGE, check_relative_path, tokenizer};
+use crate::digest::is_sha256;
+use crate::manifest::{self, MAX_MANIFEST_BYTES, Manifest};
+use crate::quality;
+use crate::receipt;
+use crate::resident::ResidentHead;
+use crate::{LayoutError, PAGE, check_relative_path, tokenizer};
 
 /// Largest tokenizer JSON file parsed by the cheap checks.
 pub const MAX_TOKENIZER_JSON_BYTES: u64 = 256 << 20;
@@ -165,14 +165,14 @@ fn unsafe_paths(m: &Manifest) -> Vec<VerifyFailure> {
 /// kind and size, pool geometry (see `ExpertPool::layout_errors`,
 /// `RowPool::layout_errors`), sidecar pools belonging to a carried sidecar, a
 /// tokenizer present, the architecture axes within their bounds
-/// ([`crate::format::axes::check`]). Pure, so the fuzzer drives it directly.
+/// ([`crate::axes::check`]). Pure, so the fuzzer drives it directly.
 pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
     let mf = manifest::FILE_NAME;
     let mut out = unsafe_paths(m);
     let fail = |at: String, detail: String| VerifyFailure::new(mf, at, detail);
 
     // The architecture axes, by the rules the planner and the runtime apply.
-    if let Err(e) = crate::format::axes::check(&m.arch.axes) {
+    if let Err(e) = crate::axes::check(&m.arch.axes) {
         out.push(fail(format!("arch.axes.{}", e.axis), e.detail));
     }
     if m.tool.name != "gturbo" {

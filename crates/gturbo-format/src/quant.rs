@@ -65,7 +65,7 @@
 //! minus that of 2^23 is the integer. Clamping before rounding gives the same code as
 //! MLX's round-then-clamp because the bounds are integers.
 
-use crate::format::Scheme;
+use crate::Scheme;
 
 /// `$at!(BITS, GROUP)` for `$spec`'s width and group, as literals: the one place a
 /// spec picks its monomorphised loop (the portable one here, the AVX2 one in `x86`).
@@ -249,8 +249,8 @@ impl Spec {
         self.group.size() * self.bits.bits() as usize / 8
     }
 
-    /// The spec of a format layout (every [`crate::format::Affine`] is one).
-    pub fn from_affine(a: crate::format::Affine) -> Spec {
+    /// The spec of a format layout (every [`crate::Affine`] is one).
+    pub fn from_affine(a: crate::Affine) -> Spec {
         Spec::from_numbers(a.bits() as u64, a.group() as u64)
             .expect("the format admits only the MLX layouts a Spec names")
     }
@@ -261,8 +261,8 @@ impl Spec {
     }
 
     /// This layout as the format names it (the one size rule lives there).
-    pub fn affine(self) -> crate::format::Affine {
-        crate::format::Affine::new(self.bits.bits(), self.group.size() as u32)
+    pub fn affine(self) -> crate::Affine {
+        crate::Affine::new(self.bits.bits(), self.group.size() as u32)
             .expect("every Spec is one of the MLX layouts the format admits")
     }
 
@@ -381,7 +381,7 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 }
 
 /// Check that `n_elems` elements of rows `cols` wide fit the packed slices of `spec`,
-/// by the format's size rule ([`crate::format::Affine::sizes`]).
+/// by the format's size rule ([`crate::Affine::sizes`]).
 fn check_shapes(
     n_elems: usize,
     cols: usize,

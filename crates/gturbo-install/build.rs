@@ -4,8 +4,8 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 fn main() {
-    println!("cargo:rerun-if-changed=families");
-    let dir = Path::new("families");
+    println!("cargo:rerun-if-changed=../../families");
+    let dir = Path::new("../../families");
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .expect("families/ folder")
         .filter_map(|e| e.ok())
@@ -17,7 +17,7 @@ fn main() {
         String::from("/// Every family file shipped with gturbo: (file name, JSON text).\n");
     out.push_str("pub const EMBEDDED: &[(&str, &str)] = &[\n");
     for n in &names {
-        println!("cargo:rerun-if-changed=families/{n}");
+        println!("cargo:rerun-if-changed=../../families/{n}");
         let path = std::fs::canonicalize(dir.join(n)).expect("family path");
         writeln!(
             out,

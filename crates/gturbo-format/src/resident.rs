@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::sizes::matrix_dims;
 use super::{Affine, LayoutError, PAGE, SUBREGION_ALIGN, Scheme, align_up};
-use crate::header::Dtype;
+use crate::dtype::Dtype;
 
 /// File magic.
 pub const MAGIC: &[u8; 8] = b"GTRBRES1";

@@ -231,7 +231,7 @@ pub fn row_bytes(width: u64, elem_bytes: u64, scheme: Scheme) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::align_up;
+    use crate::align_up;
 
     fn a(bits: u32, group: u32) -> Affine {
         Affine::new(bits, group).unwrap()

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{LayoutError, PAGE, Scheme, align_up};
-use crate::header::Dtype;
+use crate::dtype::Dtype;
 
 /// Expert projection inside a blob.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -367,7 +367,7 @@ impl RowPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::header::Dtype;
+    use crate::dtype::Dtype;
 
     fn expert_pool() -> ExpertPool {
         // The scaled Flash-Next replica's layer: 8 experts of gate/up [128, 256], down [256, 128].

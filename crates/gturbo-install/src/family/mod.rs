@@ -618,9 +618,11 @@ mod tests {
 
     #[test]
     fn bad_family_files_name_the_field() {
-        let base =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/families/qwen3.json"))
-                .unwrap();
+        let base = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../families/qwen3.json"
+        ))
+        .unwrap();
         let cases = [
             (
                 base.replace("\"role\": \"resident\"", "\"role\": \"teleport\""),

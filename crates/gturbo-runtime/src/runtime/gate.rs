@@ -221,7 +221,8 @@ mod tests {
     #[test]
     fn flash_next_passes_with_its_family_axes_and_refuses_mtp_as_required() {
         let fam: serde_json::Value =
-            serde_json::from_str(include_str!("../../families/qwen38flashnext.json")).unwrap();
+            serde_json::from_str(include_str!("../../../../families/qwen38flashnext.json"))
+                .unwrap();
         let axes: Vec<String> = fam["arch"]["required_axes"]
             .as_array()
             .unwrap()
