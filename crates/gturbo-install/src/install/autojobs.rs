@@ -4,7 +4,7 @@
 //! takes the samples and applies the [`Step`]s.
 //!
 //! The rules, per *level* (a number of connections):
-//! - **Start at [`Jobs::AUTO_START`](super::execute::Jobs::AUTO_START)**, not 1: a
+//! - **Start at [`Jobs::AUTO_START`](super::options::Jobs::AUTO_START)**, not 1: a
 //!   capped link needs several, and a few more than needed cost nothing on loopback.
 //! - **Settle, then measure**: the first [`SETTLE_TICKS`] after a change are not
 //!   judged (a new connection's first request pays the time to first byte), the next

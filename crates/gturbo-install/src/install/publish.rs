@@ -20,8 +20,8 @@ use crate::plan::placement::output_file_paths;
 use crate::plan::{Dest, Plan};
 use crate::source::{RangeSource, SourceError};
 
-use super::execute::InstallReporter;
 use super::nofollow;
+use super::options::InstallReporter;
 use super::stage::{Staging, with_suffix};
 use super::{InstallError, Prepared, copied, io_err};
 

@@ -16,9 +16,9 @@ use crate::format::resident::MAGIC;
 use crate::plan::Plan;
 use crate::plan::placement::output_file_paths;
 
-use super::execute::ExecuteOptions;
 use super::lock::InstallLock;
 use super::nofollow;
+use super::options::ExecuteOptions;
 use super::{InstallError, io_err};
 
 /// The claimed output: paths and the locks held until publication.

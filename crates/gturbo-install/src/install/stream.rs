@@ -32,9 +32,9 @@ use crate::source::{RangeSource, SourceError};
 use crate::transform::quant::{self, Spec};
 
 use super::autojobs::{self, Controller, Sample, Step};
-use super::execute::{ExecuteOptions, InstallReporter, Jobs};
 use super::finished::Finished;
 use super::journal::Journal;
+use super::options::{ExecuteOptions, InstallReporter, Jobs};
 use super::source_hash::ResumableSha256;
 use super::stage::OutputFiles;
 use super::{InstallError, io_err};
