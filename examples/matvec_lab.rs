@@ -31,7 +31,8 @@ use common::{Rng, median};
 
 use wgpu::util::DeviceExt;
 
-const PRODUCT: &str = include_str!("../src/runtime/kernels/gpu/shaders/qmatvec.wgsl");
+const PRODUCT: &str =
+    include_str!("../crates/gturbo-runtime/src/runtime/kernels/gpu/shaders/qmatvec.wgsl");
 const LAB: &str = include_str!("matvec_lab/lab.wgsl");
 /// The 8-bit x variant's largest difference from the f32 product (of max |y|): x's
 /// rounding, not an error of the kernel.

@@ -21,17 +21,18 @@
 //! - [`cli`]: argument parsing, output and exit codes.
 //! - [`env`]: every environment variable gturbo reads, with its meaning.
 //!
+//! Each layer is a crate of its own, so the compiler holds the arrows
+//! (docs/ARCHITECTURE.md): `gturbo-format` <- `gturbo-source` <- `gturbo-install`,
+//! `gturbo-format` <- `gturbo-runtime`, and this crate, the CLI, on top; it re-exports
+//! each layer under its module name.
+//!
 //! The local test hub and the replica generators are not here: they live in the
 //! workspace's `crates/gturbo-testkit`, which only tests, benchmarks and the demo use.
 
 pub mod cli;
-pub mod env;
-pub mod family;
-pub mod format;
-pub mod header;
-pub mod install;
-pub mod plan;
-pub mod runtime;
-pub mod source;
-pub mod transform;
-pub mod verify;
+
+pub use gturbo_format as format;
+pub use gturbo_format::env;
+pub use gturbo_install::{family, install, plan, transform, verify};
+pub use gturbo_runtime::runtime;
+pub use gturbo_source::{header, source};

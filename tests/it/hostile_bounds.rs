@@ -168,9 +168,11 @@ fn issue22_large_shard_headers_are_read_within_the_memory_budget() {
         shards: 24,
         ..Qwen3Spec::tiny()
     };
-    replica::write_qwen3(dir.path(), &spec).unwrap();
-    pad_headers(dir.path(), HEADER_LEN);
-    let from = dir.path().to_str().unwrap();
+    // The output beside the snapshot, not inside it (an --out inside --from is refused).
+    let snap = dir.path().join("snap");
+    replica::write_qwen3(&snap, &spec).unwrap();
+    pad_headers(&snap, HEADER_LEN);
+    let from = snap.to_str().unwrap();
     let out = dir.path().join("out.gturbo");
     let out = out.to_str().unwrap();
     let args = [

@@ -1,0 +1,256 @@
+//! The family capability gate: which installs `gturbo run` can execute.
+//!
+//! Each runner declares the families it reads and the architecture axes it
+//! implements (the vocabulary of `required_axes` in `families/*.json`, copied into a
+//! manifest's `arch.required_axes`). The gate compares a manifest's family and
+//! required axes with this registry before any weight file is opened, and refuses
+//! with one line that names the family and every missing axis.
+
+/// Grouped-query attention (KV heads shared by groups of query heads).
+pub const GQA_ATTENTION: &str = "gqaAttention";
+/// Rotary position embeddings, rotate-half layout.
+pub const ROPE: &str = "rope";
+/// RMSNorm scaled by `w` (not `1 + w`).
+pub const RMS_NORM: &str = "rmsNorm";
+/// SwiGLU MLP: `down(silu(gate x) * up x)`.
+pub const SWIGLU: &str = "swiglu";
+/// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
+pub const QK_NORM: &str = "qkNorm";
+/// Softmax top-k routed experts read from expert pools (Qwen3-MoE).
+pub const ROUTED_MOE: &str = "routedMoe";
+/// LM head shared with the token embedding.
+pub const TIED_EMBEDDINGS: &str = "tiedEmbeddings";
+/// Attention whose output is multiplied by a sigmoid gate packed with the query
+/// (Flash-Next's `q_proj`), with partial RoPE and QK-norm.
+pub const GATED_ATTENTION: &str = "gatedAttention";
+/// Gated DeltaNet linear attention: causal conv state and the delta-rule recurrence.
+pub const GATED_DELTA_NET: &str = "gatedDeltaNetLinearAttention";
+/// The QSA indexer: block-pooled keys, relu-sum scores, torch's top-k tie rule.
+pub const ATTENTION_INDEXER: &str = "attentionIndexer";
+/// A shared expert next to the routed ones, scaled by a sigmoid gate.
+pub const SHARED_EXPERT_GATED: &str = "sharedExpertGated";
+/// A residual of several streams read and written through low-rank hyper-connections.
+pub const HYPER_CONNECTIONS: &str = "hyperConnectionsLowRank";
+/// The PLE n-gram embedding: hashed row ids into row pools, gated and convolved.
+pub const PLE_NGRAM: &str = "pleNgramEmbedding";
+/// RMSNorm scaled by `1 + w` (zero-centred weights).
+pub const OFFSET_RMS_NORM: &str = "offsetRmsNorm";
+
+/// A runner: the families it reads and the axes it implements.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Runner {
+    /// Name shown by `gturbo families` and the run footer.
+    pub name: &'static str,
+    /// Family ids it accepts.
+    pub families: &'static [&'static str],
+    /// Axes it implements.
+    pub axes: &'static [&'static str],
+}
+
+impl Runner {
+    /// Whether the runner implements `axis`.
+    pub fn implements(&self, axis: &str) -> bool {
+        self.axes.contains(&axis)
+    }
+}
+
+/// The runner of the qwen4_exp text model (`runtime::flash_next`).
+pub const FLASH_NEXT: &str = "flash-next";
+
+/// Every runner gturbo has. One decoder, parametrised by axes, covers the plain
+/// transformer families; `flash-next` runs Qwen3.8-Flash-Next.
+pub const RUNNERS: &[Runner] = &[
+    Runner {
+        name: "decoder",
+        families: &["llama", "qwen3", "qwen3_moe"],
+        axes: &[
+            GQA_ATTENTION,
+            ROPE,
+            RMS_NORM,
+            SWIGLU,
+            QK_NORM,
+            ROUTED_MOE,
+            TIED_EMBEDDINGS,
+        ],
+    },
+    Runner {
+        name: FLASH_NEXT,
+        families: &["qwen38flashnext"],
+        axes: &[
+            GATED_ATTENTION,
+            GATED_DELTA_NET,
+            ATTENTION_INDEXER,
+            ROUTED_MOE,
+            SHARED_EXPERT_GATED,
+            HYPER_CONNECTIONS,
+            PLE_NGRAM,
+            OFFSET_RMS_NORM,
+        ],
+    },
+];
+
+/// Why an install cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GateError {
+    /// No runner accepts the family. `missing`: its required axes that no runner
+    /// implements, in manifest order.
+    #[error(
+        "family {family} is installed but has no runner; missing axes: {}",
+        no_runner_axes(missing)
+    )]
+    NoRunner {
+        /// Family id.
+        family: String,
+        /// Axes no runner implements.
+        missing: Vec<String>,
+    },
+    /// The family's runner lacks axes the install requires.
+    #[error(
+        "family {family} is installed but its runner {runner} lacks axes; missing axes: {}",
+        missing.join(", ")
+    )]
+    MissingAxes {
+        /// Family id.
+        family: String,
+        /// Runner name.
+        runner: &'static str,
+        /// Axes the runner lacks, in manifest order.
+        missing: Vec<String>,
+    },
+}
+
+/// The axis list of a `NoRunner` refusal: when every required axis exists in some
+/// other family's runner, say so rather than print an empty list.
+fn no_runner_axes(missing: &[String]) -> String {
+    if missing.is_empty() {
+        "none (every required axis exists in another family's runner)".into()
+    } else {
+        missing.join(", ")
+    }
+}
+
+/// The runner registered for `family`, if any (axes not checked).
+pub fn runner_for(family: &str) -> Option<&'static Runner> {
+    RUNNERS.iter().find(|r| r.families.contains(&family))
+}
+
+/// The runner for an install of `family` that requires `required` axes, or the
+/// refusal naming every missing axis.
+pub fn check(family: &str, required: &[String]) -> Result<&'static Runner, GateError> {
+    match runner_for(family) {
+        Some(runner) => {
+            let missing: Vec<String> = dedup(required.iter().filter(|a| !runner.implements(a)));
+            if missing.is_empty() {
+                Ok(runner)
+            } else {
+                Err(GateError::MissingAxes {
+                    family: family.to_string(),
+                    runner: runner.name,
+                    missing,
+                })
+            }
+        }
+        None => Err(GateError::NoRunner {
+            family: family.to_string(),
+            missing: dedup(
+                required
+                    .iter()
+                    .filter(|a| !RUNNERS.iter().any(|r| r.implements(a))),
+            ),
+        }),
+    }
+}
+
+fn dedup<'a>(axes: impl Iterator<Item = &'a String>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for a in axes {
+        if !out.contains(a) {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn plain_families_pass_with_their_axes() {
+        for (fam, axes) in [
+            ("llama", s(&["gqaAttention", "rope", "rmsNorm", "swiglu"])),
+            ("qwen3_moe", s(&["gqaAttention", "qkNorm", "routedMoe"])),
+        ] {
+            assert_eq!(check(fam, &axes).map(|r| r.name), Ok("decoder"));
+        }
+    }
+
+    #[test]
+    fn unknown_family_lists_only_axes_no_runner_has() {
+        let err = check(
+            "deepseek_v4",
+            &s(&[
+                "multiLatentAttention",
+                "routedMoe",
+                "slidingWindow",
+                "multiLatentAttention",
+            ]),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "family deepseek_v4 is installed but has no runner; missing axes: \
+             multiLatentAttention, slidingWindow"
+        );
+    }
+
+    #[test]
+    fn unknown_family_whose_axes_all_exist_elsewhere_says_none_are_missing() {
+        let err = check("mistral", &s(&["rope", "swiglu"])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "family mistral is installed but has no runner; missing axes: none (every \
+             required axis exists in another family's runner)"
+        );
+    }
+
+    #[test]
+    fn flash_next_passes_with_its_family_axes_and_refuses_mtp_as_required() {
+        let fam: serde_json::Value =
+            serde_json::from_str(include_str!("../../../../families/qwen38flashnext.json"))
+                .unwrap();
+        let axes: Vec<String> = fam["arch"]["required_axes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            check("qwen38flashnext", &axes).map(|r| r.name),
+            Ok(FLASH_NEXT)
+        );
+        // MTP is a carried sidecar, not needed to generate: a family that required
+        // it would be refused, naming the axis.
+        let mut with_mtp = axes.clone();
+        with_mtp.push("multiTokenPrediction".into());
+        assert_eq!(
+            check("qwen38flashnext", &with_mtp).unwrap_err().to_string(),
+            "family qwen38flashnext is installed but its runner flash-next lacks axes; \
+             missing axes: multiTokenPrediction"
+        );
+    }
+
+    #[test]
+    fn known_family_with_an_unknown_axis_is_refused() {
+        let err = check("qwen3", &s(&["rope", "slidingWindow", "qkNorm", "mystery"])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "family qwen3 is installed but its runner decoder lacks axes; missing axes: \
+             slidingWindow, mystery"
+        );
+    }
+}

@@ -1,0 +1,799 @@
+//! The seam's contract as a test: every [`Backend`] op against a scalar f64
+//! reference written from the op's documented formula, at awkward shapes (one group,
+//! rows and heads that are not powers of two), at the largest shapes SmolLM2 uses
+//! (`[49152 × 576]` head, `[1536 × 576]` and `[576 × 1536]` MLP, 9 heads over 3 KV heads
+//! of 64), for one token and several. Generic over the backend: [`all`] runs here for
+//! [`Cpu`], and a device backend's tests call it with their own backend.
+//!
+//! # Tolerances (what any backend may differ from the exact value by)
+//! - `linear`: `2e-5 · Σ (|s·q| + |b|)·|x|` per output (float weights: `Σ |w·x|`), the
+//!   terms a kernel adds; the CPU's own kernel tests hold `1e-5`.
+//! - `embed`: `1e-6 · (|s·q| + |b|)` per element (a device may fuse `s·q + b`).
+//! - `rms_norm`, `attention`: `1e-5` of the largest `|output|` of the row (attention: of
+//!   the largest `|v|`).
+//! - `rope`: `1e-6` of the head's largest value; the angle is the f32 product the op
+//!   defines, its sine and cosine exact.
+//! - `add`: f32 rounding of the exact sum; `swiglu`: `1e-5 · |silu(g)·u|` (`exp`
+//!   differs between libraries).
+//! - `route`: the same experts wherever the k-th and (k+1)-th logits differ by more
+//!   than twice the linear bound, exact ties to the lower id; weights within `4·e +
+//!   1e-5` relative, `e` the largest logit bound (a softmax moves by at most twice
+//!   its inputs' largest error).
+//! - `ffn_swiglu`, `expert_ffn`: the linear bound carried through the MLP (the error of
+//!   `g` and `u` times the slopes of `silu(g)·u`, then through `down`), times two.
+
+use super::backend::{Backend, Causal, ExpertRef, NormGain};
+use super::tests::Rng;
+use super::{Cpu, GROUP, Matrix, bf16_at, quant_row_bytes};
+use crate::format::Scheme;
+use crate::format::dtype::Dtype;
+use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
+use crate::format::quant::{Bits, dequantize_rows, f32_to_bf16, quantize_rows};
+
+/// SmolLM2-135M's widths.
+const HIDDEN: usize = 576;
+const FFN: usize = 1536;
+const VOCAB: usize = 49152;
+const KV: usize = 192;
+
+/// How a test matrix is stored.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Enc {
+    Int4,
+    Int8,
+    Bf16,
+    F16,
+    F32,
+}
+
+/// A test matrix's bytes; the reference values are decoded a row at a time, so a
+/// vocabulary-sized head costs its bytes only.
+struct Weights {
+    enc: Enc,
+    parts: [Vec<u8>; 3],
+    rows: usize,
+    cols: usize,
+}
+
+impl Weights {
+    fn new(enc: Enc, rows: usize, cols: usize, rng: &mut Rng) -> Weights {
+        // Rows with different ranges and one all-zero group, as real weights have.
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                if i < GROUP.min(cols) {
+                    0.0
+                } else {
+                    rng.unit() * (0.02 + (i / cols % 7) as f32 * 0.05)
+                }
+            })
+            .collect();
+        Weights::from_values(enc, rows, cols, &vals)
+    }
+
+    fn from_values(enc: Enc, rows: usize, cols: usize, vals: &[f32]) -> Weights {
+        let bf16: Vec<u16> = vals.iter().map(|&v| f32_to_bf16(v)).collect();
+        let parts = match enc {
+            Enc::Int4 | Enc::Int8 => {
+                let bits = if enc == Enc::Int4 {
+                    Bits::Four
+                } else {
+                    Bits::Eight
+                };
+                let n = rows * cols;
+                let mut w = vec![0u8; n * bits.bits() as usize / 8];
+                let mut s = vec![0u8; n / GROUP * 2];
+                let mut b = vec![0u8; n / GROUP * 2];
+                quantize_rows(&bf16, cols, bits, &mut w, &mut s, &mut b).unwrap();
+                [w, s, b]
+            }
+            Enc::Bf16 => [
+                bf16.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                vec![],
+                vec![],
+            ],
+            Enc::F16 => [
+                vals.iter()
+                    .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                    .collect(),
+                vec![],
+                vec![],
+            ],
+            Enc::F32 => [
+                vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                vec![],
+                vec![],
+            ],
+        };
+        Weights {
+            enc,
+            parts,
+            rows,
+            cols,
+        }
+    }
+
+    fn bits(&self) -> Option<Bits> {
+        match self.enc {
+            Enc::Int4 => Some(Bits::Four),
+            Enc::Int8 => Some(Bits::Eight),
+            _ => None,
+        }
+    }
+
+    fn matrix(&self) -> Matrix<'_> {
+        let (rows, cols) = (self.rows, self.cols);
+        let data = &self.parts[0];
+        match self.enc {
+            Enc::Int4 | Enc::Int8 => Matrix::Quant {
+                bits: self.bits().map_or(0, Bits::bits),
+                group: GROUP,
+                weights: data,
+                scales: &self.parts[1],
+                biases: &self.parts[2],
+                rows,
+                cols,
+            },
+            Enc::Bf16 => Matrix::Bf16 { data, rows, cols },
+            Enc::F16 => Matrix::F16 { data, rows, cols },
+            Enc::F32 => Matrix::F32 { data, rows, cols },
+        }
+    }
+
+    /// Row `r`'s values and, per element, the part a kernel adds separately (the
+    /// group's bias; 0 for float weights).
+    fn row(&self, r: usize) -> (Vec<f32>, Vec<f32>) {
+        let c = self.cols;
+        let mut vals = vec![0f32; c];
+        let mut bias = vec![0f32; c];
+        match self.bits() {
+            Some(bits) => {
+                let (wr, sr) = quant_row_bytes(bits.bits(), GROUP, c);
+                let b = &self.parts[2][r * sr..(r + 1) * sr];
+                dequantize_rows(
+                    &self.parts[0][r * wr..(r + 1) * wr],
+                    &self.parts[1][r * sr..(r + 1) * sr],
+                    b,
+                    c,
+                    bits,
+                    &mut vals,
+                )
+                .unwrap();
+                for (k, o) in bias.iter_mut().enumerate() {
+                    *o = bf16_at(b, k / GROUP);
+                }
+            }
+            None => {
+                let d = &self.parts[0];
+                for (k, v) in vals.iter_mut().enumerate() {
+                    let i = r * c + k;
+                    *v = match self.enc {
+                        Enc::Bf16 => bf16_at(d, i),
+                        Enc::F16 => half::f16::from_le_bytes([d[2 * i], d[2 * i + 1]]).to_f32(),
+                        _ => f32::from_le_bytes(d[4 * i..4 * i + 4].try_into().unwrap()),
+                    };
+                }
+            }
+        }
+        (vals, bias)
+    }
+
+    /// Exact `W x` per row, with the magnitude `Σ (|w − b| + |b|)·|x|` the tolerance
+    /// scales with.
+    fn apply(&self, x: &[f64]) -> Vec<(f64, f64)> {
+        (0..self.rows)
+            .map(|r| {
+                let (vals, bias) = self.row(r);
+                let mut sum = 0.0;
+                let mut mag = 0.0;
+                for ((w, b), x) in vals.iter().zip(&bias).zip(x) {
+                    sum += *w as f64 * x;
+                    mag += ((*w - *b).abs() as f64 + b.abs() as f64) * x.abs();
+                }
+                (sum, mag)
+            })
+            .collect()
+    }
+
+    /// Per row, `Σ (|w − b| + |b|)·e_k` for per-input errors `e` (how an error in the
+    /// input carries through the product).
+    fn carry(&self, e: &[f64]) -> Vec<f64> {
+        (0..self.rows)
+            .map(|r| {
+                let (vals, bias) = self.row(r);
+                vals.iter()
+                    .zip(&bias)
+                    .zip(e)
+                    .map(|((w, b), e)| ((*w - *b).abs() as f64 + b.abs() as f64) * e)
+                    .sum()
+            })
+            .collect()
+    }
+}
+
+fn f64s(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// `|silu'(g)|` is below 1.1 everywhere.
+const SILU_SLOPE: f64 = 1.1;
+
+fn check(got: &[f32], want: &[f64], bound: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, ((g, w), b)) in got.iter().zip(want).zip(bound).enumerate() {
+        let err = (*g as f64 - w).abs();
+        assert!(
+            err <= *b + 1e-30,
+            "{what}: element {i}: got {g}, want {w}, error {err:e} > {b:e}"
+        );
+    }
+}
+
+/// Run every check on `b`.
+pub(crate) fn all<B: Backend>(b: &B) {
+    data(b);
+    linear(b);
+    embed(b);
+    norms(b);
+    elementwise(b);
+    ffn(b);
+    rope(b);
+    attention(b);
+    route(b);
+    experts(b);
+}
+
+fn up<B: Backend>(b: &B, x: &[f32]) -> B::Buf {
+    b.upload(x).unwrap()
+}
+
+fn down<B: Backend>(b: &B, x: &B::Buf) -> Vec<f32> {
+    b.read(x).unwrap()
+}
+
+/// The `data` checks of [`all`].
+pub(crate) fn data<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0001);
+    let x = rng.vec(7 * 5);
+    let t = up(b, &x);
+    assert_eq!(down(b, &t), x, "upload then read");
+    let rows = b.copy_rows(&t, 5, 2..6).unwrap();
+    assert_eq!(down(b, &rows), x[10..30], "copy_rows");
+    assert_eq!(b.read_owned(rows).unwrap(), x[10..30], "read_owned");
+    let mut t = t;
+    b.zero(&mut t).unwrap();
+    assert_eq!(down(b, &t), vec![0.0; 35], "zero");
+    assert_eq!(down(b, &b.zeros(3).unwrap()), vec![0.0; 3], "zeros");
+}
+
+fn linear_bound(want: &[(f64, f64)]) -> (Vec<f64>, Vec<f64>) {
+    want.iter().map(|&(w, m)| (w, 2e-5 * m)).unzip()
+}
+
+/// The `linear` checks of [`all`].
+pub(crate) fn linear<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0002);
+    let mut cases = Vec::new();
+    for enc in [Enc::Int4, Enc::Int8, Enc::Bf16, Enc::F16, Enc::F32] {
+        // One group; rows that are not a multiple of any tile; SmolLM2's projections.
+        for (rows, cols) in [
+            (1, 64),
+            (37, 192),
+            (KV, HIDDEN),
+            (FFN, HIDDEN),
+            (HIDDEN, FFN),
+        ] {
+            cases.push((enc, rows, cols, vec![1, 3, 8]));
+        }
+    }
+    for enc in [Enc::Bf16, Enc::F32] {
+        cases.push((enc, 5, 7, vec![1, 2]));
+    }
+    // The head, the largest product of a token.
+    for enc in [Enc::Int4, Enc::Bf16] {
+        cases.push((enc, VOCAB, HIDDEN, vec![1, 2]));
+    }
+    for (enc, rows, cols, ns) in cases {
+        let w = Weights::new(enc, rows, cols, &mut rng);
+        let bw = b.weights(w.matrix()).unwrap();
+        for n in ns {
+            let x = rng.vec(n * cols);
+            let mut y = b.zeros(n * rows).unwrap();
+            b.linear(&bw, &up(b, &x), &mut y).unwrap();
+            let got = down(b, &y);
+            for t in 0..n {
+                let (want, bound) = linear_bound(&w.apply(&f64s(&x[t * cols..(t + 1) * cols])));
+                let what = format!("linear {enc:?} {rows}x{cols} n={n} token {t}");
+                check(&got[t * rows..(t + 1) * rows], &want, &bound, &what);
+            }
+        }
+    }
+}
+
+/// The `embed` checks of [`all`].
+pub(crate) fn embed<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0003);
+    for enc in [Enc::Int4, Enc::Int8, Enc::Bf16, Enc::F16, Enc::F32] {
+        for (rows, cols) in [(3, 64), (VOCAB, HIDDEN)] {
+            let w = Weights::new(enc, rows, cols, &mut rng);
+            let tokens = [0, rows as u32 - 1, rows as u32 / 2, 0];
+            let mut out = b.zeros(tokens.len() * cols).unwrap();
+            b.embed(&b.weights(w.matrix()).unwrap(), &tokens, &mut out)
+                .unwrap();
+            let got = down(b, &out);
+            for (i, &t) in tokens.iter().enumerate() {
+                let (vals, bias) = w.row(t as usize);
+                let bound: Vec<f64> = vals
+                    .iter()
+                    .zip(&bias)
+                    .map(|(v, b)| 1e-6 * ((v - b).abs() + b.abs()) as f64)
+                    .collect();
+                let what = format!("embed {enc:?} {rows}x{cols} token {t}");
+                check(&got[i * cols..(i + 1) * cols], &f64s(&vals), &bound, &what);
+            }
+        }
+    }
+}
+
+/// The `norms` checks of [`all`].
+pub(crate) fn norms<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0004);
+    // Model width; one head (QK-norm over n·heads rows); an odd width.
+    for (width, rows) in [(HIDDEN, 3), (64, 9 * 2), (100, 1)] {
+        let x: Vec<f32> = rng.vec(width * rows).iter().map(|v| v * 3.0).collect();
+        let w = rng.vec(width);
+        for gain in [NormGain::Weight, NormGain::OnePlusWeight] {
+            let eps = 1e-5;
+            let mut out = b.zeros(x.len()).unwrap();
+            b.rms_norm(&up(b, &x), &up(b, &w), eps, gain, &mut out)
+                .unwrap();
+            let got = down(b, &out);
+            for r in 0..rows {
+                let xr = f64s(&x[r * width..(r + 1) * width]);
+                let ms = xr.iter().map(|v| v * v).sum::<f64>() / width as f64;
+                let inv = 1.0 / (ms + eps as f64).sqrt();
+                let want: Vec<f64> = xr
+                    .iter()
+                    .zip(&w)
+                    .map(|(x, w)| {
+                        let g = match gain {
+                            NormGain::Weight => *w as f64,
+                            NormGain::OnePlusWeight => 1.0 + *w as f64,
+                        };
+                        x * inv * g
+                    })
+                    .collect();
+                let max = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                let what = format!("rms_norm {gain:?} width {width} row {r}");
+                let bound = vec![1e-5 * max; width];
+                check(&got[r * width..(r + 1) * width], &want, &bound, &what);
+            }
+        }
+    }
+}
+
+/// The `elementwise` checks of [`all`].
+pub(crate) fn elementwise<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0005);
+    for len in [1, 63, 3 * FFN] {
+        let g: Vec<f32> = rng.vec(len).iter().map(|v| v * 8.0).collect();
+        let u = rng.vec(len);
+        let mut x = up(b, &g);
+        b.add(&mut x, &up(b, &u)).unwrap();
+        let sum: Vec<f32> = g.iter().zip(&u).map(|(a, b)| a + b).collect();
+        assert_eq!(down(b, &x), sum, "add, {len} elements");
+        let mut gate = up(b, &g);
+        b.swiglu(&mut gate, &up(b, &u)).unwrap();
+        let want: Vec<f64> = g
+            .iter()
+            .zip(&u)
+            .map(|(g, u)| silu(*g as f64) * *u as f64)
+            .collect();
+        let bound: Vec<f64> = want.iter().map(|w| 1e-5 * w.abs()).collect();
+        check(&down(b, &gate), &want, &bound, &format!("swiglu {len}"));
+    }
+}
+
+/// The exact MLP `down(silu(gate·x)·up·x)` of one input row, and its bound.
+fn mlp_reference(
+    gate: &Weights,
+    upw: &Weights,
+    downw: &Weights,
+    x: &[f32],
+) -> (Vec<f64>, Vec<f64>) {
+    let x = f64s(x);
+    let (g, u) = (gate.apply(&x), upw.apply(&x));
+    let h: Vec<f64> = g
+        .iter()
+        .zip(&u)
+        .map(|((g, _), (u, _))| silu(*g) * u)
+        .collect();
+    // The error of h: g's and u's errors times the slopes, plus its own rounding.
+    let eh: Vec<f64> = g
+        .iter()
+        .zip(&u)
+        .zip(&h)
+        .map(|(((g, gm), (u, um)), h)| {
+            2e-5 * (SILU_SLOPE * u.abs() * gm + silu(*g).abs() * um) + 1e-5 * h.abs()
+        })
+        .collect();
+    let d = downw.apply(&h);
+    let carried = downw.carry(&eh);
+    d.iter()
+        .zip(carried)
+        .map(|((w, m), c)| (*w, 2.0 * (2e-5 * m + c)))
+        .unzip()
+}
+
+/// The `ffn` checks of [`all`].
+pub(crate) fn ffn<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0006);
+    for (enc, h, i) in [
+        (Enc::Int4, 64, 128),
+        (Enc::Int8, 192, 320),
+        (Enc::Int4, HIDDEN, FFN),
+        (Enc::Bf16, 100, 70),
+    ] {
+        let (gate, upw) = (
+            Weights::new(enc, i, h, &mut rng),
+            Weights::new(enc, i, h, &mut rng),
+        );
+        let downw = Weights::new(enc, h, i, &mut rng);
+        let (bg, bu, bd) = (
+            b.weights(gate.matrix()).unwrap(),
+            b.weights(upw.matrix()).unwrap(),
+            b.weights(downw.matrix()).unwrap(),
+        );
+        for n in [1, 3] {
+            let x = rng.vec(n * h);
+            let mut out = b.zeros(n * h).unwrap();
+            b.ffn_swiglu(&bg, &bu, &bd, &up(b, &x), &mut out).unwrap();
+            let got = down(b, &out);
+            for t in 0..n {
+                let (want, bound) = mlp_reference(&gate, &upw, &downw, &x[t * h..(t + 1) * h]);
+                let what = format!("ffn_swiglu {enc:?} {h}/{i} n={n} token {t}");
+                check(&got[t * h..(t + 1) * h], &want, &bound, &what);
+            }
+        }
+    }
+}
+
+/// RoPE's frequencies as the decoder computes them.
+fn inv_freq(rot: usize, theta: f64) -> Vec<f32> {
+    (0..rot / 2)
+        .map(|i| (1.0 / theta.powf(2.0 * i as f64 / rot as f64)) as f32)
+        .collect()
+}
+
+/// The `rope` checks of [`all`].
+pub(crate) fn rope<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0007);
+    // Full (SmolLM2: 9 heads of 64), partial (a quarter of each head), tiny heads.
+    for (heads, hd, rot) in [(9, 64, 64), (3, 64, 16), (5, 2, 2)] {
+        let freqs = inv_freq(rot, 10_000.0);
+        let table = b.rope_table(&freqs, 4096).unwrap();
+        for (pos, n) in [(0, 4), (1000, 1), (4093, 3)] {
+            let x = rng.vec(n * heads * hd);
+            let mut t = up(b, &x);
+            b.rope(&table, &mut t, heads, hd, pos).unwrap();
+            let got = down(b, &t);
+            let mut want = f64s(&x);
+            for (i, tok) in want.chunks_exact_mut(heads * hd).enumerate() {
+                for head in tok.chunks_exact_mut(hd) {
+                    for (j, f) in freqs.iter().enumerate() {
+                        // The angle is the f32 product the op defines.
+                        let ang = ((pos + i) as f32 * f) as f64;
+                        let (s, c) = ang.sin_cos();
+                        let (a, bb) = (head[j], head[j + rot / 2]);
+                        head[j] = a * c - bb * s;
+                        head[j + rot / 2] = bb * c + a * s;
+                    }
+                }
+            }
+            for (r, (g, w)) in got.chunks_exact(hd).zip(want.chunks_exact(hd)).enumerate() {
+                let max = w.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                let what = format!("rope {heads}x{hd} rot {rot} pos {pos} head-row {r}");
+                check(g, w, &vec![1e-6 * max; hd], &what);
+            }
+        }
+    }
+}
+
+/// The `attention` checks of [`all`].
+pub(crate) fn attention<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0008);
+    // SmolLM2 (9 over 3 of 64), multi-head without grouping, one KV head of 48.
+    for (heads, kv_heads, hd) in [(9, 3, 64), (4, 4, 2), (6, 1, 48)] {
+        let kvw = kv_heads * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut kv = b.kv_cache(kv_heads, hd, 64).unwrap();
+        // The reference cache, as the backend's should hold it.
+        let (mut keys, mut vals): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
+        // Prefill, decode, a short batch, then a rewind to position 3 (a failed pass).
+        for (pos, n) in [(0, 5), (5, 1), (6, 2), (3, 2)] {
+            let q: Vec<f32> = rng.vec(n * heads * hd).iter().map(|v| v * 2.0).collect();
+            let k: Vec<f32> = rng.vec(n * kvw).iter().map(|v| v * 2.0).collect();
+            let v = rng.vec(n * kvw);
+            keys.truncate(pos * kvw);
+            vals.truncate(pos * kvw);
+            keys.extend_from_slice(&k);
+            vals.extend_from_slice(&v);
+            let mut out = b.zeros(q.len()).unwrap();
+            let at = Causal { pos, heads, scale };
+            b.attention(&mut kv, &up(b, &q), &up(b, &k), &up(b, &v), at, &mut out)
+                .unwrap();
+            let got = down(b, &out);
+            let vmax = vals.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+            for i in 0..n {
+                for hh in 0..heads {
+                    let kvh = hh / (heads / kv_heads);
+                    let qh = &q[(i * heads + hh) * hd..(i * heads + hh + 1) * hd];
+                    let upto = pos + i + 1;
+                    let scores: Vec<f64> = (0..upto)
+                        .map(|j| {
+                            let kj = &keys[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                            let d: f64 =
+                                qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum();
+                            d * scale as f64
+                        })
+                        .collect();
+                    let mx = scores.iter().fold(f64::MIN, |m, v| m.max(*v));
+                    let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
+                    let mut want = vec![0f64; hd];
+                    for (j, s) in scores.iter().enumerate() {
+                        let p = (s - mx).exp() / z;
+                        let vj = &vals[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                        for (w, v) in want.iter_mut().zip(vj) {
+                            *w += p * *v as f64;
+                        }
+                    }
+                    let at = (i * heads + hh) * hd;
+                    let what =
+                        format!("attention {heads}/{kv_heads}x{hd} pos {pos} token {i} head {hh}");
+                    check(&got[at..at + hd], &want, &vec![1e-5 * vmax; hd], &what);
+                }
+            }
+        }
+    }
+}
+
+/// The `route` checks of [`all`].
+pub(crate) fn route<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0009);
+    let mut compared = 0;
+    let mut tokens = 0;
+    for (experts, top_k, cols, enc) in [
+        (8, 2, 64, Enc::Int8),
+        (64, 4, 256, Enc::Int4),
+        (60, 4, HIDDEN, Enc::Bf16),
+    ] {
+        let w = Weights::new(enc, experts, cols, &mut rng);
+        let bw = b.weights(w.matrix()).unwrap();
+        let n = 5;
+        let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 4.0).collect();
+        for renormalize in [false, true] {
+            let r = b.route(&bw, &up(b, &x), top_k, renormalize).unwrap();
+            assert_eq!(r.top_k, top_k);
+            assert_eq!((r.experts.len(), r.weights.len()), (n * top_k, n * top_k));
+            for t in 0..n {
+                tokens += 1;
+                let exact = w.apply(&f64s(&x[t * cols..(t + 1) * cols]));
+                let logits: Vec<f64> = exact.iter().map(|v| v.0).collect();
+                // The most any logit may be off by (the linear bound).
+                let err = exact.iter().fold(0.0f64, |m, v| m.max(2e-5 * v.1));
+                let mx = logits.iter().fold(f64::MIN, |m, v| m.max(*v));
+                let z: f64 = logits.iter().map(|l| (l - mx).exp()).sum();
+                let p: Vec<f64> = logits.iter().map(|l| (l - mx).exp() / z).collect();
+                let mut idx: Vec<usize> = (0..experts).collect();
+                idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+                if top_k < experts && logits[idx[top_k - 1]] - logits[idx[top_k]] <= 2.0 * err {
+                    continue;
+                }
+                compared += 1;
+                let got = &r.experts[t * top_k..(t + 1) * top_k];
+                let want: Vec<u32> = idx[..top_k].iter().map(|&e| e as u32).collect();
+                assert_eq!(got, want, "route {experts}/{top_k} token {t}");
+                let sum: f64 = idx[..top_k].iter().map(|&e| p[e]).sum();
+                for (j, &e) in idx[..top_k].iter().enumerate() {
+                    let want = if renormalize { p[e] / sum } else { p[e] };
+                    let g = r.weights[t * top_k + j] as f64;
+                    // A softmax moves by at most twice its inputs' largest error,
+                    // relative; renormalising by a sum of such values, twice that.
+                    let bound = (4.0 * err + 1e-5) * want;
+                    assert!((g - want).abs() <= bound, "route weight {g} vs {want}");
+                }
+            }
+        }
+    }
+    assert!(
+        compared * 10 >= tokens * 9,
+        "only {compared} of {tokens} tokens had a clear top-k"
+    );
+    // Identical router rows: every probability ties, and the lowest ids win.
+    let row = rng.vec(64);
+    let vals: Vec<f32> = (0..6).flat_map(|_| row.clone()).collect();
+    let w = Weights::from_values(Enc::Int4, 6, 64, &vals);
+    let r = b
+        .route(
+            &b.weights(w.matrix()).unwrap(),
+            &up(b, &rng.vec(2 * 64)),
+            3,
+            true,
+        )
+        .unwrap();
+    assert_eq!(r.experts, [0, 1, 2, 0, 1, 2], "ties go to the lower id");
+    for g in &r.weights {
+        assert!((*g as f64 - 1.0 / 3.0).abs() <= 1e-6, "tied weights {g}");
+    }
+}
+
+/// An expert pool of `experts` blobs (gate, up, down) and its layout.
+fn pool(
+    enc: Enc,
+    experts: usize,
+    h: usize,
+    i: usize,
+    rng: &mut Rng,
+) -> (ExpertPool, Vec<[Weights; 3]>, Vec<Vec<u8>>) {
+    let mut parts = Vec::new();
+    let mut offset = 0u64;
+    for (part, rows, cols) in [
+        (ExpertPart::Gate, i, h),
+        (ExpertPart::Up, i, h),
+        (ExpertPart::Down, h, i),
+    ] {
+        let (weights, scales) = match enc {
+            Enc::Int4 | Enc::Int8 => {
+                let bits = if enc == Enc::Int4 { 4 } else { 8 };
+                let (wr, sr) = quant_row_bytes(bits, GROUP, cols);
+                ((rows * wr) as u64, (rows * sr) as u64)
+            }
+            _ => ((rows * cols * 2) as u64, 0),
+        };
+        parts.push(BlobPart {
+            part,
+            rows: rows as u64,
+            cols: cols as u64,
+            offset,
+            weights,
+            scales,
+            biases: scales,
+            scheme: None,
+        });
+        offset += weights + 2 * scales;
+    }
+    let blob_bytes = offset;
+    let stride = blob_bytes.next_multiple_of(crate::format::PAGE);
+    let p = ExpertPool {
+        file: "packed_experts/test.bin".into(),
+        layer: 0,
+        sidecar: None,
+        experts: experts as u64,
+        scheme: match enc {
+            Enc::Int4 => Scheme::Int4G64,
+            Enc::Int8 => Scheme::Int8G64,
+            _ => Scheme::Passthrough,
+        },
+        dtype: Dtype::BF16,
+        blob_bytes,
+        stride,
+        parts,
+        file_bytes: experts as u64 * stride,
+    };
+    assert!(p.layout_errors().is_empty(), "{:?}", p.layout_errors());
+    let mut ws = Vec::new();
+    let mut blobs = Vec::new();
+    for _ in 0..experts {
+        let w = [
+            Weights::new(enc, i, h, rng),
+            Weights::new(enc, i, h, rng),
+            Weights::new(enc, h, i, rng),
+        ];
+        blobs.push(w.iter().flat_map(|w| w.parts.concat()).collect());
+        ws.push(w);
+    }
+    (p, ws, blobs)
+}
+
+/// The `experts` checks of [`all`].
+pub(crate) fn experts<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_000A);
+    for (enc, h, i) in [
+        (Enc::Int4, 128, 192),
+        (Enc::Int8, 64, 64),
+        (Enc::Bf16, 64, 96),
+    ] {
+        let (p, ws, blobs) = pool(enc, 3, h, i, &mut rng);
+        let n = 5;
+        let x = rng.vec(n * h);
+        // Two slots; expert 2 takes slot 0 over expert 0 (a refill), then the mapped path.
+        // (expert, slot, routes)
+        let uses = [
+            (0, Some(0), vec![(0, 0.3), (3, 0.7)]),
+            (1, Some(1), vec![(1, 0.5), (3, 0.2), (4, 1.0)]),
+            (2, Some(0), vec![(0, 0.25), (2, 1.5)]),
+            (1, None, vec![(2, 0.125)]),
+        ];
+        let slots = b.expert_slots(Some(2), &[&p]).unwrap();
+        let start = rng.vec(n * h);
+        let mut out = up(b, &start);
+        let mut want = f64s(&start);
+        let mut bound = vec![0f64; n * h];
+        for (e, slot, routes) in &uses {
+            let blob = ExpertRef {
+                pool: &p,
+                layer: 0,
+                expert: *e,
+                slot: *slot,
+                bytes: &blobs[*e],
+            };
+            let ex = b.expert(&slots, blob).unwrap();
+            b.expert_ffn(&ex, &up(b, &x), routes, &mut out).unwrap();
+            let [g, u, d] = &ws[*e];
+            for &(t, wt) in routes {
+                let (y, yb) = mlp_reference(g, u, d, &x[t * h..(t + 1) * h]);
+                for k in 0..h {
+                    want[t * h + k] += wt as f64 * y[k];
+                    bound[t * h + k] += wt as f64 * yb[k] + 1e-6 * want[t * h + k].abs();
+                }
+            }
+        }
+        check(
+            &down(b, &out),
+            &want,
+            &bound,
+            &format!("expert_ffn {enc:?} {h}/{i}"),
+        );
+    }
+}
+
+/// One test per group of ops on the CPU backend (two threads, native loops), so a
+/// failure names its op; the portable single-thread loops run them all at once.
+macro_rules! cpu_checks {
+    ($($op:ident),*) => {
+        mod cpu {
+            $(
+                #[test]
+                fn $op() {
+                    super::$op(&super::Cpu::new(2));
+                }
+            )*
+        }
+    };
+}
+
+cpu_checks!(
+    data,
+    linear,
+    embed,
+    norms,
+    elementwise,
+    ffn,
+    rope,
+    attention,
+    route,
+    experts
+);
+
+#[test]
+fn the_portable_single_thread_cpu_backend_meets_the_seam_contract() {
+    all(&Cpu::portable(1));
+}
+
+#[test]
+fn weights_fixture_decodes_what_the_kernels_compute() {
+    // The reference's own decoding agrees with the kernel row widening bit for bit, so
+    // the checks above compare against the right numbers.
+    let mut rng = Rng(0xC0FF_000B);
+    for enc in [Enc::Int4, Enc::Int8, Enc::Bf16, Enc::F16, Enc::F32] {
+        let w = Weights::new(enc, 4, 128, &mut rng);
+        for r in 0..4 {
+            let mut out = vec![0f32; 128];
+            w.matrix().widen_row(r, &mut out);
+            assert_eq!(out, w.row(r).0, "{enc:?} row {r}");
+        }
+    }
+}

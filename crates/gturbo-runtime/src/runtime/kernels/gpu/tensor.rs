@@ -1,0 +1,546 @@
+//! Device-owned data: activation tensors, uploaded weight matrices, the RoPE table,
+//! the KV cache and the expert slot buffer.
+
+use std::sync::{Arc, Mutex};
+
+use super::context::GpuContext;
+use super::ops::Scratch;
+use super::{GpuError, Result};
+use crate::format::dtype::Dtype;
+use crate::format::pools::ExpertPool;
+use crate::format::quant::GROUP;
+use crate::runtime::kernels::Matrix;
+
+/// Element type of a [`GpuTensor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    /// Activations, probabilities, weights of routed experts.
+    F32,
+    /// Token and expert ids.
+    U32,
+}
+
+/// A device buffer of f32 or u32 elements with a row-major shape.
+#[derive(Debug, Clone)]
+pub struct GpuTensor {
+    pub(crate) buf: Arc<wgpu::Buffer>,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl GpuTensor {
+    pub(crate) fn new(buf: Arc<wgpu::Buffer>, shape: &[usize], dtype: DType) -> GpuTensor {
+        GpuTensor {
+            buf,
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+
+    /// The shape, outermost first.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Elements (the product of the shape).
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether two tensors share device memory.
+    pub(crate) fn aliases(&self, other: &GpuTensor) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
+    }
+}
+
+/// How a [`GpuMatrix`] stores its elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// MLX affine: packed codes, BF16 scale and bias per group.
+    Affine {
+        /// Bits per code.
+        bits: u32,
+        /// Codes per group.
+        group: u32,
+    },
+    /// BF16 elements.
+    Bf16,
+    /// IEEE half elements.
+    F16,
+    /// f32 elements.
+    F32,
+}
+
+impl Encoding {
+    /// The code the float kernels take as `DTYPE` (f32 0, BF16 1, F16 2), or 3 for
+    /// affine (the embed kernel's `ENCODING`).
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Encoding::F32 => 0,
+            Encoding::Bf16 => 1,
+            Encoding::F16 => 2,
+            Encoding::Affine { .. } => 3,
+        }
+    }
+}
+
+/// A weight matrix `[rows, cols]` in device memory: its own upload, or a view into
+/// an [`ExpertSlots`] slot.
+#[derive(Debug, Clone)]
+pub struct GpuMatrix {
+    pub(crate) buf: Arc<wgpu::Buffer>,
+    pub(crate) encoding: Encoding,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    /// Affine: first code word; float: first element (words for f32, half-words for
+    /// 16-bit types).
+    pub(crate) w_off: u32,
+    /// Affine: half-word index of the first scale and the first bias.
+    pub(crate) s_off: u32,
+    pub(crate) b_off: u32,
+}
+
+impl GpuMatrix {
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The storage encoding.
+    pub fn encoding(&self) -> Encoding {
+        self.encoding
+    }
+
+    /// Bytes a product reads (codes, scales, biases, or elements).
+    pub fn weight_bytes(&self) -> usize {
+        let n = self.rows * self.cols;
+        match self.encoding {
+            Encoding::Affine { bits, group } => {
+                n * bits as usize / 8 + 2 * 2 * (n / group as usize)
+            }
+            Encoding::Bf16 | Encoding::F16 => 2 * n,
+            Encoding::F32 => 4 * n,
+        }
+    }
+
+    /// Upload `m` (checked first; never panics on a bad matrix).
+    pub fn upload(ctx: &GpuContext, m: &Matrix, label: &str) -> Result<GpuMatrix> {
+        m.check()?;
+        let (rows, cols) = (m.rows(), m.cols());
+        let (encoding, parts): (Encoding, Vec<&[u8]>) = match *m {
+            Matrix::Quant {
+                bits,
+                group,
+                weights,
+                scales,
+                biases,
+                ..
+            } => {
+                // Every width and group `Matrix::check` accepts (MLX's 2, 3, 4, 5, 6
+                // and 8 bits in groups of 32, 64 and 128) has a kernel; the WGSL
+                // reads codes as the same dense bit stream the CPU does.
+                let group32 = u32::try_from(group).unwrap_or(0);
+                if !matches!(bits, 2..=6 | 8) || !matches!(group32, 32 | 64 | 128) {
+                    return Err(GpuError::Shape {
+                        op: "upload",
+                        message: format!(
+                            "{label}: int{bits}_g{group} has no GPU kernel (widths 2-6 and 8, \
+                             groups 32, 64, 128); use --backend cpu"
+                        ),
+                    });
+                }
+                (
+                    Encoding::Affine {
+                        bits,
+                        group: group32,
+                    },
+                    vec![weights, scales, biases],
+                )
+            }
+            Matrix::Bf16 { data, .. } => (Encoding::Bf16, vec![data]),
+            Matrix::F16 { data, .. } => (Encoding::F16, vec![data]),
+            Matrix::F32 { data, .. } => (Encoding::F32, vec![data]),
+        };
+        // One buffer: codes (a whole number of words, since cols is a multiple of the
+        // group and 32 codes of any width fill whole words),
+        // then scales and biases addressed as half-words.
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut bytes = Vec::with_capacity(total.next_multiple_of(4));
+        for p in &parts {
+            bytes.extend_from_slice(p);
+        }
+        let buf = ctx.upload_bytes(label, &bytes)?;
+        let (w_off, s_off, b_off) = match parts.as_slice() {
+            [w, s, _] => (0, half_index(w.len())?, half_index(w.len() + s.len())?),
+            _ => (0, 0, 0),
+        };
+        Ok(GpuMatrix {
+            buf,
+            encoding,
+            rows,
+            cols,
+            w_off,
+            s_off,
+            b_off,
+        })
+    }
+}
+
+fn half_index(bytes: usize) -> Result<u32> {
+    u32::try_from(bytes / 2).map_err(|_| GpuError::TooLarge {
+        what: "a matrix addressed by 16-bit index".into(),
+        bytes: bytes as u64,
+        limit: u64::from(u32::MAX) * 2,
+    })
+}
+
+/// cos and sin of every (position, frequency) pair, built on the host exactly as the
+/// CPU runner builds them: `inv_freq_i = θ^(-2i/rot)` in f64 rounded to f32, then
+/// `(pos as f32 · inv_freq_i).sin_cos()` in f32. It takes `positions · rot · 4`
+/// bytes of device memory (SmolLM2's 8192 positions at width 64: 2 MiB).
+#[derive(Debug, Clone)]
+pub struct RopeTable {
+    pub(crate) table: GpuTensor,
+    pub(crate) rot: usize,
+    positions: usize,
+}
+
+impl RopeTable {
+    /// A table for rotating the first `rot` dims of each head (`rot` even; the head
+    /// width for full RoPE) at positions `0..positions`.
+    pub fn new(ctx: &GpuContext, rot: usize, theta: f64, positions: usize) -> Result<RopeTable> {
+        if rot == 0 || !rot.is_multiple_of(2) {
+            return Err(GpuError::Shape {
+                op: "rope table",
+                message: format!("rotary width {rot} is not a positive even number"),
+            });
+        }
+        let half = rot / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| (1.0 / theta.powf(2.0 * i as f64 / rot as f64)) as f32)
+            .collect();
+        RopeTable::from_inv_freq(ctx, &inv_freq, positions)
+    }
+
+    /// A table for the frequencies `inv_freq` (the first `2·inv_freq.len()` dims of
+    /// each head rotate) at positions `0..positions`.
+    pub fn from_inv_freq(
+        ctx: &GpuContext,
+        inv_freq: &[f32],
+        positions: usize,
+    ) -> Result<RopeTable> {
+        let rot = 2 * inv_freq.len();
+        if rot == 0 {
+            return Err(GpuError::Shape {
+                op: "rope table",
+                message: "no frequencies".into(),
+            });
+        }
+        let mut t = Vec::with_capacity(positions * rot);
+        for pos in 0..positions {
+            for f in inv_freq {
+                let (s, c) = (pos as f32 * f).sin_cos();
+                t.push(c);
+                t.push(s);
+            }
+        }
+        Ok(RopeTable {
+            table: ctx.upload_f32(&[positions, inv_freq.len(), 2], &t)?,
+            rot,
+            positions,
+        })
+    }
+
+    /// Rotated dims per head.
+    pub fn rot(&self) -> usize {
+        self.rot
+    }
+
+    /// Positions covered.
+    pub fn positions(&self) -> usize {
+        self.positions
+    }
+}
+
+/// One layer's KV cache: keys and values `[capacity, kv_heads·head_dim]`, f32.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    pub(crate) k: GpuTensor,
+    pub(crate) v: GpuTensor,
+    pub(crate) capacity: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `capacity` positions.
+    pub fn new(
+        ctx: &GpuContext,
+        capacity: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<KvCache> {
+        let shape = [capacity, kv_heads * head_dim];
+        Ok(KvCache {
+            k: ctx.zeros(&shape, DType::F32)?,
+            v: ctx.zeros(&shape, DType::F32)?,
+            capacity,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// Positions it holds at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// Where one projection sits inside a blob, in the units the kernels address.
+#[derive(Debug, Clone, Copy)]
+struct PartView {
+    rows: usize,
+    cols: usize,
+    /// Byte offsets inside the blob.
+    offset: usize,
+    weights: usize,
+    scales: usize,
+}
+
+/// A device buffer of `slots` expert blobs of one pool geometry (gate, up, down as
+/// [`ExpertPool`] lays them out), filled from the host's `pread` buffers.
+#[derive(Debug)]
+pub struct ExpertSlots {
+    pub(crate) buf: Arc<wgpu::Buffer>,
+    slots: usize,
+    /// Bytes between slots: the blob rounded up to 256 (every offset stays a whole
+    /// number of words and of elements), or the pool's stride for a whole pool.
+    pub(crate) slot_bytes: usize,
+    blob_bytes: usize,
+    encoding: Encoding,
+    parts: [PartView; 3],
+    /// Expert width and model width.
+    pub(crate) inter: usize,
+    pub(crate) hidden: usize,
+    /// Activations of the expert products, grown to the most tokens seen.
+    scratch: Mutex<Option<Scratch>>,
+}
+
+impl ExpertSlots {
+    /// `slots` slots for blobs of `pool`'s geometry (checked with
+    /// [`ExpertPool::layout_errors`]).
+    pub fn new(ctx: &GpuContext, pool: &ExpertPool, slots: usize) -> Result<ExpertSlots> {
+        ExpertSlots::make(ctx, pool, slots, None)
+    }
+
+    /// A layer's whole pool file (`pool.experts` blobs, `pool.stride` apart), as
+    /// mapped, uploaded once: slot `e` is expert `e` (resident experts).
+    pub fn whole_pool(ctx: &GpuContext, pool: &ExpertPool, bytes: &[u8]) -> Result<ExpertSlots> {
+        let experts = usize::try_from(pool.experts).unwrap_or(usize::MAX);
+        if bytes.len() as u64 != pool.file_bytes {
+            return Err(GpuError::Shape {
+                op: "expert pool",
+                message: format!(
+                    "pool {}: {} bytes mapped, the manifest says {}",
+                    pool.file,
+                    bytes.len(),
+                    pool.file_bytes
+                ),
+            });
+        }
+        ExpertSlots::make(ctx, pool, experts, Some(bytes))
+    }
+
+    fn make(
+        ctx: &GpuContext,
+        pool: &ExpertPool,
+        slots: usize,
+        whole: Option<&[u8]>,
+    ) -> Result<ExpertSlots> {
+        let bad = |message: String| GpuError::Shape {
+            op: "expert slots",
+            message: format!("pool {}: {message}", pool.file),
+        };
+        if let Some(e) = pool.layout_errors().first() {
+            return Err(bad(e.to_string()));
+        }
+        if slots == 0 {
+            return Err(bad("zero slots".into()));
+        }
+        let encoding = match (pool.scheme.bits(), pool.dtype) {
+            (Some(bits), _) => Encoding::Affine {
+                bits,
+                group: pool.scheme.group().unwrap_or(GROUP as u32),
+            },
+            (None, Dtype::BF16) => Encoding::Bf16,
+            (None, Dtype::F16) => Encoding::F16,
+            (None, Dtype::F32) => Encoding::F32,
+            (None, d) => return Err(bad(format!("experts stored as {d:?} cannot be computed"))),
+        };
+        let to = |v: u64| usize::try_from(v).map_err(|_| bad(format!("{v} does not fit")));
+        let mut parts = [PartView {
+            rows: 0,
+            cols: 0,
+            offset: 0,
+            weights: 0,
+            scales: 0,
+        }; 3];
+        for (view, p) in parts.iter_mut().zip(&pool.parts) {
+            *view = PartView {
+                rows: to(p.rows)?,
+                cols: to(p.cols)?,
+                offset: to(p.offset)?,
+                weights: to(p.weights)?,
+                scales: to(p.scales)?,
+            };
+            let align = match encoding {
+                Encoding::Affine { .. } | Encoding::F32 => 4,
+                Encoding::Bf16 | Encoding::F16 => 2,
+            };
+            if !view.offset.is_multiple_of(align) {
+                return Err(bad(format!(
+                    "part {:?} at byte {} is not {align}-byte aligned",
+                    p.part, p.offset
+                )));
+            }
+        }
+        let (inter, hidden) = (parts[0].rows, parts[0].cols);
+        if parts[1].rows != inter
+            || parts[1].cols != hidden
+            || parts[2].rows != hidden
+            || parts[2].cols != inter
+        {
+            return Err(bad(format!(
+                "parts of shapes {:?} are not gate/up [I, H] and down [H, I]",
+                pool.parts
+                    .iter()
+                    .map(|p| (p.rows, p.cols))
+                    .collect::<Vec<_>>()
+            )));
+        }
+        let blob_bytes = to(pool.blob_bytes)?;
+        let slot_bytes = match whole {
+            // layout_errors checked that the stride is the blob rounded up to a page.
+            Some(_) => to(pool.stride)?,
+            None => blob_bytes.next_multiple_of(256),
+        };
+        let total = slot_bytes
+            .checked_mul(slots)
+            .ok_or_else(|| bad("slot buffer size overflows".into()))?;
+        let buf = match whole {
+            Some(bytes) => ctx.upload_bytes("expert pool", bytes)?,
+            None => ctx.buffer("expert slots", total as u64)?,
+        };
+        Ok(ExpertSlots {
+            buf,
+            slots,
+            slot_bytes,
+            blob_bytes,
+            encoding,
+            parts,
+            inter,
+            hidden,
+            scratch: Mutex::new(None),
+        })
+    }
+
+    /// Scratch buffers for `tokens` rows (reused; dispatches that read the old ones
+    /// are already recorded, and recording order is execution order).
+    pub(crate) fn scratch(&self, ctx: &GpuContext, tokens: usize) -> Result<Scratch> {
+        let mut s = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = s.as_ref().filter(|s| s.tokens >= tokens) {
+            return Ok(s.clone());
+        }
+        let f = |w: usize| ctx.buffer("expert scratch", (tokens * w * 4) as u64);
+        let new = Scratch {
+            tokens,
+            xs: f(self.hidden)?,
+            g: f(self.inter)?,
+            u: f(self.inter)?,
+            d: f(self.hidden)?,
+        };
+        *s = Some(new.clone());
+        Ok(new)
+    }
+
+    /// Slots in the buffer.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Copy one expert blob (as read from its pool) into `slot`. Recorded in order
+    /// with the dispatches: work recorded before sees the old contents.
+    pub fn fill(&self, ctx: &GpuContext, slot: usize, blob: &[u8]) -> Result<()> {
+        if slot >= self.slots || blob.len() != self.blob_bytes {
+            return Err(GpuError::Shape {
+                op: "expert slot fill",
+                message: format!(
+                    "slot {slot} of {}, blob of {} bytes (the pool's are {})",
+                    self.slots,
+                    blob.len(),
+                    self.blob_bytes
+                ),
+            });
+        }
+        ctx.write_bytes(&self.buf, (slot * self.slot_bytes) as u64, blob)
+    }
+
+    /// The gate, up and down matrices of `slot`.
+    pub fn matrices(&self, slot: usize) -> Result<[GpuMatrix; 3]> {
+        if slot >= self.slots {
+            return Err(GpuError::Shape {
+                op: "expert slot",
+                message: format!("slot {slot} of {}", self.slots),
+            });
+        }
+        let base = slot * self.slot_bytes;
+        let view = |p: &PartView| -> Result<GpuMatrix> {
+            let at = base + p.offset;
+            let idx = |v: usize| {
+                u32::try_from(v).map_err(|_| GpuError::TooLarge {
+                    what: "the expert slot buffer".into(),
+                    bytes: (self.slot_bytes * self.slots) as u64,
+                    limit: u64::from(u32::MAX),
+                })
+            };
+            let (w_off, s_off, b_off) = match self.encoding {
+                Encoding::Affine { .. } => (
+                    idx(at / 4)?,
+                    idx((at + p.weights) / 2)?,
+                    idx((at + p.weights + p.scales) / 2)?,
+                ),
+                Encoding::F32 => (idx(at / 4)?, 0, 0),
+                Encoding::Bf16 | Encoding::F16 => (idx(at / 2)?, 0, 0),
+            };
+            Ok(GpuMatrix {
+                buf: self.buf.clone(),
+                encoding: self.encoding,
+                rows: p.rows,
+                cols: p.cols,
+                w_off,
+                s_off,
+                b_off,
+            })
+        };
+        Ok([
+            view(&self.parts[0])?,
+            view(&self.parts[1])?,
+            view(&self.parts[2])?,
+        ])
+    }
+}

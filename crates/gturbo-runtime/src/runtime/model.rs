@@ -1,0 +1,529 @@
+//! The decoder runner: one transformer decoder parametrised by the install's axes,
+//! covering `llama` (tied head), `qwen3` (QK-norm) and `qwen3_moe` (routed experts).
+//!
+//! Numerics follow mlx-lm's models with f32 activations: RMSNorm
+//! `x · rsqrt(mean(x²) + ε) · w`; RoPE in the rotate-half (Hugging Face) layout,
+//! `inv_freq_i = θ^(-2i/d)`; softmax attention scaled by `1/√head_dim`; SwiGLU
+//! `down(silu(gate x) · up x)`; MoE routing `softmax(router x)` over all experts,
+//! top-k, optionally renormalised to sum 1 (`norm_topk_prob`).
+//!
+//! The runner is written once against [`Backend`]: weights, norms, activations and the
+//! KV cache are the backend's tensors, and each step is one of its operations, so the
+//! same code runs on the CPU and on a device. The host keeps what only it can do: the
+//! input checks, the expert store (blobs pinned in the slot cache while an expert
+//! runs) and the logits handed back for sampling.
+
+use super::error::{InputError, RunError};
+use super::experts::ExpertMode;
+use super::gate::{QK_NORM, ROUTED_MOE};
+use super::kernels::{Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain};
+use super::load::Install;
+use crate::format::manifest::{self, Manifest};
+
+/// Architecture numbers read from the manifest's `arch.axes`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Model width.
+    pub hidden: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Dense MLP width (0 for MoE models).
+    pub intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Per-head RMSNorm of q and k.
+    pub qk_norm: bool,
+    /// Routed experts, when the install has them.
+    pub moe: Option<MoeConfig>,
+    /// Longest sequence (prompt + generated), from `max_position_embeddings`.
+    pub max_positions: usize,
+}
+
+/// Routed-expert settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per layer.
+    pub experts: usize,
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// Expert MLP width.
+    pub intermediate: usize,
+    /// Renormalise the top-k probabilities to sum 1.
+    pub norm_topk_prob: bool,
+}
+
+fn axis_err(m: &Manifest, axis: &str, msg: &str) -> RunError {
+    RunError::invalid(
+        manifest::FILE_NAME,
+        format!("arch.axes.{axis} (family {}): {msg}", m.family),
+    )
+}
+
+fn axis_usize(m: &Manifest, axis: &str) -> Result<Option<usize>, RunError> {
+    match m.arch.axes.get(axis) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n > 0 && n < 1 << 32)
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| axis_err(m, axis, &format!("{v} is not a positive integer"))),
+    }
+}
+
+fn need_usize(m: &Manifest, axis: &str) -> Result<usize, RunError> {
+    axis_usize(m, axis)?.ok_or_else(|| axis_err(m, axis, "missing"))
+}
+
+fn axis_f64(m: &Manifest, axis: &str) -> Result<Option<f64>, RunError> {
+    match m.arch.axes.get(axis) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .filter(|f| f.is_finite() && *f > 0.0)
+            .map(Some)
+            .ok_or_else(|| axis_err(m, axis, &format!("{v} is not a positive number"))),
+    }
+}
+
+fn axis_bool(m: &Manifest, axis: &str) -> Result<Option<bool>, RunError> {
+    match m.arch.axes.get(axis) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| axis_err(m, axis, &format!("{v} is not a boolean"))),
+    }
+}
+
+impl Config {
+    /// Read the decoder's numbers from the manifest. Defaults follow the Hugging Face
+    /// configs: `head_dim = hidden / heads`, `norm_topk_prob = false`,
+    /// `rms_norm_eps = 1e-6`, `rope_theta = 10000`.
+    pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
+        // The install's own rules first (the planner checked the config with them).
+        crate::format::axes::check(&m.arch.axes).map_err(|e| axis_err(m, &e.axis, &e.detail))?;
+        if m.arch
+            .axes
+            .get("rope_scaling")
+            .is_some_and(|v| !v.is_null())
+        {
+            return Err(axis_err(
+                m,
+                "rope_scaling",
+                "RoPE scaling is not implemented by the decoder runner (only plain RoPE)",
+            ));
+        }
+        let hidden = need_usize(m, "hidden_size")?;
+        let heads = need_usize(m, "num_attention_heads")?;
+        let kv_heads = axis_usize(m, "num_key_value_heads")?.unwrap_or(heads);
+        if heads % kv_heads != 0 {
+            return Err(axis_err(
+                m,
+                "num_key_value_heads",
+                &format!("{kv_heads} does not divide num_attention_heads {heads}"),
+            ));
+        }
+        let head_dim = axis_usize(m, "head_dim")?.unwrap_or(hidden / heads);
+        if head_dim % 2 != 0 || head_dim == 0 {
+            return Err(axis_err(m, "head_dim", "RoPE needs an even head width"));
+        }
+        let moe = if m.arch.required_axes.iter().any(|a| a == ROUTED_MOE) {
+            Some(MoeConfig {
+                experts: need_usize(m, "num_experts")?,
+                top_k: need_usize(m, "num_experts_per_tok")?,
+                intermediate: need_usize(m, "moe_intermediate_size")?,
+                norm_topk_prob: axis_bool(m, "norm_topk_prob")?.unwrap_or(false),
+            })
+        } else {
+            None
+        };
+        if let Some(moe) = &moe
+            && moe.top_k > moe.experts
+        {
+            return Err(axis_err(m, "num_experts_per_tok", "more than num_experts"));
+        }
+        Ok(Config {
+            hidden,
+            layers: need_usize(m, "num_layers")?,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate: if moe.is_some() {
+                0
+            } else {
+                need_usize(m, "intermediate_size")?
+            },
+            vocab: need_usize(m, "vocab_size")?,
+            rope_theta: axis_f64(m, "rope_theta")?.unwrap_or(10_000.0),
+            eps: axis_f64(m, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM),
+            moe,
+            max_positions: axis_usize(m, "max_position_embeddings")?.unwrap_or(1 << 16),
+        })
+    }
+}
+
+enum Mlp<'a, B: Backend> {
+    Dense {
+        gate: B::Weights<'a>,
+        up: B::Weights<'a>,
+        down: B::Weights<'a>,
+    },
+    Moe {
+        router: B::Weights<'a>,
+    },
+}
+
+struct Layer<'a, B: Backend> {
+    input_norm: B::Buf,
+    post_norm: B::Buf,
+    q: B::Weights<'a>,
+    k: B::Weights<'a>,
+    v: B::Weights<'a>,
+    o: B::Weights<'a>,
+    q_norm: Option<B::Buf>,
+    k_norm: Option<B::Buf>,
+    mlp: Mlp<'a, B>,
+}
+
+/// A loaded decoder over an install's mapped weights, computing on `B`.
+pub struct Model<'a, B: Backend> {
+    /// Architecture numbers.
+    pub cfg: Config,
+    install: &'a Install,
+    backend: &'a B,
+    embed: B::Weights<'a>,
+    /// `None` when the head is tied to the embedding (no second upload).
+    head: Option<B::Weights<'a>>,
+    final_norm: B::Buf,
+    layers: Vec<Layer<'a, B>>,
+    rope: B::Rope,
+    slots: B::Slots,
+}
+
+/// Per-sequence state: the KV cache of every layer.
+pub struct Session<B: Backend> {
+    kv: Vec<B::Kv>,
+    /// Tokens already in the cache.
+    pub pos: usize,
+}
+
+impl<'a, B: Backend> Model<'a, B> {
+    /// Bind the install's tensors (no weight bytes are read here beyond norms; a
+    /// device backend uploads them).
+    pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
+        let cfg = Config::from_manifest(&install.manifest)?;
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let b = backend;
+        let matrix = |name: &str, rows, cols| -> Result<B::Weights<'a>, RunError> {
+            Ok(b.weights(install.matrix(name, rows, cols)?)?)
+        };
+        let vector = |name: &str, len| -> Result<B::Buf, RunError> {
+            Ok(b.upload(&install.vector(name, len)?)?)
+        };
+        let embed = matrix("model.embed_tokens.weight", cfg.vocab, h)?;
+        // A checkpoint without `lm_head.weight` ties the head to the embedding.
+        let head = if install.has("lm_head.weight") {
+            Some(matrix("lm_head.weight", cfg.vocab, h)?)
+        } else {
+            None
+        };
+        // The axis against the tensors present: a layer past the last is a manifest
+        // that lies about its depth.
+        if install.has(&format!(
+            "model.layers.{}.input_layernorm.weight",
+            cfg.layers
+        )) {
+            return Err(axis_err(
+                &install.manifest,
+                "num_layers",
+                &format!(
+                    "{}, but the install holds tensors of layer {}",
+                    cfg.layers, cfg.layers
+                ),
+            ));
+        }
+        let mut layers = Vec::new();
+        layers.try_reserve_exact(cfg.layers).map_err(|_| {
+            axis_err(
+                &install.manifest,
+                "num_layers",
+                &format!("{} layers do not fit in memory", cfg.layers),
+            )
+        })?;
+        let mut pools = Vec::new();
+        for l in 0..cfg.layers {
+            let p = format!("model.layers.{l}.");
+            let t = |n: &str| format!("{p}{n}");
+            let mlp = match &cfg.moe {
+                Some(moe) => {
+                    let pool = install.experts.pool(l).ok_or_else(|| {
+                        RunError::invalid(
+                            manifest::FILE_NAME,
+                            format!("no expert pool for layer {l}"),
+                        )
+                    })?;
+                    let i = moe.intermediate as u64;
+                    let want = [(i, h as u64), (i, h as u64), (h as u64, i)];
+                    let got: Vec<(u64, u64)> =
+                        pool.parts.iter().map(|b| (b.rows, b.cols)).collect();
+                    if pool.experts != moe.experts as u64 || got != want {
+                        return Err(RunError::invalid(
+                            &pool.file,
+                            format!(
+                                "{} experts of shapes {got:?}, the config implies {} of {want:?}",
+                                pool.experts, moe.experts
+                            ),
+                        ));
+                    }
+                    pools.push(pool);
+                    Mlp::Moe {
+                        router: matrix(&t("mlp.gate.weight"), moe.experts, h)?,
+                    }
+                }
+                None => Mlp::Dense {
+                    gate: matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
+                    up: matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
+                    down: matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
+                },
+            };
+            layers.push(Layer {
+                input_norm: vector(&t("input_layernorm.weight"), h)?,
+                post_norm: vector(&t("post_attention_layernorm.weight"), h)?,
+                q: matrix(&t("self_attn.q_proj.weight"), cfg.heads * hd, h)?,
+                k: matrix(&t("self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
+                v: matrix(&t("self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
+                o: matrix(&t("self_attn.o_proj.weight"), h, cfg.heads * hd)?,
+                q_norm: cfg
+                    .qk_norm
+                    .then(|| vector(&t("self_attn.q_norm.weight"), hd))
+                    .transpose()?,
+                k_norm: cfg
+                    .qk_norm
+                    .then(|| vector(&t("self_attn.k_norm.weight"), hd))
+                    .transpose()?,
+                mlp,
+            });
+        }
+        let inv_freq: Vec<f32> = (0..hd / 2)
+            .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
+            .collect();
+        let slots = match install.experts.mode() {
+            ExpertMode::Slots(n) => Some(n),
+            ExpertMode::Resident => None,
+        };
+        let expert_slots = b.expert_slots(slots, &pools)?;
+        for l in 0..cfg.layers {
+            if let (Some(bytes), Some(pool)) = (install.experts.mapped(l), install.experts.pool(l))
+            {
+                let layer = LayerExperts {
+                    pool,
+                    layer: l,
+                    bytes,
+                };
+                b.load_experts(&expert_slots, layer)?;
+            }
+        }
+        Ok(Model {
+            final_norm: vector("model.norm.weight", h)?,
+            rope: b.rope_table(&inv_freq, cfg.max_positions)?,
+            slots: expert_slots,
+            cfg,
+            install,
+            backend,
+            embed,
+            head,
+            layers,
+        })
+    }
+
+    /// An empty session; its KV caches are made by the first forward pass (which can
+    /// report a device's allocation failure).
+    pub fn session(&self) -> Session<B> {
+        Session {
+            kv: Vec::new(),
+            pos: 0,
+        }
+    }
+
+    /// The backend the model computes on.
+    pub fn backend(&self) -> &'a B {
+        self.backend
+    }
+
+    /// Run `tokens` (appended after the session's cache) through the model. Returns
+    /// the logits of every position (`tokens.len() × vocab`) when `all` is true, else
+    /// those of the last position only.
+    pub fn forward(
+        &self,
+        s: &mut Session<B>,
+        tokens: &[u32],
+        all: bool,
+    ) -> Result<Vec<f32>, RunError> {
+        let c = &self.cfg;
+        let b = self.backend;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if s.pos + n > c.max_positions {
+            // The install is fine: the prompt plus what was generated is too long.
+            return Err(InputError::SequenceTooLong {
+                tokens: s.pos + n,
+                max: c.max_positions,
+            }
+            .into());
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(InputError::TokenOutsideVocabulary {
+                token: t,
+                vocab: c.vocab,
+            }
+            .into());
+        }
+        if s.kv.len() != c.layers {
+            s.kv = (0..c.layers)
+                .map(|_| b.kv_cache(c.kv_heads, c.head_dim, c.max_positions))
+                .collect::<Result<_, _>>()?;
+        }
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qw, kvw) = (c.heads * hd, c.kv_heads * hd);
+        let mut x = b.zeros(n * h)?;
+        b.embed(&self.embed, tokens, &mut x)?;
+        let mut xn = b.zeros(n * h)?;
+        let mut q = b.zeros(n * qw)?;
+        let mut k = b.zeros(n * kvw)?;
+        let mut v = b.zeros(n * kvw)?;
+        // QK-norm writes into these, then they trade places with q and k.
+        let (mut qn, mut kn) = if c.qk_norm {
+            (b.zeros(n * qw)?, b.zeros(n * kvw)?)
+        } else {
+            (b.zeros(0)?, b.zeros(0)?)
+        };
+        let mut att = b.zeros(n * qw)?;
+        let mut out = b.zeros(n * h)?;
+        let at = Causal {
+            pos: s.pos,
+            heads: c.heads,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&x, &layer.input_norm, c.eps, NormGain::Weight, &mut xn)?;
+            b.linear(&layer.q, &xn, &mut q)?;
+            b.linear(&layer.k, &xn, &mut k)?;
+            b.linear(&layer.v, &xn, &mut v)?;
+            if let (Some(qnw), Some(knw)) = (&layer.q_norm, &layer.k_norm) {
+                b.rms_norm(&q, qnw, c.eps, NormGain::Weight, &mut qn)?;
+                b.rms_norm(&k, knw, c.eps, NormGain::Weight, &mut kn)?;
+                std::mem::swap(&mut q, &mut qn);
+                std::mem::swap(&mut k, &mut kn);
+            }
+            b.rope(&self.rope, &mut q, c.heads, hd, s.pos)?;
+            b.rope(&self.rope, &mut k, c.kv_heads, hd, s.pos)?;
+            b.attention(&mut s.kv[l], &q, &k, &v, at, &mut att)?;
+            b.linear(&layer.o, &att, &mut out)?;
+            b.add(&mut x, &out)?;
+            b.rms_norm(&x, &layer.post_norm, c.eps, NormGain::Weight, &mut xn)?;
+            match &layer.mlp {
+                Mlp::Dense { gate, up, down } => b.ffn_swiglu(gate, up, down, &xn, &mut out)?,
+                Mlp::Moe { router } => self.moe(l, router, &xn, &mut out)?,
+            }
+            b.add(&mut x, &out)?;
+        }
+        s.pos += n;
+        let (rows, m) = if all {
+            (x, n)
+        } else {
+            (b.copy_rows(&x, h, n - 1..n)?, 1)
+        };
+        let mut normed = b.zeros(m * h)?;
+        b.rms_norm(
+            &rows,
+            &self.final_norm,
+            c.eps,
+            NormGain::Weight,
+            &mut normed,
+        )?;
+        let mut logits = b.zeros(m * c.vocab)?;
+        b.linear(
+            self.head.as_ref().unwrap_or(&self.embed),
+            &normed,
+            &mut logits,
+        )?;
+        Ok(b.read_owned(logits)?)
+    }
+
+    /// Routed experts for the rows of `xn`: route each token, then run each chosen
+    /// expert once over the tokens that chose it (one cache lookup per expert per call,
+    /// in ascending expert order, so each token's sum is added in a fixed order).
+    fn moe(
+        &self,
+        l: usize,
+        router: &B::Weights<'a>,
+        xn: &B::Buf,
+        out: &mut B::Buf,
+    ) -> Result<(), RunError> {
+        let b = self.backend;
+        let moe = self
+            .cfg
+            .moe
+            .as_ref()
+            .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
+        if let (Some(bytes), Some(pool)) =
+            (self.install.experts.mapped(l), self.install.experts.pool(l))
+        {
+            let layer = LayerExperts {
+                pool,
+                layer: l,
+                bytes,
+            };
+            let (k, renorm) = (moe.top_k, moe.norm_topk_prob);
+            if b.moe_resident(&self.slots, layer, router, xn, k, renorm, out)? {
+                return Ok(());
+            }
+        }
+        let routing = b.route(router, xn, moe.top_k, moe.norm_topk_prob)?;
+        // chosen[e] = (token, weight) pairs, tokens ascending.
+        let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.experts];
+        let k = routing.top_k.max(1);
+        for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
+            let Some(c) = chosen.get_mut(e as usize) else {
+                let msg = format!("chose expert {e} of {}", moe.experts);
+                return Err(BackendError::new(b.name(), "route", msg).into());
+            };
+            c.push((i / k, w));
+        }
+        b.zero(out)?;
+        let pool = self.install.experts.pool(l).ok_or_else(|| {
+            RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
+        })?;
+        for (e, routes) in chosen.iter().enumerate() {
+            if routes.is_empty() {
+                continue;
+            }
+            let blob = self.install.experts.get(l, e)?;
+            let expert = b.expert(
+                &self.slots,
+                ExpertRef {
+                    pool,
+                    layer: l,
+                    expert: e,
+                    slot: blob.slot(),
+                    bytes: blob.bytes(),
+                },
+            )?;
+            b.expert_ffn(&expert, xn, routes, out)?;
+        }
+        Ok(())
+    }
+}
