@@ -16,7 +16,7 @@ Why the conversion is not a plain copy:
 - llama.cpp stores Q and K rows in its own interleaved RoPE order; the HF layout
   (rotate-half RoPE) needs the inverse permutation per head, with the KV head count for K.
   A wrong order still answers a short prompt correctly and derails on longer ones, so
-  scripts/smollm2_check.py tests a long greedy sequence and the chat prompt.
+  scripts/peers/smollm2_check.py tests a long greedy sequence and the chat prompt.
 - The weights are dequantized (Q4_1, Q8_0) to float32 and rounded to BF16 (nearest even).
 - The tied LM head is `token_embd.weight`: no `lm_head.weight` is written.
 """

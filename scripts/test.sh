@@ -26,8 +26,8 @@ stage lint
 # beside the build and have finished before any test that reads their output starts.
 mkdir -p target/peers
 peers() {
-  if [ -f scripts/mlx_crosscheck.py ]; then
-    python3 scripts/mlx_crosscheck.py target/peers/mlx_crosscheck.json
+  if [ -f scripts/peers/mlx_crosscheck.py ]; then
+    python3 scripts/peers/mlx_crosscheck.py target/peers/mlx_crosscheck.json
   fi
   # The real smoke model (SmolLM2-135M-Instruct as a BF16 HF snapshot): fetched and
   # converted once, then reused (about 35 s cold, instant warm; scripts/demo.sh shares
@@ -36,13 +36,13 @@ peers() {
   # mlx-lm's view of it (tokens, chat answer, greedy ids on a paragraph): an independent
   # check of the conversion (the script fails on a wrong answer); its JSON is kept for reports.
   if [ ! -f target/peers/smollm2_check.json ] || [ target/smollm2/snapshot/.complete -nt target/peers/smollm2_check.json ]; then
-    python3 scripts/smollm2_check.py target/smollm2/snapshot --json target/peers/smollm2_check.json
+    python3 scripts/peers/smollm2_check.py target/smollm2/snapshot --json target/peers/smollm2_check.json
   fi
 }
 peers > target/peers/peers.log 2>&1 &
 PEERS=$!
 trap 'kill $PEERS 2>/dev/null || true' EXIT
-[ ! -f scripts/mlx_crosscheck.py ] || export GTURBO_MLX_CROSSCHECK="$PWD/target/peers/mlx_crosscheck.json"
+[ ! -f scripts/peers/mlx_crosscheck.py ] || export GTURBO_MLX_CROSSCHECK="$PWD/target/peers/mlx_crosscheck.json"
 export GTURBO_SMOLLM2_SNAPSHOT="$PWD/target/smollm2/snapshot"
 cargo test --workspace --all-targets --no-run
 if ! wait $PEERS; then

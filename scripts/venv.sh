@@ -4,7 +4,7 @@
 #   source scripts/venv.sh test    # target/venv/test: the test suite's Python peers
 #   source scripts/venv.sh llama   # target/venv/llama: bench_run.sh's llama.cpp peer
 #
-# It makes target/venv/NAME from the pinned scripts/requirements-*.txt of NAME with the
+# It makes target/venv/NAME from the pinned scripts/requirements/requirements-*.txt of NAME with the
 # interpreter behind the `python3` on PATH, and puts its bin/ first on PATH, so that every `python3` (and
 # `hf`) after it, including those the Rust tests start, is that environment's. Nothing is
 # ever installed into the interpreter it was made from. The venv is reused while its
@@ -30,13 +30,13 @@ gturbo_venv() {
   local files=() queue=("${reqs[@]}") inc
   while [ ${#queue[@]} -gt 0 ]; do
     files+=("${queue[0]}")
-    for inc in $(sed -n 's/^-r[[:space:]]*//p' "$root/scripts/${queue[0]}"); do queue+=("$inc"); done
+    for inc in $(sed -n 's/^-r[[:space:]]*//p' "$root/scripts/requirements/${queue[0]}"); do queue+=("$inc"); done
     queue=("${queue[@]:1}")
   done
   # The venv's own path too: its scripts' shebangs name it, so a venv made under another
   # path (a moved or symlinked target/) is made anew instead of failing to exec.
   stamp="$("$base" -c 'import sys; print(sys.version)' | tr -d '\n'; echo " $name $dir")
-$(cd "$root/scripts" && sha256sum "${files[@]}")"
+$(cd "$root/scripts/requirements" && sha256sum "${files[@]}")"
   if [ ! -f "$dir/.gturbo-stamp" ] || [ "$(cat "$dir/.gturbo-stamp")" != "$stamp" ]; then
     echo "venv.sh: making $dir" >&2
     rm -rf "$dir"
@@ -45,7 +45,7 @@ $(cd "$root/scripts" && sha256sum "${files[@]}")"
       return 2
     fi
     local args=()
-    for req in "${reqs[@]}"; do args+=(-r "$root/scripts/$req"); done
+    for req in "${reqs[@]}"; do args+=(-r "$root/scripts/requirements/$req"); done
     "$dir/bin/python3" -m pip install -q --disable-pip-version-check "${args[@]}" || {
       echo "venv.sh: installing ${reqs[*]} into $dir failed" >&2
       return 2

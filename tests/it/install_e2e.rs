@@ -187,10 +187,10 @@ async fn scaled_flash_next_over_http_installs_exactly_the_planned_bytes() {
     check_with_python(&r.dir, &out);
 }
 
-/// `scripts/check_install.py` recomputes every output region from the source tensors
+/// `scripts/peers/check_install.py` recomputes every output region from the source tensors
 /// with numpy and MLX; a strict run (CI, GTURBO_REQUIRE_PY=1) requires it.
 fn check_with_python(snapshot: &Path, out: &Path) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_install.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/check_install.py");
     let probe = Command::new("python3")
         .args(["-c", "import numpy, mlx.core, jsonschema"])
         .status();
@@ -199,7 +199,7 @@ fn check_with_python(snapshot: &Path, out: &Path) {
         Ok(())
     } else {
         Err(
-            "independent check: scripts/check_install.py with numpy, mlx[cpu] and jsonschema \
+            "independent check: scripts/peers/check_install.py with numpy, mlx[cpu] and jsonschema \
              not available (scripts/venv.sh test installs them)"
                 .to_string(),
         )

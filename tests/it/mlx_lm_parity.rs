@@ -1,5 +1,5 @@
 //! gturbo's INT4 g64 install of a Qwen3-MoE checkpoint against `mlx_lm.convert -q
-//! --q-group-size 64 --q-bits 4` of the same snapshot: `scripts/mlx_lm_parity.py`
+//! --q-group-size 64 --q-bits 4` of the same snapshot: `scripts/peers/mlx_lm_parity.py`
 //! compares every resident tensor and every expert (vs mlx-lm's stacked
 //! `switch_mlp.*[e]`) byte for byte. Skipped when mlx-lm is not importable, unless the
 //! run is strict (CI, `GTURBO_REQUIRE_PY=1`): then a missing peer fails the test.
@@ -15,7 +15,7 @@ use crate::support::cli::{install, text};
 use crate::support::temp_dir;
 
 fn script() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/mlx_lm_parity.py")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/mlx_lm_parity.py")
 }
 
 /// Whether `python3` can import mlx-lm; panics instead when the peer is required.
@@ -43,7 +43,7 @@ fn mlx_lm_probe() -> Result<(), String> {
         Err(e) => format!("cannot run python3: {e}"),
     };
     Err(format!(
-        "{why} (scripts/venv.sh test installs scripts/requirements-mlx.txt)"
+        "{why} (scripts/venv.sh test installs scripts/requirements/requirements-mlx.txt)"
     ))
 }
 

@@ -1,6 +1,6 @@
 //! Pre-quantized MLX sources (issue 12 point 1): real `mlx_lm.convert` outputs of the
 //! test kit's tiny Qwen3-MoE (4-bit g64, 8-bit, 3-bit g128, `mixed_3_6`) and of
-//! SmolLM2 (4-bit g64, `mixed_3_6`), made by `scripts/mlx_source_cases.py` at test time
+//! SmolLM2 (4-bit g64, `mixed_3_6`), made by `scripts/peers/mlx_source_cases.py` at test time
 //! and cached under `target/mlx-cases/`. Each is served by the local hub and installed
 //! pinned (revision and index SHA-256, every file against its LFS hash); then every
 //! quantized tensor's installed bytes equal the source's, the dry run predicted every
@@ -57,7 +57,7 @@ fn prompt(vocab: u64) -> Vec<u32> {
 fn make_cases(snapshot: &Path, out: &Path, vocab: u64, cases: &[&str]) -> Result<(), String> {
     let ids = serde_json::to_string(&prompt(vocab)).unwrap();
     let o = Command::new("python3")
-        .arg(root().join("scripts/mlx_source_cases.py"))
+        .arg(root().join("scripts/peers/mlx_source_cases.py"))
         .arg(snapshot)
         .arg(out)
         .arg(&ids)
@@ -75,7 +75,7 @@ fn make_cases(snapshot: &Path, out: &Path, vocab: u64, cases: &[&str]) -> Result
             err.lines().last().unwrap_or("").trim()
         ));
     }
-    panic!("scripts/mlx_source_cases.py failed: {}", text(&o));
+    panic!("scripts/peers/mlx_source_cases.py failed: {}", text(&o));
 }
 
 const MOE_CASES: [&str; 4] = ["q4g64", "q8g64", "q3g128", "mixed_3_6"];
@@ -530,7 +530,7 @@ fn mlx_smollm2_mixed_3_6_installs_unchanged_and_runs_like_mlx_lm() {
 /// What `--requantize` should have written, by MLX: the source's tensors, with every
 /// module the plan at `plan_file` requantizes replaced by
 /// `mx.quantize(mx.dequantize(..))` at the plan's scheme for it
-/// (`scripts/mlx_requant.py`); `None` after the skip. Also the plan's choice, module
+/// (`scripts/peers/mlx_requant.py`); `None` after the skip. Also the plan's choice, module
 /// path → scheme.
 pub(crate) fn mlx_requantized(
     test: &str,
@@ -560,7 +560,7 @@ pub(crate) fn mlx_requantized(
     let (targets_file, expected) = (dir.join("targets.json"), dir.join("expected.safetensors"));
     std::fs::write(&targets_file, serde_json::to_vec(&targets).unwrap()).unwrap();
     let o = Command::new("python3")
-        .arg(root().join("scripts/mlx_requant.py"))
+        .arg(root().join("scripts/peers/mlx_requant.py"))
         .arg(mlx)
         .arg(&targets_file)
         .arg(&expected)
@@ -576,7 +576,7 @@ pub(crate) fn mlx_requantized(
             require_or_skip(test, why);
             return None;
         }
-        panic!("scripts/mlx_requant.py failed: {}", text(&o));
+        panic!("scripts/peers/mlx_requant.py failed: {}", text(&o));
     }
     let mut src = source_tensors(mlx);
     src.extend(read_st(&expected));

@@ -1,7 +1,7 @@
 //! The affine quantizer against MLX: the committed golden vectors (MLX 0.32.4: INT4 g64
 //! with matvec outputs, and every width × group MLX writes), tile invariance, refusal
 //! of non-finite weights, and an optional live cross-check file produced by
-//! `scripts/mlx_crosscheck.py`.
+//! `scripts/peers/mlx_crosscheck.py`.
 
 use gturbo::transform::quant::{
     Bits, GROUP, QuantError, Spec, bf16_to_f32, dequantize_rows, dequantize_rows_bf16, f32_to_bf16,
@@ -384,7 +384,7 @@ fn non_finite_groups_are_refused_with_the_element_index() {
 fn mlx_live_crosscheck() {
     let path = std::env::var("GTURBO_MLX_CROSSCHECK").map_err(|_| {
         "GTURBO_MLX_CROSSCHECK is unset (scripts/test.sh writes the file with \
-         `python3 scripts/mlx_crosscheck.py OUT.json` and sets GTURBO_MLX_CROSSCHECK=OUT.json)"
+         `python3 scripts/peers/mlx_crosscheck.py OUT.json` and sets GTURBO_MLX_CROSSCHECK=OUT.json)"
             .to_string()
     });
     let Some(path) = require_or_skip("mlx_live_crosscheck", path) else {

@@ -1,7 +1,7 @@
 //! Quant profiles (issue 12 point 3): `--quant int4|int8|bf16|mixed-3-4|mixed-3-6|
 //! mixed-4-6|auto`.
 //!
-//! - Each profile's per-tensor choice is mlx-lm's own (`scripts/mlx_quant_predicate.py`
+//! - Each profile's per-tensor choice is mlx-lm's own (`scripts/peers/mlx_quant_predicate.py`
 //!   runs `quantize_model` with the `mixed_*` predicate, the model's own predicate on
 //!   top) on a Qwen3-MoE of 10 layers and on SmolLM2's 30.
 //! - A BF16 install at `mixed-3-6` is byte for byte `mlx_lm.convert --quant-predicate
@@ -109,7 +109,7 @@ fn plan_choice(plan: &Value) -> BTreeMap<String, String> {
 /// mlx-lm's choice per profile (`Err`: the skip reason).
 fn mlx_choice(config: &Path, profiles: &[&str]) -> Result<Value, String> {
     let o = Command::new("python3")
-        .arg(root().join("scripts/mlx_quant_predicate.py"))
+        .arg(root().join("scripts/peers/mlx_quant_predicate.py"))
         .arg(config)
         .args(profiles)
         .output()
@@ -124,7 +124,7 @@ fn mlx_choice(config: &Path, profiles: &[&str]) -> Result<Value, String> {
             err.lines().last().unwrap_or("").trim()
         ));
     }
-    panic!("scripts/mlx_quant_predicate.py failed: {}", text(&o));
+    panic!("scripts/peers/mlx_quant_predicate.py failed: {}", text(&o));
 }
 
 const PROFILES: [&str; 5] = ["int4", "int8", "mixed-3-4", "mixed-3-6", "mixed-4-6"];

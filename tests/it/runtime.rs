@@ -1,5 +1,5 @@
 //! `gturbo run`: the family capability gate, agreement with mlx-lm on the same INT4
-//! weights (goldens from `scripts/gen_runtime_golden.py`), and expert streaming
+//! weights (goldens from `scripts/golden/gen_runtime_golden.py`), and expert streaming
 //! through a bounded slot cache.
 
 use std::path::{Path, PathBuf};
@@ -430,7 +430,7 @@ fn smollm2_bf16_matches_mlx_lm_greedy_tokens_for_32_steps() {
     assert!(o.status.success(), "{}", text(&o));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     let ids = serde_json::to_string(&v["prompt_ids"]).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/mlx_lm_greedy.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/mlx_lm_greedy.py");
     let peer = Command::new("python3")
         .arg(script)
         .arg(snap)
@@ -440,7 +440,7 @@ fn smollm2_bf16_matches_mlx_lm_greedy_tokens_for_32_steps() {
     let peer = match peer {
         Ok(p) if p.status.success() => Ok(p),
         Ok(p) => Err(format!(
-            "mlx-lm comparison: scripts/mlx_lm_greedy.py failed: {}",
+            "mlx-lm comparison: scripts/peers/mlx_lm_greedy.py failed: {}",
             String::from_utf8_lossy(&p.stderr)
         )),
         Err(e) => Err(format!("mlx-lm comparison: cannot run python3: {e}")),

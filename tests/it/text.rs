@@ -347,13 +347,13 @@ fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
     let Some(snap) = smollm2_snapshot("smollm2_snapshot_installs_with_the_llama_family") else {
         return;
     };
-    let checker = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_install.py");
+    let checker = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/check_install.py");
     let probe = Command::new("python3")
         .args(["-c", "import numpy, mlx.core"])
         .status();
     let can_check = match probe {
         Ok(s) if s.success() => Ok(()),
-        _ => Err("check_install.py: numpy/mlx are missing for scripts/check_install.py".into()),
+        _ => Err("check_install.py: numpy/mlx are missing for scripts/peers/check_install.py".into()),
     };
     let can_check = require_or_skip("check_install.py", can_check).is_some();
     let work = temp_dir();
