@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU backend benchmark (issue 11), for a machine with a GPU (the figures in the README
-# were taken on an H200 through Vulkan):
+# GPU backend benchmark (issue 11), for a machine with a GPU (the figures in
+# docs/BENCHMARKS.md were taken on an H200 through Vulkan):
 #  1. INT4 g64 matrix-vector GB/s at [4096×4096], [8192×8192], [16384×8192] against
 #     PEAK_GBS (the H200's HBM: ~4800 GB/s), from examples/bench_gpu.rs: the f32
 #     kernel and the packed 24-bit x kernel (x packed once, and once per product),
