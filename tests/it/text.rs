@@ -353,7 +353,9 @@ fn smollm2_snapshot_installs_with_the_llama_family_at_int4_and_bf16() {
         .status();
     let can_check = match probe {
         Ok(s) if s.success() => Ok(()),
-        _ => Err("check_install.py: numpy/mlx are missing for scripts/peers/check_install.py".into()),
+        _ => {
+            Err("check_install.py: numpy/mlx are missing for scripts/peers/check_install.py".into())
+        }
     };
     let can_check = require_or_skip("check_install.py", can_check).is_some();
     let work = temp_dir();
