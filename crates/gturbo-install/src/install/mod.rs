@@ -23,7 +23,6 @@ mod stream;
 /// Free space an install keeps beyond its bytes (its preflight's rule; `gturbo doctor`
 /// checks the same).
 pub use stage::space_reserve;
-pub use stream::bound_malloc_arenas;
 
 pub use error::InstallError;
 use error::{invalid, io_err};

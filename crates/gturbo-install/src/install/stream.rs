@@ -1142,32 +1142,6 @@ fn cores() -> u64 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u64)
 }
 
-/// glibc malloc arenas an install allocates from ([`bound_malloc_arenas`]).
-const MALLOC_ARENAS: i32 = 2;
-
-/// Hold the process to [`MALLOC_ARENAS`] glibc malloc arenas (unless the user set
-/// `MALLOC_ARENA_MAX`); called before the install's runtime starts.
-///
-/// The install's transforms run on whichever thread `block_in_place` hands them, and
-/// each new thread may get an arena of its own (up to 8 per core), which keeps the
-/// tiles and buffers freed on it: the peak RSS then depended on how the threads
-/// happened to be scheduled and grew with the install's length (default arenas,
-/// release build, loopback: 51–71 MiB at 1.2 GB, 64–88 MiB at 3.4 GB; with 2 arenas
-/// 48 and 54–55 MiB, at the same speed).
-#[allow(unsafe_code)]
-pub fn bound_malloc_arenas() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
-        return;
-    }
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` takes no pointers and only sets an allocator parameter under
-    // glibc's own lock; `M_ARENA_MAX` accepts any positive count (a constant here), and
-    // glibc applies it to arenas created after the call.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, MALLOC_ARENAS);
-    }
-}
-
 /// The smallest sub-range [`Links::sub_range_now`] cuts: below it the time to first
 /// byte costs more than the idle connections it fills.
 const MIN_TAIL_SUB_RANGE: u64 = 4 << 20;
