@@ -1,7 +1,7 @@
 //! CPU kernel throughput on SmolLM2-135M's matrix shapes.
 //!
 //! `cargo run --release --example bench_kernels [-- --quick]` (or
-//! `scripts/bench_kernels.sh`) prints, for INT4, INT8 and BF16 weights at 1 and 2
+//! `scripts/bench/bench_kernels.sh`) prints, for INT4, INT8 and BF16 weights at 1 and 2
 //! threads:
 //! - the median µs per matvec of each shape repeated in place (the weights stay in
 //!   cache for all but the head) and its effective GB/s of weight bytes;

@@ -1,4 +1,4 @@
-//! Writes the GPU benchmark's models (`scripts/bench_gpu.sh`) as Hugging Face BF16
+//! Writes the GPU benchmark's models (`scripts/bench/bench_gpu.sh`) as Hugging Face BF16
 //! snapshots with random weights, from the test kit's replica generators:
 //!
 //! - `smollm2`: SmolLM2-135M's shapes (Llama, 30 layers of width 576, 9 query heads

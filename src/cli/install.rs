@@ -53,7 +53,7 @@ pub(super) struct InstallArgs {
     /// Quant profile (profiles/quant.json): int4 (the default: the family's INT4
     /// policy), int8, bf16 (everything at its source dtype), mixed-3-4, mixed-3-6,
     /// mixed-4-6 (mlx-lm's mixed predicates), or auto (chosen from this machine's RAM;
-    /// the README gives the rule). A pre-quantized source keeps its own widths and
+    /// docs/INSTALL.md gives the rule). A pre-quantized source keeps its own widths and
     /// refuses a named profile unless `--requantize` is given.
     #[arg(long, value_name = "PROFILE", value_parser = QuantMode::new)]
     pub(super) quant: Option<QuantMode>,
@@ -132,7 +132,7 @@ pub(super) struct InstallArgs {
 
 /// `--sub-range-kib`: KiB per sub-range, `None` for `auto`.
 #[derive(Debug, Clone, Copy)]
-struct SubRangeKib(Option<u64>);
+pub(super) struct SubRangeKib(Option<u64>);
 
 /// `--sub-range-kib`: `auto` or a size in KiB from 4 to 1048576.
 fn parse_sub_range(text: &str) -> Result<SubRangeKib, String> {

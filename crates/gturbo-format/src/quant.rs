@@ -12,8 +12,8 @@
 //!
 //! # The formula
 //! The semantics of MLX's CPU affine `quantize` (`mlx/backend/cpu/quantized.cpp`),
-//! checked bit for bit against MLX 0.32.4 (`scripts/gen_golden_widths.py`,
-//! `scripts/mlx_crosscheck.py`): groups are `group` consecutive elements along the
+//! checked bit for bit against MLX 0.32.4 (`scripts/golden/gen_golden_widths.py`,
+//! `scripts/peers/mlx_crosscheck.py`): groups are `group` consecutive elements along the
 //! last axis. Everything is computed in f32 (BF16 widens exactly), with
 //! `levels = 2^bits - 1`:
 //! 1. `min`, `max` over the group. (MLX's comparisons skip NaN; gturbo refuses groups

@@ -774,7 +774,7 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     }
     if quant.is_none() && options.requantize {
         // Decided: an error, not a silent no-op, so a script that meant another
-        // repo finds out (README, quant profiles).
+        // repo finds out (docs/INSTALL.md, quant profiles).
         return Err(PlanError::Config {
             field: "quantization".into(),
             detail: format!(

@@ -31,7 +31,7 @@
 //! with the backoff between them (at most 2 × (0.25 + 0.5 + 1 + 2 + 4) = 15.5 s with
 //! jitter) end the install within 6 × 30 + 15.5 = 195.5 s, under 3.5 minutes
 //! ([`stall_bound`]), plus the answers' times to first byte and a timer's lateness
-//! (milliseconds). The README states the same figure. A server that keeps an attempt
+//! (milliseconds). docs/INSTALL.md states the same figure. A server that keeps an attempt
 //! at the limit for a while (`low_speed_bytes` in every `low_speed_time`: a late
 //! burst is one such window) holds it that long plus `low_speed_time`: no rule that
 //! asks for `low_speed_bytes` in every `low_speed_time` may fail it sooner, and the

@@ -116,7 +116,7 @@ pub struct HubConfig {
     /// TCP port on [`HubConfig::bind`] (0: any free port).
     pub port: u16,
     /// The address both listeners (hub and CDN) bind: 127.0.0.1 unless a benchmark
-    /// serves from another network namespace (scripts/bench_install.sh `AGG_CAP`).
+    /// serves from another network namespace (scripts/bench/bench_install.sh `AGG_CAP`).
     pub bind: std::net::IpAddr,
     /// Hash a file whose SHA-256 is not known yet when a tree listing needs it. Off
     /// for header-only replicas (hundreds of GB of holes): their listing then carries
