@@ -14,8 +14,13 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::family::Family;
+use crate::format::manifest::Manifest;
+use crate::install::pin::{PinFlags, SourceChoice};
+use crate::install::{IndexPin, InstallError, Prepared};
 use crate::plan::profile::{self, Machine};
 use crate::plan::{PlanOptions, QuantMode};
+use crate::source::RangeSource;
+use crate::verify::VerifyFailure;
 
 use super::Failure;
 
@@ -329,8 +334,26 @@ async fn family_checks(
     machine: Option<&Machine>,
     out: &mut Vec<Check>,
 ) {
-    use crate::install::pin::{PinFlags, SourceChoice};
-    use crate::source::RangeSource;
+    let (planned, auto_refused) = plan_with_auto_fallback(family, args, machine).await;
+    let target = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("{}.gturbo", family.id())));
+    match planned {
+        Ok((p, describe)) => {
+            plan_checks(family, &p, &describe, auto_refused, machine, &target, out)
+        }
+        Err(e) => unplanned_checks(family, &e, machine, out),
+    }
+    out.push(runner_check(family.id(), &family.file.arch.required_axes));
+}
+
+/// The source the doctor plans `family` from (`--from`'s snapshot, else the hub with
+/// short waits), with the index pin the family reads it at.
+fn doctor_source(
+    family: &Family,
+    args: &DoctorArgs,
+) -> Result<(Box<dyn RangeSource>, IndexPin), String> {
     let flags = PinFlags {
         target: family.id(),
         family: None,
@@ -338,60 +361,75 @@ async fn family_checks(
         revision: None,
         index_sha256: None,
     };
-    let flags = &flags;
-    let source = || -> Result<Box<dyn RangeSource>, String> {
-        let SourceChoice { repo, revision, .. } =
-            flags.source(family).map_err(|e| e.to_string())?;
-        let s: Box<dyn RangeSource> = match &args.from {
-            Some(dir) => Box::new(
-                crate::source::local::LocalSource::open(dir, None).map_err(|e| e.to_string())?,
-            ),
-            None => {
-                let endpoint = args
-                    .endpoint
-                    .clone()
-                    .unwrap_or_else(|| crate::env::DEFAULT_ENDPOINT.to_string());
-                // A doctor answers quickly: one retry, short waits.
-                let mut config = crate::source::http::HttpConfig::new(&endpoint, &repo, &revision);
-                config.token = crate::source::token::discover();
-                config.max_attempts = 2;
-                config.max_retry_after = Duration::from_secs(5);
-                config.progress.range_timeout = Duration::from_secs(30);
-                Box::new(crate::source::http::HttpSource::new(config).map_err(|e| e.to_string())?)
-            }
-        };
-        Ok(s)
+    let SourceChoice {
+        repo,
+        revision,
+        index_pin,
+        ..
+    } = flags.source(family).map_err(|e| e.to_string())?;
+    let s: Box<dyn RangeSource> = match &args.from {
+        Some(dir) => {
+            Box::new(crate::source::local::LocalSource::open(dir, None).map_err(|e| e.to_string())?)
+        }
+        None => {
+            let endpoint = args
+                .endpoint
+                .clone()
+                .unwrap_or_else(|| crate::env::DEFAULT_ENDPOINT.to_string());
+            // A doctor answers quickly: one retry, short waits.
+            let mut config = crate::source::http::HttpConfig::new(&endpoint, &repo, &revision);
+            config.token = crate::source::token::discover();
+            config.max_attempts = 2;
+            config.max_retry_after = Duration::from_secs(5);
+            config.progress.range_timeout = Duration::from_secs(30);
+            Box::new(crate::source::http::HttpSource::new(config).map_err(|e| e.to_string())?)
+        }
     };
-    let source = &source;
-    let prepare = |quant: QuantMode| async move {
-        let src = source().map_err(Err)?;
-        let index_pin = flags
-            .source(family)
-            .map_err(|e| Err(e.to_string()))?
-            .index_pin;
-        let settings = crate::install::PrepareSettings {
-            family: family.clone(),
-            index_pin,
-            options: PlanOptions {
-                quant,
-                machine: machine.cloned(),
-                ..PlanOptions::default()
-            },
-        };
-        crate::install::prepare(src.as_ref(), &settings)
-            .await
-            .map(|p| (p, src.describe()))
-            .map_err(Ok)
+    Ok((s, index_pin))
+}
+
+/// Why the doctor could not plan: the installer refused (`Ok`, so that auto's refusal
+/// can be told apart), or the source could not be opened (`Err`, its text).
+type PlanFailure = Result<InstallError, String>;
+
+/// The family's plan at `quant` (headers only), with its source's description.
+async fn prepare_at(
+    family: &Family,
+    args: &DoctorArgs,
+    machine: Option<&Machine>,
+    quant: QuantMode,
+) -> Result<(Prepared, String), PlanFailure> {
+    let (src, index_pin) = doctor_source(family, args).map_err(Err)?;
+    let settings = crate::install::PrepareSettings {
+        family: family.clone(),
+        index_pin,
+        options: PlanOptions {
+            quant,
+            machine: machine.cloned(),
+            ..PlanOptions::default()
+        },
     };
-    // The plan at the profile auto would choose; when auto finds none that fits, the
-    // plan at int4 still gives the sizes, and auto's refusal is its own check.
+    crate::install::prepare(src.as_ref(), &settings)
+        .await
+        .map(|p| (p, src.describe()))
+        .map_err(Ok)
+}
+
+/// The plan at the profile auto would choose; when auto finds none that fits, the
+/// plan at int4 still gives the sizes, and auto's refusal (the second value) is its
+/// own check.
+async fn plan_with_auto_fallback(
+    family: &Family,
+    args: &DoctorArgs,
+    machine: Option<&Machine>,
+) -> (Result<(Prepared, String), String>, Option<String>) {
+    let prepare = |quant| prepare_at(family, args, machine, quant);
     let mut auto_refused = None;
     let planned = match machine {
         Some(_) => match prepare(QuantMode::new(profile::AUTO).unwrap_or_default()).await {
-            Err(Ok(crate::install::InstallError::Plan(crate::plan::PlanError::Config {
-                field,
-                detail,
-            }))) if field == "--quant auto" => {
+            Err(Ok(InstallError::Plan(crate::plan::PlanError::Config { field, detail })))
+                if field == "--quant auto" =>
+            {
                 auto_refused = Some(detail);
                 prepare(QuantMode::default()).await
             }
@@ -399,88 +437,94 @@ async fn family_checks(
         },
         None => prepare(QuantMode::default()).await,
     }
-    .map_err(|e: Result<crate::install::InstallError, String>| match e {
+    .map_err(|e| match e {
         Ok(e) => e.to_string(),
         Err(e) => e,
     });
-    let target = args
-        .out
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(format!("{}.gturbo", family.id())));
-    match planned {
-        Ok((p, describe)) => {
-            let plan = &p.plan;
-            let totals = plan.totals();
-            out.push(check(
-                "plan",
-                Status::Ok,
-                format!(
-                    "{} from {describe}: {} to write at {} ({} source shards)",
-                    family.id(),
-                    gib(totals.total),
-                    plan.options.quant,
-                    plan.shards.len()
-                ),
-                serde_json::json!({
-                    "source": describe, "profile": plan.options.quant.as_str(),
-                    "install_bytes": totals.total, "footprint_bytes": plan.footprint(),
-                    "fingerprint": plan.fingerprint(),
-                }),
-            ));
-            out.push(match (&plan.auto, auto_refused) {
-                (_, Some(e)) => check(
-                    "auto",
-                    Status::Fail,
-                    e,
-                    serde_json::json!({ "profile": null }),
-                )
-                .next("use a machine with more memory, or name a smaller profile with --quant"),
-                (Some(c), None) => check(
-                    "auto",
-                    Status::Ok,
-                    format!("--quant auto would choose {}: {}", c.profile, c.reason),
-                    serde_json::to_value(c).expect(super::REPORT_SERIALIZES),
-                ),
-                (None, None) => auto_check(machine, Some(plan.footprint()), ""),
-            });
-            out.push(disk_check(&target, totals.total));
-            out.push(memory_check(machine, plan.footprint()));
-        }
-        Err(e) => {
-            // Offline, or the hub refused: the machine's checks stand; the sizes are
-            // unknown (a family pins its index's hash, not its shards' headers).
-            out.push(
-                check(
-                    "plan",
-                    Status::Warn,
-                    format!(
-                        "cannot plan {} (its size needs the shard headers from the hub): {e}",
-                        family.id()
-                    ),
-                    serde_json::json!({ "error": e }),
-                )
-                .next(format!(
-                    "check the network or HF_ENDPOINT, or plan from a local snapshot: gturbo doctor {} --from DIR",
-                    family.id()
-                )),
-            );
-            out.push(auto_check(
-                machine,
-                None,
-                "the install's size is unknown without a plan",
-            ));
-            out.push(
-                check(
-                    "disk",
-                    Status::Warn,
-                    "free space not checked: the install's size is unknown without a plan".into(),
-                    serde_json::json!({ "needed_bytes": null }),
-                )
-                .next("plan it first (see the plan check)"),
-            );
-        }
-    }
-    out.push(runner_check(family.id(), &family.file.arch.required_axes));
+    (planned, auto_refused)
+}
+
+/// A planned family: its plan, auto's choice (or refusal), disk and memory.
+fn plan_checks(
+    family: &Family,
+    p: &Prepared,
+    describe: &str,
+    auto_refused: Option<String>,
+    machine: Option<&Machine>,
+    target: &Path,
+    out: &mut Vec<Check>,
+) {
+    let plan = &p.plan;
+    let totals = plan.totals();
+    out.push(check(
+        "plan",
+        Status::Ok,
+        format!(
+            "{} from {describe}: {} to write at {} ({} source shards)",
+            family.id(),
+            gib(totals.total),
+            plan.options.quant,
+            plan.shards.len()
+        ),
+        serde_json::json!({
+            "source": describe, "profile": plan.options.quant.as_str(),
+            "install_bytes": totals.total, "footprint_bytes": plan.footprint(),
+            "fingerprint": plan.fingerprint(),
+        }),
+    ));
+    out.push(match (&plan.auto, auto_refused) {
+        (_, Some(e)) => check(
+            "auto",
+            Status::Fail,
+            e,
+            serde_json::json!({ "profile": null }),
+        )
+        .next("use a machine with more memory, or name a smaller profile with --quant"),
+        (Some(c), None) => check(
+            "auto",
+            Status::Ok,
+            format!("--quant auto would choose {}: {}", c.profile, c.reason),
+            serde_json::to_value(c).expect(super::REPORT_SERIALIZES),
+        ),
+        (None, None) => auto_check(machine, Some(plan.footprint()), ""),
+    });
+    out.push(disk_check(target, totals.total));
+    out.push(memory_check(machine, plan.footprint()));
+}
+
+/// A family that could not be planned (offline, or the hub refused): the machine's
+/// checks stand; the sizes are unknown (a family pins its index's hash, not its
+/// shards' headers).
+fn unplanned_checks(family: &Family, e: &str, machine: Option<&Machine>, out: &mut Vec<Check>) {
+    out.push(
+        check(
+            "plan",
+            Status::Warn,
+            format!(
+                "cannot plan {} (its size needs the shard headers from the hub): {e}",
+                family.id()
+            ),
+            serde_json::json!({ "error": e }),
+        )
+        .next(format!(
+            "check the network or HF_ENDPOINT, or plan from a local snapshot: gturbo doctor {} --from DIR",
+            family.id()
+        )),
+    );
+    out.push(auto_check(
+        machine,
+        None,
+        "the install's size is unknown without a plan",
+    ));
+    out.push(
+        check(
+            "disk",
+            Status::Warn,
+            "free space not checked: the install's size is unknown without a plan".into(),
+            serde_json::json!({ "needed_bytes": null }),
+        )
+        .next("plan it first (see the plan check)"),
+    );
 }
 
 /// Free space at the output location against what an install of `total` bytes needs
@@ -591,7 +635,24 @@ fn install_checks(dir: &Path, machine: Option<&Machine>, out: &mut Vec<Check>) {
             return;
         }
     };
-    out.push(check(
+    out.push(manifest_check(&m));
+    let failures = crate::verify::check_layout(dir, &m);
+    let layout_ok = failures.is_empty();
+    out.push(layout_check(&failures, &verify_next));
+    out.push(receipt_check(dir, layout_ok));
+    out.push(runner_check(&m.family, &m.arch.required_axes));
+    out.push(quality_check(dir, &m));
+    out.push(memory_check(machine, install_footprint(&m)));
+    out.push(auto_check(
+        machine,
+        None,
+        "the RAM rule for a fresh install; this install's own fit is the memory check",
+    ));
+}
+
+/// What the install's manifest says it is.
+fn manifest_check(m: &Manifest) -> Check {
+    check(
         "manifest",
         Status::Ok,
         format!(
@@ -606,10 +667,12 @@ fn install_checks(dir: &Path, machine: Option<&Machine>, out: &mut Vec<Check>) {
             "minor_version": m.minor_version, "scheme": m.quantized_at_install.scheme.label(),
             "files": m.files.len(),
         }),
-    ));
-    let failures = crate::verify::check_layout(dir, &m);
-    let layout_ok = failures.is_empty();
-    out.push(if layout_ok {
+    )
+}
+
+/// verify-install's layout checks (no hashing), by their `failures`.
+fn layout_check(failures: &[VerifyFailure], verify_next: &str) -> Check {
+    if failures.is_empty() {
         check(
             "layout",
             Status::Ok,
@@ -628,13 +691,17 @@ fn install_checks(dir: &Path, machine: Option<&Machine>, out: &mut Vec<Check>) {
             ),
             serde_json::json!({ "failures": failures }),
         )
-        .next(verify_next.clone())
-    });
+        .next(verify_next)
+    }
+}
+
+/// Whether a receipt vouches for the files as they are (only when the layout holds).
+fn receipt_check(dir: &Path, layout_ok: bool) -> Check {
     let verify_hint = format!(
         "gturbo verify-install {} (hashes every byte and writes the receipt)",
         dir.display()
     );
-    out.push(match crate::verify::receipt_vouches(dir) {
+    match crate::verify::receipt_vouches(dir) {
         Ok(true) if layout_ok => check(
             "receipt",
             Status::Ok,
@@ -655,8 +722,11 @@ fn install_checks(dir: &Path, machine: Option<&Machine>, out: &mut Vec<Check>) {
             serde_json::json!({ "vouches": false, "error": e }),
         )
         .next(verify_hint),
-    });
-    out.push(runner_check(&m.family, &m.arch.required_axes));
+    }
+}
+
+/// The recorded quality result, against whether the family requires one to run.
+fn quality_check(dir: &Path, m: &Manifest) -> Check {
     let required = m
         .quantized_at_install
         .quality_gate
@@ -664,7 +734,7 @@ fn install_checks(dir: &Path, machine: Option<&Machine>, out: &mut Vec<Check>) {
         .and_then(|g| g.get("required_for_run"))
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
-    out.push(match crate::verify::recorded_quality(dir) {
+    match crate::verify::recorded_quality(dir) {
         Ok(Some(q)) => check(
             "quality",
             Status::Ok,
@@ -704,18 +774,16 @@ fn install_checks(dir: &Path, machine: Option<&Machine>, out: &mut Vec<Check>) {
             "record it again: gturbo eval {} REFERENCE_DIR --record",
             dir.display()
         )),
-    });
+    }
+}
+
+/// The install's resident + working set, from its manifest.
+fn install_footprint(m: &Manifest) -> u64 {
     let resident = m
         .files
         .iter()
         .filter(|f| f.kind == "resident")
         .map(|f| f.bytes)
         .sum();
-    let fp = crate::plan::footprint(resident, &m.expert_pools, &m.arch.axes);
-    out.push(memory_check(machine, fp));
-    out.push(auto_check(
-        machine,
-        None,
-        "the RAM rule for a fresh install; this install's own fit is the memory check",
-    ));
+    crate::plan::footprint(resident, &m.expert_pools, &m.arch.axes)
 }

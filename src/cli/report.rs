@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::family::Family;
 use crate::install::Prepared;
-use crate::plan::{Census, OutputTotals};
+use crate::plan::{Census, OutputTotals, Plan};
 
 /// The `--json` document of `gturbo install --dry-run` (`schema_version` 1).
 ///
@@ -116,56 +116,13 @@ impl DryRunReport {
     /// Build the report from a prepared install.
     pub fn new(family: &Family, describe: &str, p: &Prepared, out: &Path) -> DryRunReport {
         let plan = &p.plan;
-        let mut groups: Vec<PoolGroup> = Vec::new();
-        for pool in &plan.outputs.expert_pools {
-            match groups.iter_mut().find(|g| {
-                g.sidecar == pool.sidecar && g.experts == pool.experts && g.stride == pool.stride
-            }) {
-                Some(g) => {
-                    g.files += 1;
-                    g.bytes += pool.file_bytes;
-                }
-                None => groups.push(PoolGroup {
-                    sidecar: pool.sidecar.clone(),
-                    files: 1,
-                    experts: pool.experts,
-                    blob_bytes: pool.blob_bytes,
-                    stride: pool.stride,
-                    scheme: pool.scheme.label(),
-                    bytes: pool.file_bytes,
-                }),
-            }
-        }
-        let row_pools = plan
-            .outputs
-            .row_pools
-            .iter()
-            .map(|r| RowPoolReport {
-                file: r.file.clone(),
-                shards: r.shards.len(),
-                rows: r.shards.iter().map(|s| s.rows).sum(),
-                width: r.width,
-                row_bytes: r.row_bytes,
-                rows_per_block: r.rows_per_block,
-                scheme: r.scheme.label(),
-                bytes: r.file_bytes,
-            })
-            .collect();
         let c = &plan.census;
         DryRunReport {
             schema_version: 1,
             family: family.id().into(),
             family_name: family.file.name.clone(),
             out: out.display().to_string(),
-            source: SourceReport {
-                describe: describe.into(),
-                repo: plan.source.repo.clone(),
-                revision: plan.source.revision.clone(),
-                commit: plan.source.commit.clone(),
-                index_sha256: plan.source.index_sha256.clone(),
-                index_pinned: p.index_pinned,
-                index_total_size: p.index_total_size,
-            },
+            source: SourceReport::new(describe, p),
             shards: ShardsReport {
                 count: plan.shards.len(),
                 bytes: plan.shards.iter().map(|s| s.size).sum(),
@@ -183,21 +140,9 @@ impl DryRunReport {
             },
             outputs: plan.totals(),
             resident_entries: plan.outputs.resident.index.tensors.len(),
-            expert_pools: groups,
-            row_pools,
-            sidecars: family
-                .file
-                .sidecars
-                .iter()
-                .map(|(name, s)| {
-                    let state = if plan.options.skip_sidecars.contains(name) {
-                        "skipped"
-                    } else {
-                        "carried"
-                    };
-                    format!("{name} ({}): {state}", s.what)
-                })
-                .collect(),
+            expert_pools: pool_groups(plan),
+            row_pools: row_pools(plan),
+            sidecars: sidecars(family, plan),
             tensors: plan.tensors.len(),
             excluded_tensors: c.excluded.tensors,
             census: c.clone(),
@@ -223,6 +168,19 @@ impl DryRunReport {
     /// The human-readable report.
     pub fn to_text(&self) -> String {
         let mut s = String::new();
+        self.write_source(&mut s);
+        self.write_quant(&mut s);
+        self.write_outputs(&mut s);
+        self.write_census(&mut s);
+        let _ = writeln!(s, "  parameters      {}", thousands(self.parameters));
+        let _ = writeln!(s, "  fingerprint     sha256:{}", self.fingerprint);
+        let _ = writeln!(s, "  planned in      {:.2} s", self.elapsed_s);
+        s
+    }
+
+    /// The heading, then where the bytes come from: source, revision, index, shards,
+    /// requests made and reads planned.
+    fn write_source(&self, s: &mut String) {
         let src = &self.source;
         let _ = writeln!(
             s,
@@ -266,6 +224,10 @@ impl DryRunReport {
             self.reads.range_requests,
             bytes(self.reads.source_bytes)
         );
+    }
+
+    /// The quant profile (and why auto chose it) and the memory it needs.
+    fn write_quant(&self, s: &mut String) {
         let q = &self.quant;
         let _ = match &q.auto {
             Some(a) => writeln!(
@@ -290,6 +252,10 @@ impl DryRunReport {
             "  memory          {} resident + working set",
             bytes(q.footprint_bytes)
         );
+    }
+
+    /// The output folder and its files by kind, then the sidecars.
+    fn write_outputs(&self, s: &mut String) {
         let o = &self.outputs;
         let _ = writeln!(s, "  output          {}", self.out);
         let _ = writeln!(
@@ -338,6 +304,10 @@ impl DryRunReport {
         for sc in &self.sidecars {
             let _ = writeln!(s, "  sidecar         {sc}");
         }
+    }
+
+    /// The tensor count and the census rows (int4, int8, passthrough, then the others).
+    fn write_census(&self, s: &mut String) {
         let c = &self.census;
         let _ = writeln!(
             s,
@@ -363,11 +333,82 @@ impl DryRunReport {
                 bytes(row.bytes)
             );
         }
-        let _ = writeln!(s, "  parameters      {}", thousands(self.parameters));
-        let _ = writeln!(s, "  fingerprint     sha256:{}", self.fingerprint);
-        let _ = writeln!(s, "  planned in      {:.2} s", self.elapsed_s);
-        s
     }
+}
+
+impl SourceReport {
+    fn new(describe: &str, p: &Prepared) -> SourceReport {
+        let source = &p.plan.source;
+        SourceReport {
+            describe: describe.into(),
+            repo: source.repo.clone(),
+            revision: source.revision.clone(),
+            commit: source.commit.clone(),
+            index_sha256: source.index_sha256.clone(),
+            index_pinned: p.index_pinned,
+            index_total_size: p.index_total_size,
+        }
+    }
+}
+
+/// The expert pools, those with the same sidecar, expert count and stride in one group.
+fn pool_groups(plan: &Plan) -> Vec<PoolGroup> {
+    let mut groups: Vec<PoolGroup> = Vec::new();
+    for pool in &plan.outputs.expert_pools {
+        match groups.iter_mut().find(|g| {
+            g.sidecar == pool.sidecar && g.experts == pool.experts && g.stride == pool.stride
+        }) {
+            Some(g) => {
+                g.files += 1;
+                g.bytes += pool.file_bytes;
+            }
+            None => groups.push(PoolGroup {
+                sidecar: pool.sidecar.clone(),
+                files: 1,
+                experts: pool.experts,
+                blob_bytes: pool.blob_bytes,
+                stride: pool.stride,
+                scheme: pool.scheme.label(),
+                bytes: pool.file_bytes,
+            }),
+        }
+    }
+    groups
+}
+
+/// The row pools, one row each.
+fn row_pools(plan: &Plan) -> Vec<RowPoolReport> {
+    plan.outputs
+        .row_pools
+        .iter()
+        .map(|r| RowPoolReport {
+            file: r.file.clone(),
+            shards: r.shards.len(),
+            rows: r.shards.iter().map(|s| s.rows).sum(),
+            width: r.width,
+            row_bytes: r.row_bytes,
+            rows_per_block: r.rows_per_block,
+            scheme: r.scheme.label(),
+            bytes: r.file_bytes,
+        })
+        .collect()
+}
+
+/// Each of the family's sidecars, `NAME (WHAT): carried` or `skipped`.
+fn sidecars(family: &Family, plan: &Plan) -> Vec<String> {
+    family
+        .file
+        .sidecars
+        .iter()
+        .map(|(name, s)| {
+            let state = if plan.options.skip_sidecars.contains(name) {
+                "skipped"
+            } else {
+                "carried"
+            };
+            format!("{name} ({}): {state}", s.what)
+        })
+        .collect()
 }
 
 /// `1,234,567,890 B (1.23 GB)`.
