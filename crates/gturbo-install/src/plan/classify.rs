@@ -14,7 +14,9 @@ use crate::format::pools::ExpertPart;
 use crate::header::{Dtype, ShardHeader};
 
 use super::mlx::{Packed, Source};
-use super::{PlanError, PlanOptions, Policy};
+use super::error::PlanError;
+use super::policy::Policy;
+use super::types::PlanOptions;
 
 /// An expert pool: the sidecar it belongs to (`None` for the main model) and its layer.
 /// `None` orders before every sidecar, so a map over keys lists the main model first.

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::format::{Affine, Scheme};
 use crate::header::{Dtype, ShardHeader};
 
-use super::PlanError;
+use super::error::PlanError;
 
 /// The `quantization` block of an MLX checkpoint's `config.json`.
 #[derive(Debug, Clone, PartialEq, Eq)]

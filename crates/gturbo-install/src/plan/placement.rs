@@ -7,7 +7,7 @@
 
 use crate::format::{RowBlocks, Scheme};
 
-use super::{Dest, Plan, PlannedTensor};
+use super::types::{Dest, Plan, PlannedTensor};
 use crate::format::pools::ExpertPart;
 use crate::format::resident::Storage;
 
