@@ -7,12 +7,12 @@ use super::arch::{check_axes_against_tensors, read_arch};
 use super::classify::{self, Draft, DraftRole};
 use super::error::PlanError;
 use super::policy::Policy;
+use super::profile::{AutoChoice, QuantMode};
 use super::types::{
     COPIED_FILES, Census, CopiedFile, Dest, MAX_COPIED_BYTES, Outputs, PLAN_SCHEMA, PackedPart,
     Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, SourcePart,
 };
 use super::{coalesce, experts, mlx, profile, rows};
-use super::profile::{AutoChoice, QuantMode};
 use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
 

@@ -62,7 +62,7 @@ pub enum PlanError {
         file: String,
         /// Size from the listing.
         bytes: u64,
-        /// The bound ([`copied_max_bytes`]).
+        /// The bound ([`copied_max_bytes`](super::copied_max_bytes)).
         max: u64,
         /// What the bound is for.
         what: &'static str,

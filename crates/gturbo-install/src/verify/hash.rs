@@ -100,4 +100,3 @@ fn hash_one(
     }
     Ok((hex::encode(h.finalize()), len))
 }
-

@@ -21,15 +21,15 @@ pub use self::hash::{CHUNK, HashResult, VerifyProgress, hash_files};
 pub use self::quality::{check_quality, record_quality, recorded_quality};
 pub use self::receipt::{MAX_RECEIPT_BYTES, ReceiptOutcome, read_receipt, receipt_vouches};
 use self::receipt::{check_copied, write_receipt};
+use crate::format::check::read_manifest;
 pub use crate::format::check::{
     MAX_TOKENIZER_JSON_BYTES, VerifyFailure, check_layout, check_manifest, open_inside,
     open_manifest, unexpected_files,
 };
-use crate::format::check::read_manifest;
 use crate::format::check_relative_path;
 use crate::format::digest::sha256_hex;
 use crate::format::manifest;
-use crate::format::receipt::{self as receipt_file, ReceiptFile};
+use crate::format::receipt::{self as receipt_file, Receipt, ReceiptFile};
 
 /// Settings of a full verify.
 #[derive(Clone, Copy)]
@@ -128,9 +128,49 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
     report.files = 1;
     report.bytes = manifest_bytes.len() as u64;
     report.failures = check_layout(dir, &m);
+    let old_receipt = check_receipt_names_manifest(dir, &manifest_sha, &mut report);
+    // A recorded quality result must be the one the receipt lists, measured on this
+    // manifest; one that checks out is carried into the rewritten receipt.
+    let quality_entry = match check_quality(dir, &manifest_sha, old_receipt.as_ref()) {
+        Ok(q) => q.map(|(entry, _)| entry),
+        Err(f) => {
+            report.failures.push(f);
+            None
+        }
+    };
+    let hashes = hash_listed_files(dir, &m, threads, opts.progress, &mut report);
+    // The copied files against the hashes their source published, as the receipt
+    // records them: the install proved them once, this proves them again on disk.
+    if let Some(r) = old_receipt
+        .as_ref()
+        .filter(|r| r.manifest_sha256 == manifest_sha)
+    {
+        report
+            .failures
+            .extend(check_copied(dir, &m, &r.source_copied));
+    }
+    report.ok = report.failures.is_empty();
+    if report.ok && opts.write_receipt {
+        match write_receipt(dir, &manifest_sha, hashes, old_receipt, quality_entry) {
+            Ok(outcome) => report.receipt = outcome,
+            Err(f) => {
+                report.failures.push(f);
+                report.ok = false;
+            }
+        }
+    }
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    report
+}
 
-    // The receipt, if any, must name this manifest: a manifest edited after it was
-    // verified is caught here even where its numbers stay consistent.
+/// The receipt on disk, if any, which must name this manifest: a manifest edited
+/// after it was verified is caught here even where its numbers stay consistent.
+/// Failures go to `report`.
+fn check_receipt_names_manifest(
+    dir: &Path,
+    manifest_sha: &str,
+    report: &mut Report,
+) -> Option<Receipt> {
     let old_receipt = match read_receipt(dir) {
         Ok(r) => r,
         Err(f) => {
@@ -151,19 +191,20 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
             ),
         ));
     }
+    old_receipt
+}
 
-    // A recorded quality result must be the one the receipt lists, measured on this
-    // manifest; one that checks out is carried into the rewritten receipt.
-    let quality_entry = match check_quality(dir, &manifest_sha, old_receipt.as_ref()) {
-        Ok(q) => q.map(|(entry, _)| entry),
-        Err(f) => {
-            report.failures.push(f);
-            None
-        }
-    };
-
-    // Hash every listed file whose size checked out; bigger files first so the
-    // threads finish together.
+/// Hash every listed file whose size checked out (bigger files first, so the threads
+/// finish together) against the manifest, counting files and bytes in `report` and
+/// adding what does not match to its failures. Returns the hashes as the receipt
+/// lists them, in path order.
+fn hash_listed_files(
+    dir: &Path,
+    m: &manifest::Manifest,
+    threads: usize,
+    progress: Option<&dyn VerifyProgress>,
+    report: &mut Report,
+) -> Vec<ReceiptFile> {
     let failed: BTreeSet<&str> = report
         .failures
         .iter()
@@ -176,11 +217,11 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
         .filter(|f| check_relative_path(&f.path).is_ok() && !failed.contains(f.path.as_str()))
         .collect();
     todo.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.path.cmp(&b.path)));
-    if let Some(p) = opts.progress {
+    if let Some(p) = progress {
         p.start(todo.len() as u64, todo.iter().map(|f| f.bytes).sum::<u64>());
     }
     let paths: Vec<&str> = todo.iter().map(|f| f.path.as_str()).collect();
-    let results = hash_files(dir, &paths, threads, opts.progress);
+    let results = hash_files(dir, &paths, threads, progress);
     let mut hashes: Vec<ReceiptFile> = Vec::new();
     for (f, r) in todo.iter().zip(results) {
         match r {
@@ -213,28 +254,7 @@ pub fn verify(dir: &Path, opts: &VerifyOptions<'_>) -> Report {
         }
     }
     hashes.sort_by(|a, b| a.path.cmp(&b.path));
-    // The copied files against the hashes their source published, as the receipt
-    // records them: the install proved them once, this proves them again on disk.
-    if let Some(r) = old_receipt
-        .as_ref()
-        .filter(|r| r.manifest_sha256 == manifest_sha)
-    {
-        report
-            .failures
-            .extend(check_copied(dir, &m, &r.source_copied));
-    }
-    report.ok = report.failures.is_empty();
-    if report.ok && opts.write_receipt {
-        match write_receipt(dir, &manifest_sha, hashes, old_receipt, quality_entry) {
-            Ok(outcome) => report.receipt = outcome,
-            Err(f) => {
-                report.failures.push(f);
-                report.ok = false;
-            }
-        }
-    }
-    report.elapsed_s = started.elapsed().as_secs_f64();
-    report
+    hashes
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ pub enum ReceiptOutcome {
 /// SHA-256 of the manifest on disk, and lists exactly the manifest's files with the
 /// sizes they have on disk. This is what a runtime may accept instead of full hashing
 /// when the user asks it to trust the receipt; it proves sizes, not bytes. Call it
-/// after [`check_layout`] found nothing.
+/// after [`check_layout`](crate::format::check::check_layout) found nothing.
 pub fn receipt_vouches(dir: &Path) -> Result<bool, VerifyFailure> {
     let (bytes, m) = read_manifest(dir)?;
     let Some(r) = read_receipt(dir)? else {
@@ -150,7 +150,11 @@ pub(super) fn write_receipt_file(dir: &Path, r: &Receipt) -> Result<(), VerifyFa
 /// its source published. Only files the manifest lists are opened (a receipt naming
 /// another path is a failure), each at most the bound the install held it to
 /// ([`crate::plan::copied_max_bytes`]).
-pub(super) fn check_copied(dir: &Path, m: &Manifest, copied: &[ReceiptCopied]) -> Vec<VerifyFailure> {
+pub(super) fn check_copied(
+    dir: &Path,
+    m: &Manifest,
+    copied: &[ReceiptCopied],
+) -> Vec<VerifyFailure> {
     let mut out = Vec::new();
     let rname = receipt::FILE_NAME;
     for c in copied.iter().filter(|c| c.verified) {
