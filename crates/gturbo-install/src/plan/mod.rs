@@ -7,7 +7,7 @@
 //! coalesces source byte ranges into large reads ([`coalesce`]), and has a fingerprint:
 //! the SHA-256 of its canonical JSON.
 //!
-//! [`build`] runs in named stages, each a function that returns what it placed:
+//! [`build()`] runs in named stages, each a function that returns what it placed:
 //! *arch* (the config's axes), *classify* (every tensor's role, as a typed draft),
 //! *resident* (the resident file, entries in name order), *expert pools*, *row pools*,
 //! then the *copied files*, the *census* and the *reads*. A tensor's destination is

@@ -46,8 +46,8 @@ pub const COALESCE_GAP: u64 = 1 << 20;
 /// Choices that change the plan (and so its fingerprint).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlanOptions {
-    /// The quant profile (`auto` is resolved by [`build`](super::build()); a plan records the profile
-    /// it used).
+    /// The quant profile (`auto` is resolved by [`build`](super::build()); a plan
+    /// records the profile it used).
     pub quant: QuantMode,
     /// Whether `--quant` was given (a pre-quantized source refuses a profile asked
     /// for by name). Not part of the plan.
