@@ -167,11 +167,28 @@ fn unsafe_paths(m: &Manifest) -> Vec<VerifyFailure> {
 /// tokenizer present, the architecture axes within their bounds
 /// ([`crate::axes::check`]). Pure, so the fuzzer drives it directly.
 pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
-    let mf = manifest::FILE_NAME;
     let mut out = unsafe_paths(m);
-    let fail = |at: String, detail: String| VerifyFailure::new(mf, at, detail);
+    out.extend(header_errors(m));
+    let (by_path, listing) = listing_errors(m);
+    out.extend(listing);
+    let described = described_errors(m, &by_path, &mut out);
+    out.extend(undescribed_errors(m, &described));
+    out.extend(tokenizer_and_payload_errors(m, &by_path));
+    out.extend(expert_pool_errors(m));
+    out.extend(row_pool_errors(m));
+    out
+}
 
-    // The architecture axes, by the rules the planner and the runtime apply.
+/// A failure of `manifest.json` at field `at`.
+fn manifest_fail(at: String, detail: String) -> VerifyFailure {
+    VerifyFailure::new(manifest::FILE_NAME, at, detail)
+}
+
+/// The manifest's own records: the architecture axes, by the rules the planner and
+/// the runtime apply; the tool; the quantization record's numbers; the sidecar states.
+fn header_errors(m: &Manifest) -> Vec<VerifyFailure> {
+    let fail = manifest_fail;
+    let mut out = Vec::new();
     if let Err(e) = crate::axes::check(&m.arch.axes) {
         out.push(fail(format!("arch.axes.{}", e.axis), e.detail));
     }
@@ -206,9 +223,18 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
             ));
         }
     }
+    out
+}
 
-    // The file list.
-    let mut by_path: BTreeMap<&str, (usize, &manifest::ManifestFile)> = BTreeMap::new();
+/// The listed files by path (the first entry of each), with their index.
+type ByPath<'m> = BTreeMap<&'m str, (usize, &'m manifest::ManifestFile)>;
+
+/// The file list: known kinds, hash syntax, no reserved name, sorted and unique.
+/// Returns the files by path too, for the checks that follow.
+fn listing_errors(m: &Manifest) -> (ByPath<'_>, Vec<VerifyFailure>) {
+    let fail = manifest_fail;
+    let mut out = Vec::new();
+    let mut by_path: ByPath<'_> = BTreeMap::new();
     for (i, f) in m.files.iter().enumerate() {
         if !KINDS.contains(&f.kind.as_str()) {
             out.push(fail(
@@ -240,9 +266,17 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
         }
         by_path.entry(&f.path).or_insert((i, f));
     }
+    (by_path, out)
+}
 
-    // Every described file is listed with its kind and size, and every listed data
-    // file is described.
+/// Every described file (the resident file, each pool) is listed with its kind and
+/// size, and described once. Pushes its failures to `out`; returns the described paths.
+fn described_errors<'m>(
+    m: &'m Manifest,
+    by_path: &ByPath<'m>,
+    out: &mut Vec<VerifyFailure>,
+) -> BTreeSet<&'m str> {
+    let fail = manifest_fail;
     let mut described: BTreeSet<&str> = BTreeSet::new();
     let mut data_files: Vec<(String, &str, &str, Option<u64>)> =
         vec![("resident.file".into(), &m.resident.file, "resident", None)];
@@ -284,6 +318,13 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
             }
         }
     }
+    described
+}
+
+/// Every listed data file is described, and tokenizer files live under `tokenizer/`.
+fn undescribed_errors(m: &Manifest, described: &BTreeSet<&str>) -> Vec<VerifyFailure> {
+    let fail = manifest_fail;
+    let mut out = Vec::new();
     for (i, f) in m.files.iter().enumerate() {
         if f.kind != "tokenizer"
             && KINDS.contains(&f.kind.as_str())
@@ -304,6 +345,13 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
             ));
         }
     }
+    out
+}
+
+/// A tokenizer is listed, and the resident payload starts on a page after the head.
+fn tokenizer_and_payload_errors(m: &Manifest, by_path: &ByPath<'_>) -> Vec<VerifyFailure> {
+    let fail = manifest_fail;
+    let mut out = Vec::new();
     if !TOKENIZER_MODELS
         .iter()
         .any(|t| by_path.get(t).is_some_and(|(_, f)| f.kind == "tokenizer"))
@@ -322,8 +370,13 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
             ),
         ));
     }
+    out
+}
 
-    // Pool geometry and names.
+/// Each expert pool's geometry, its file name, and its sidecar carried.
+fn expert_pool_errors(m: &Manifest) -> Vec<VerifyFailure> {
+    let (mf, fail) = (manifest::FILE_NAME, manifest_fail);
+    let mut out = Vec::new();
     for (i, p) in m.expert_pools.iter().enumerate() {
         let prefix = format!("expert_pools[{i}] ({})", p.file);
         out.extend(
@@ -350,6 +403,13 @@ pub fn check_manifest(m: &Manifest) -> Vec<VerifyFailure> {
             ));
         }
     }
+    out
+}
+
+/// Each row pool's geometry and its file name.
+fn row_pool_errors(m: &Manifest) -> Vec<VerifyFailure> {
+    let (mf, fail) = (manifest::FILE_NAME, manifest_fail);
+    let mut out = Vec::new();
     for (i, p) in m.row_pools.iter().enumerate() {
         let prefix = format!("row_pools[{i}] ({})", p.file);
         out.extend(

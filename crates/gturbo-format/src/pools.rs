@@ -151,47 +151,10 @@ impl ExpertPool {
         }
         let mut cursor = 0u64;
         for (i, p) in self.parts.iter().enumerate() {
-            let at = |f: &str| format!("parts[{i}].{f}");
-            let scheme = self.part_scheme(p);
-            let expected = scheme
-                .sizes(p.rows, p.cols, self.dtype.size())
-                .map(|q| (q.weights, q.scales, q.biases));
-            match expected {
-                None => errs.push(LayoutError::new(
-                    at("cols"),
-                    format!(
-                        "shape [{}, {}] has no {} layout ({}sizes must fit 64 bits)",
-                        p.rows,
-                        p.cols,
-                        scheme.label(),
-                        scheme.group().map_or(String::new(), |g| format!(
-                            "columns must be a positive multiple of {g} for quantized parts, "
-                        ))
-                    ),
-                )),
-                Some((w, s, b)) => {
-                    for (name, want, got) in [
-                        ("weights", w, p.weights),
-                        ("scales", s, p.scales),
-                        ("biases", b, p.biases),
-                    ] {
-                        if want != got {
-                            errs.push(LayoutError::new(
-                                at(name),
-                                format!(
-                                    "{got} bytes; shape [{}, {}] at {} gives {want}",
-                                    p.rows,
-                                    p.cols,
-                                    scheme.label()
-                                ),
-                            ));
-                        }
-                    }
-                }
-            }
+            errs.extend(self.part_size_errors(i, p));
             if p.offset != cursor {
                 errs.push(LayoutError::new(
-                    at("offset"),
+                    format!("parts[{i}].offset"),
                     format!(
                         "{}; the part must follow the previous one at {cursor}",
                         p.offset
@@ -202,13 +165,63 @@ impl ExpertPool {
                 Some(end) => cursor = end,
                 None => {
                     errs.push(LayoutError::new(
-                        at("offset"),
+                        format!("parts[{i}].offset"),
                         "offset + size overflows 64 bits",
                     ));
                     return errs;
                 }
             }
         }
+        errs.extend(self.blob_errors(cursor));
+        errs
+    }
+
+    /// Part `i`'s weights, scales and biases against the sizes its shape and scheme give.
+    fn part_size_errors(&self, i: usize, p: &BlobPart) -> Vec<LayoutError> {
+        let at = |f: &str| format!("parts[{i}].{f}");
+        let scheme = self.part_scheme(p);
+        let expected = scheme
+            .sizes(p.rows, p.cols, self.dtype.size())
+            .map(|q| (q.weights, q.scales, q.biases));
+        let Some((w, s, b)) = expected else {
+            return vec![LayoutError::new(
+                at("cols"),
+                format!(
+                    "shape [{}, {}] has no {} layout ({}sizes must fit 64 bits)",
+                    p.rows,
+                    p.cols,
+                    scheme.label(),
+                    scheme.group().map_or(String::new(), |g| format!(
+                        "columns must be a positive multiple of {g} for quantized parts, "
+                    ))
+                ),
+            )];
+        };
+        [
+            ("weights", w, p.weights),
+            ("scales", s, p.scales),
+            ("biases", b, p.biases),
+        ]
+        .into_iter()
+        .filter(|(_, want, got)| want != got)
+        .map(|(name, want, got)| {
+            LayoutError::new(
+                at(name),
+                format!(
+                    "{got} bytes; shape [{}, {}] at {} gives {want}",
+                    p.rows,
+                    p.cols,
+                    scheme.label()
+                ),
+            )
+        })
+        .collect()
+    }
+
+    /// `blob_bytes` where the parts end (`cursor`), `stride` the blob rounded up to
+    /// [`PAGE`], `file_bytes` `experts * stride`.
+    fn blob_errors(&self, cursor: u64) -> Vec<LayoutError> {
+        let mut errs = Vec::new();
         if cursor != self.blob_bytes {
             errs.push(LayoutError::new(
                 "blob_bytes",
@@ -260,6 +273,43 @@ impl RowPool {
     /// [`PAGE`], `file_bytes` their sum. Empty when consistent.
     pub fn layout_errors(&self) -> Vec<LayoutError> {
         let mut errs = Vec::new();
+        let Some(rows_per_block) = self.row_errors(&mut errs) else {
+            return errs;
+        };
+        if self.shards.is_empty() {
+            errs.push(LayoutError::new(
+                "shards",
+                "a row pool has at least one shard",
+            ));
+        }
+        let mut cursor = 0u64;
+        for (i, s) in self.shards.iter().enumerate() {
+            errs.extend(Self::region_errors(i, s, cursor, rows_per_block));
+            match cursor.checked_add(s.region_bytes) {
+                Some(c) => cursor = c,
+                None => {
+                    errs.push(LayoutError::new(
+                        format!("shards[{i}].region_bytes"),
+                        "regions overflow 64 bits",
+                    ));
+                    return errs;
+                }
+            }
+        }
+        if self.file_bytes != cursor {
+            errs.push(LayoutError::new(
+                "file_bytes",
+                format!("{}; the shard regions end at {cursor}", self.file_bytes),
+            ));
+        }
+        errs.extend(self.regions_inside_file_errors());
+        errs
+    }
+
+    /// `row_bytes` from width, dtype and scheme, one row fitting a block, and
+    /// `rows_per_block`: pushes what does not hold to `errs` and returns the rows per
+    /// block, or `None` when no region can be checked (a row that fits no block).
+    fn row_errors(&self, errs: &mut Vec<LayoutError>) -> Option<u64> {
         match super::row_bytes(self.width, self.dtype.size(), self.scheme) {
             Some(want) if want == self.row_bytes => {}
             want => errs.push(LayoutError::new(
@@ -279,7 +329,7 @@ impl RowPool {
                 "row_bytes",
                 format!("{}; a row must fit one {PAGE}-byte block", self.row_bytes),
             ));
-            return errs;
+            return None;
         }
         let rows_per_block = PAGE / self.row_bytes;
         if self.rows_per_block != rows_per_block {
@@ -291,63 +341,50 @@ impl RowPool {
                 ),
             ));
         }
-        if self.shards.is_empty() {
+        Some(rows_per_block)
+    }
+
+    /// Shard `i`'s region: at `cursor` (where the previous one ends), with the blocks
+    /// its rows need and those blocks' bytes.
+    fn region_errors(i: usize, s: &RowShard, cursor: u64, rows_per_block: u64) -> Vec<LayoutError> {
+        let at = |f: &str| format!("shards[{i}].{f}");
+        let mut errs = Vec::new();
+        if s.offset != cursor {
             errs.push(LayoutError::new(
-                "shards",
-                "a row pool has at least one shard",
+                at("offset"),
+                format!(
+                    "{}; the region must follow the previous one at {cursor}",
+                    s.offset
+                ),
             ));
         }
-        let mut cursor = 0u64;
-        for (i, s) in self.shards.iter().enumerate() {
-            let at = |f: &str| format!("shards[{i}].{f}");
-            if s.offset != cursor {
-                errs.push(LayoutError::new(
-                    at("offset"),
-                    format!(
-                        "{}; the region must follow the previous one at {cursor}",
-                        s.offset
-                    ),
-                ));
-            }
-            let blocks = s.rows.div_ceil(rows_per_block);
-            if s.blocks != blocks {
-                errs.push(LayoutError::new(
-                    at("blocks"),
-                    format!(
-                        "{}; {} rows at {rows_per_block} per block need {blocks}",
-                        s.blocks, s.rows
-                    ),
-                ));
-            }
-            match blocks.checked_mul(PAGE) {
-                Some(want) if want == s.region_bytes => {}
-                want => errs.push(LayoutError::new(
-                    at("region_bytes"),
-                    format!(
-                        "{}; {blocks} blocks of {PAGE} give {}",
-                        s.region_bytes,
-                        want.map_or("an overflow".to_string(), |w| w.to_string())
-                    ),
-                )),
-            }
-            match cursor.checked_add(s.region_bytes) {
-                Some(c) => cursor = c,
-                None => {
-                    errs.push(LayoutError::new(
-                        at("region_bytes"),
-                        "regions overflow 64 bits",
-                    ));
-                    return errs;
-                }
-            }
-        }
-        if self.file_bytes != cursor {
+        let blocks = s.rows.div_ceil(rows_per_block);
+        if s.blocks != blocks {
             errs.push(LayoutError::new(
-                "file_bytes",
-                format!("{}; the shard regions end at {cursor}", self.file_bytes),
+                at("blocks"),
+                format!(
+                    "{}; {} rows at {rows_per_block} per block need {blocks}",
+                    s.blocks, s.rows
+                ),
             ));
         }
-        // Each region as declared must lie inside the file, whatever the sums say.
+        match blocks.checked_mul(PAGE) {
+            Some(want) if want == s.region_bytes => {}
+            want => errs.push(LayoutError::new(
+                at("region_bytes"),
+                format!(
+                    "{}; {blocks} blocks of {PAGE} give {}",
+                    s.region_bytes,
+                    want.map_or("an overflow".to_string(), |w| w.to_string())
+                ),
+            )),
+        }
+        errs
+    }
+
+    /// Each region as declared must lie inside the file, whatever the sums say.
+    fn regions_inside_file_errors(&self) -> Vec<LayoutError> {
+        let mut errs = Vec::new();
         for (i, s) in self.shards.iter().enumerate() {
             let end = s.offset.checked_add(s.region_bytes);
             if end.is_none_or(|e| e > self.file_bytes) {

@@ -154,23 +154,93 @@ pub async fn prepare(
         .iter()
         .map(|f| (f.path.clone(), f.size))
         .collect();
+    let pin = Pin::of(settings);
+    let (index, index_sha) = fetch_index(source, &repo, &sizes, &pin, &mut warnings).await?;
+    let shard_names = shard_names(&repo, &sizes, index.as_ref())?;
+    let config = read_config(source, &repo, &sizes).await?;
+    let before_headers = source.stats().requests;
+    let headers = read_headers(source, &shard_names, &sizes, index.as_ref()).await?;
+    let header_requests = source.stats().requests - before_headers;
+    let sha = published_shard_hashes(source, &repo, &shard_names);
+    if let Some(ix) = &index {
+        check_index_covered(ix, &headers)?;
+    }
+    let plan = plan::build(&plan::PlanInput {
+        family: &settings.family,
+        source: PlanSource {
+            repo: repo.repo.clone(),
+            revision: repo.revision.clone(),
+            commit: repo.commit.clone(),
+            index_sha256: index_sha,
+        },
+        config: &config,
+        headers: &headers,
+        shard_sha256: &sha,
+        repo_files: &sizes,
+        options: &settings.options,
+    })?;
+    if !plan
+        .outputs
+        .copied
+        .iter()
+        .any(|c| c.source == "tokenizer.json")
+    {
+        warnings.push(format!(
+            "{repo} has no tokenizer.json; `gturbo run` will not be able to tokenize"
+        ));
+    }
+    Ok(Prepared {
+        family_overrides: family_overrides(&settings.family),
+        sidecars: sidecar_states(settings),
+        run_requires_recorded_quality: settings.family.file.quant.run_requires_recorded_quality,
+        plan,
+        stats: source.stats(),
+        header_requests,
+        index_total_size: index.as_ref().and_then(|i| i.total_size),
+        index_pinned: pin.expected.is_some(),
+        repo,
+        warnings,
+        elapsed: started.elapsed(),
+    })
+}
 
-    let (expected, origin) = match &settings.index_pin {
-        IndexPin::None => (None, String::new()),
-        IndexPin::Family(h) => (
-            Some(h.clone()),
-            format!("pinned by {}", settings.family.origin),
-        ),
-        IndexPin::Flag(h) => (Some(h.clone()), "pinned by --index-sha256".to_string()),
-    };
-    let (index, index_sha) = if sizes.contains_key(INDEX_FILE) {
+/// The index hash expected, and where that expectation comes from (for the error).
+struct Pin {
+    expected: Option<String>,
+    origin: String,
+}
+
+impl Pin {
+    fn of(settings: &PrepareSettings) -> Pin {
+        let (expected, origin) = match &settings.index_pin {
+            IndexPin::None => (None, String::new()),
+            IndexPin::Family(h) => (
+                Some(h.clone()),
+                format!("pinned by {}", settings.family.origin),
+            ),
+            IndexPin::Flag(h) => (Some(h.clone()), "pinned by --index-sha256".to_string()),
+        };
+        Pin { expected, origin }
+    }
+}
+
+/// The index, fetched, checked against its pin (an unpinned one is a warning) and
+/// parsed, with its SHA-256; `None` for a single-file repo (which no pin may expect).
+async fn fetch_index(
+    source: &dyn RangeSource,
+    repo: &ResolvedRepo,
+    sizes: &BTreeMap<String, u64>,
+    pin: &Pin,
+    warnings: &mut Vec<String>,
+) -> Result<(Option<Index>, Option<String>), InstallError> {
+    if sizes.contains_key(INDEX_FILE) {
         let bytes = source.read_file(INDEX_FILE, MAX_INDEX_BYTES).await?;
         let computed = hex::encode(Sha256::digest(&bytes));
-        match &expected {
+        match &pin.expected {
             Some(e) if *e != computed => {
                 return Err(InstallError::IndexHashMismatch {
                     file: INDEX_FILE.into(),
-                    origin,
+                    origin: pin.origin.clone(),
                     expected: e.clone(),
                     computed,
                 });
@@ -180,9 +250,9 @@ pub async fn prepare(
                 "{INDEX_FILE} is not pinned (SHA-256 {computed}); pass --index-sha256 to pin it"
             )),
         }
-        (Some(parse_index(&bytes)?), Some(computed))
+        Ok((Some(parse_index(&bytes)?), Some(computed)))
     } else if sizes.contains_key(SINGLE_FILE) {
-        if let Some(e) = &expected {
+        if let Some(e) = &pin.expected {
             return Err(invalid(
                 INDEX_FILE,
                 "(file)",
@@ -191,15 +261,23 @@ pub async fn prepare(
                 ),
             ));
         }
-        (None, None)
+        Ok((None, None))
     } else {
-        return Err(invalid(
+        Err(invalid(
             INDEX_FILE,
             "(file)",
             format!("{repo} has neither {INDEX_FILE} nor {SINGLE_FILE}"),
-        ));
-    };
-    let shard_names: Vec<String> = match &index {
+        ))
+    }
+}
+
+/// The shards the index names (the single file without one), each in the listing.
+fn shard_names(
+    repo: &ResolvedRepo,
+    sizes: &BTreeMap<String, u64>,
+    index: Option<&Index>,
+) -> Result<Vec<String>, InstallError> {
+    let shard_names: Vec<String> = match index {
         Some(ix) => ix.shards.clone(),
         None => vec![SINGLE_FILE.to_string()],
     };
@@ -212,7 +290,16 @@ pub async fn prepare(
             .into());
         }
     }
+    Ok(shard_names)
+}
 
+/// `config.json`, proven against the source's hash before the planner reads a field
+/// of it, as a JSON object.
+async fn read_config(
+    source: &dyn RangeSource,
+    repo: &ResolvedRepo,
+    sizes: &BTreeMap<String, u64>,
+) -> Result<serde_json::Value, InstallError> {
     if !sizes.contains_key("config.json") {
         return Err(SourceError::MissingFile {
             repo: repo.to_string(),
@@ -222,18 +309,26 @@ pub async fn prepare(
     }
     let config_bytes = source.read_file("config.json", MAX_CONFIG_BYTES).await?;
     // Proven against the source's hash before the planner reads a field of it.
-    copied::published(source, &repo, "config.json").check("config.json", &config_bytes)?;
+    copied::published(source, repo, "config.json").check("config.json", &config_bytes)?;
     let config: serde_json::Value = serde_json::from_slice(&config_bytes)
         .map_err(|e| invalid("config.json", "(document)", format!("not JSON: {e}")))?;
     if !config.is_object() {
         return Err(invalid("config.json", "(document)", "not a JSON object"));
     }
+    Ok(config)
+}
 
-    let before_headers = source.stats().requests;
+/// Every shard's header, [`HEADER_CONCURRENCY`] at a time within one [`HEADER_BUDGET`],
+/// each checked against the index as it comes.
+async fn read_headers(
+    source: &dyn RangeSource,
+    shard_names: &[String],
+    sizes: &BTreeMap<String, u64>,
+    index: Option<&Index>,
+) -> Result<Vec<ShardHeader>, InstallError> {
     let budget = header::HeaderBudget::new(HEADER_BUDGET);
     let budget = &budget;
-    let index = &index;
-    let headers: Vec<ShardHeader> = futures_util::stream::iter(shard_names.iter().map(|s| {
+    futures_util::stream::iter(shard_names.iter().map(|s| {
         let size = sizes[s];
         async move {
             let mut h = header::read_header(source, s, size, budget).await?;
@@ -251,11 +346,17 @@ pub async fn prepare(
     }))
     .buffered(HEADER_CONCURRENCY)
     .try_collect()
-    .await?;
-    let header_requests = source.stats().requests - before_headers;
-    // Published shard hashes: the listing's, or what the header reads' answers carried
-    // (`X-Linked-Etag`, a SHA-256 `ETag`), so a listing without `lfs.oid` still verifies.
-    let sha: BTreeMap<String, String> = shard_names
+    .await
+}
+
+/// Published shard hashes: the listing's, or what the header reads' answers carried
+/// (`X-Linked-Etag`, a SHA-256 `ETag`), so a listing without `lfs.oid` still verifies.
+fn published_shard_hashes(
+    source: &dyn RangeSource,
+    repo: &ResolvedRepo,
+    shard_names: &[String],
+) -> BTreeMap<String, String> {
+    shard_names
         .iter()
         .filter_map(|s| {
             repo.file(s)
@@ -263,63 +364,47 @@ pub async fn prepare(
                 .or_else(|| source.published_sha256(s))
                 .map(|h| (s.clone(), h))
         })
-        .collect();
+        .collect()
+}
 
-    if let Some(ix) = &index {
-        let in_headers: usize = headers.iter().map(|h| h.tensors.len()).sum();
-        if in_headers != ix.weight_map.len() {
-            let present: BTreeSet<&str> = headers
-                .iter()
-                .flat_map(|h| h.tensors.iter().map(|t| t.name.as_str()))
-                .collect();
-            let missing = ix
-                .weight_map
-                .iter()
-                .find(|(n, _)| !present.contains(n.as_str()));
-            if let Some((n, f)) = missing {
-                return Err(invalid(
-                    INDEX_FILE,
-                    &format!("weight_map.{n}"),
-                    format!("names {f}, whose header has no such tensor"),
-                ));
-            }
+/// Every tensor the index names is in a header (each header's tensors were checked
+/// against the index as it came: together they prove the two name the same tensors).
+fn check_index_covered(ix: &Index, headers: &[ShardHeader]) -> Result<(), InstallError> {
+    let in_headers: usize = headers.iter().map(|h| h.tensors.len()).sum();
+    if in_headers != ix.weight_map.len() {
+        let present: BTreeSet<&str> = headers
+            .iter()
+            .flat_map(|h| h.tensors.iter().map(|t| t.name.as_str()))
+            .collect();
+        let missing = ix
+            .weight_map
+            .iter()
+            .find(|(n, _)| !present.contains(n.as_str()));
+        if let Some((n, f)) = missing {
+            return Err(invalid(
+                INDEX_FILE,
+                &format!("weight_map.{n}"),
+                format!("names {f}, whose header has no such tensor"),
+            ));
         }
     }
+    Ok(())
+}
 
-    let plan_source = PlanSource {
-        repo: repo.repo.clone(),
-        revision: repo.revision.clone(),
-        commit: repo.commit.clone(),
-        index_sha256: index_sha,
-    };
-    let plan = plan::build(&plan::PlanInput {
-        family: &settings.family,
-        source: plan_source,
-        config: &config,
-        headers: &headers,
-        shard_sha256: &sha,
-        repo_files: &sizes,
-        options: &settings.options,
-    })?;
-    if !plan
-        .outputs
-        .copied
-        .iter()
-        .any(|c| c.source == "tokenizer.json")
-    {
-        warnings.push(format!(
-            "{repo} has no tokenizer.json; `gturbo run` will not be able to tokenize"
-        ));
-    }
-    let family_overrides = settings
-        .family
+/// The family's quantization overrides as (pattern, scheme), for the manifest.
+fn family_overrides(family: &Family) -> Vec<(String, crate::format::Scheme)> {
+    family
         .file
         .quant
         .overrides
         .iter()
         .map(|o| (o.pattern.clone(), o.scheme))
-        .collect();
-    let sidecars = settings
+        .collect()
+}
+
+/// Each sidecar of the family, `carried` or `skipped` by the options.
+fn sidecar_states(settings: &PrepareSettings) -> BTreeMap<String, String> {
+    settings
         .family
         .file
         .sidecars
@@ -332,18 +417,5 @@ pub async fn prepare(
             };
             (k.clone(), state.to_string())
         })
-        .collect();
-    Ok(Prepared {
-        family_overrides,
-        sidecars,
-        run_requires_recorded_quality: settings.family.file.quant.run_requires_recorded_quality,
-        plan,
-        stats: source.stats(),
-        header_requests,
-        index_total_size: index.as_ref().and_then(|i| i.total_size),
-        index_pinned: expected.is_some(),
-        repo,
-        warnings,
-        elapsed: started.elapsed(),
-    })
+        .collect()
 }

@@ -564,60 +564,21 @@ pub(super) async fn run(
         jobs_at_once = jobs_at_once(&ctx.links),
         "stream"
     );
-    // Per job id: its shard, and whether it goes on from hash state an earlier run
-    // journaled (then a mismatch may lie in bytes that run kept, not in the source).
-    let mut started: Vec<(usize, bool)> = Vec::new();
-    // Jobs whose reads fetch a shard a second time: their bytes were counted once.
-    let mut again = std::collections::BTreeSet::new();
-    let mut running = tokio::task::JoinSet::new();
-    let mut outcome = Ok(());
     let mut grow = Grower::new(connections, &ctx, limit as u64);
     let mut tick = tokio::time::interval(autojobs::TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // What the jobs report: reads made durable, windows that requested their last.
     let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel::<JobEvent>();
+    let mut sched = Scheduler::new(ctx.clone(), jobs, reporter, events);
     let mut beside = std::pin::pin!(beside);
     let mut beside_done = false;
-    // Jobs that still have sub-ranges to request. The next job starts as soon as one
-    // has requested its last, not when it ends: its last sub-ranges arriving, the
-    // consumer, the flush and the shard's hash check left connections idle between
-    // jobs (at `--jobs 4` on the capped link, 3 of 4 busy for ~0.5 s at every one).
-    let mut requesting = std::collections::BTreeSet::new();
-    let on_event = |e: JobEvent,
-                    requesting: &mut std::collections::BTreeSet<usize>,
-                    again: &std::collections::BTreeSet<usize>| match e {
-        JobEvent::Durable(id, n) => {
-            if !again.contains(&id) {
-                reporter.read_done(n);
-            }
-        }
-        JobEvent::AllRequested(id) => {
-            requesting.remove(&id);
-        }
-    };
-    let mut waiting: std::collections::VecDeque<Job> = jobs.into();
+    let mut outcome = Ok(());
     loop {
-        // Under `--jobs auto` this rises as the connections grow.
-        while requesting.len() < jobs_at_once(&ctx.links) {
-            let Some(job) = waiting.pop_front() else {
-                break;
-            };
-            let (ctx, events, id) = (ctx.clone(), events.clone(), started.len());
-            let resumed = job.start_hash.as_ref().is_some_and(|h| !h.is_empty());
-            started.push((job.shard, resumed));
-            requesting.insert(id);
-            running.spawn(async move { (id, run_job(ctx, job, id, events).await) });
-        }
-        let last_jobs = if waiting.is_empty() {
-            requesting.len().max(1) as u64
-        } else {
-            0
-        };
-        ctx.links.last_jobs.store(last_jobs, Ordering::Relaxed);
+        sched.start_jobs();
         let joined = tokio::select! {
-            j = running.join_next() => j,
+            j = sched.running.join_next() => j,
             Some(e) = events_rx.recv() => {
-                on_event(e, &mut requesting, &again);
+                sched.on_event(e);
                 continue;
             }
             r = &mut beside, if !beside_done => {
@@ -640,46 +601,15 @@ pub(super) async fn run(
         };
         // Reads a job made durable just before it ended.
         while let Ok(e) = events_rx.try_recv() {
-            on_event(e, &mut requesting, &again);
+            sched.on_event(e);
         }
-        match joined {
-            Ok((id, Ok(()))) => {
-                requesting.remove(&id);
-            }
-            // A shard that went on from an earlier run's hash state and does not hash to
-            // its published SHA-256: the bytes kept from that run may be what is wrong
-            // (a hub that served other bytes then), so the shard is fetched whole once
-            // more in this run (its journal lines are discarded already). Only a fresh
-            // fetch that is still wrong fails the install.
-            Ok((id, Err(InstallError::SourceHashMismatch { shard, .. })))
-                if started.get(id).is_some_and(|&(_, resumed)| resumed) =>
-            {
-                requesting.remove(&id);
-                let si = started[id].0;
-                reporter.phase(
-                    "refetch",
-                    &format!(
-                        "{shard}: the pieces kept from an earlier run do not hash to its \
-                         published SHA-256; fetching the whole shard again"
-                    ),
-                );
-                ctx.finished
-                    .forget(shard_files(&ctx.plan, &ctx.placements, si));
-                again.insert(started.len());
-                waiting.push_front(whole_shard(&ctx.plan, si));
-            }
-            Ok((_, Err(e))) => {
-                outcome = Err(e);
-                break;
-            }
-            Err(e) => {
-                outcome = Err(InstallError::Internal(format!("read task failed: {e}")));
-                break;
-            }
+        if let Err(e) = sched.on_joined(joined) {
+            outcome = Err(e);
+            break;
         }
     }
     // Abort what still runs and wait until every task has stopped.
-    running.shutdown().await;
+    sched.running.shutdown().await;
     outcome?;
     if !beside_done {
         beside.await?;
@@ -694,6 +624,126 @@ pub(super) async fn run(
         peak_bytes_per_s: grow.peak_bytes_per_s(&ctx),
         file_sha256: ctx.finished.take(),
     })
+}
+
+/// What a job task answers: its id and how it ended.
+type JobOutcome = (usize, Result<(), InstallError>);
+
+/// The stream stage's job scheduling: which jobs wait, which still request
+/// sub-ranges, which run, and what each job reports.
+struct Scheduler<'r> {
+    ctx: Arc<JobContext>,
+    reporter: &'r dyn InstallReporter,
+    /// Per job id: its shard, and whether it goes on from hash state an earlier run
+    /// journaled (then a mismatch may lie in bytes that run kept, not in the source).
+    started: Vec<(usize, bool)>,
+    /// Jobs whose reads fetch a shard a second time: their bytes were counted once.
+    again: BTreeSet<usize>,
+    /// Jobs that still have sub-ranges to request. The next job starts as soon as one
+    /// has requested its last, not when it ends: its last sub-ranges arriving, the
+    /// consumer, the flush and the shard's hash check left connections idle between
+    /// jobs (at `--jobs 4` on the capped link, 3 of 4 busy for ~0.5 s at every one).
+    requesting: BTreeSet<usize>,
+    waiting: std::collections::VecDeque<Job>,
+    running: tokio::task::JoinSet<JobOutcome>,
+    events: tokio::sync::mpsc::UnboundedSender<JobEvent>,
+}
+
+impl<'r> Scheduler<'r> {
+    fn new(
+        ctx: Arc<JobContext>,
+        jobs: Vec<Job>,
+        reporter: &'r dyn InstallReporter,
+        events: tokio::sync::mpsc::UnboundedSender<JobEvent>,
+    ) -> Self {
+        Scheduler {
+            ctx,
+            reporter,
+            started: Vec::new(),
+            again: BTreeSet::new(),
+            requesting: BTreeSet::new(),
+            waiting: jobs.into(),
+            running: tokio::task::JoinSet::new(),
+            events,
+        }
+    }
+
+    /// Start waiting jobs while fewer than [`jobs_at_once`] still request (under
+    /// `--jobs auto` that rises as the connections grow), each on its own task; then
+    /// tell the links how many jobs the last of the stream has.
+    fn start_jobs(&mut self) {
+        while self.requesting.len() < jobs_at_once(&self.ctx.links) {
+            let Some(job) = self.waiting.pop_front() else {
+                break;
+            };
+            let (ctx, events, id) = (self.ctx.clone(), self.events.clone(), self.started.len());
+            let resumed = job.start_hash.as_ref().is_some_and(|h| !h.is_empty());
+            self.started.push((job.shard, resumed));
+            self.requesting.insert(id);
+            self.running
+                .spawn(async move { (id, run_job(ctx, job, id, events).await) });
+        }
+        let last_jobs = if self.waiting.is_empty() {
+            self.requesting.len().max(1) as u64
+        } else {
+            0
+        };
+        self.ctx.links.last_jobs.store(last_jobs, Ordering::Relaxed);
+    }
+
+    /// A job's report: a durable read's bytes to the reporter (once per read, not
+    /// again for a shard fetched a second time), a window that requested its last.
+    fn on_event(&mut self, e: JobEvent) {
+        match e {
+            JobEvent::Durable(id, n) => {
+                if !self.again.contains(&id) {
+                    self.reporter.read_done(n);
+                }
+            }
+            JobEvent::AllRequested(id) => {
+                self.requesting.remove(&id);
+            }
+        }
+    }
+
+    /// A job ended: done, queued again whole (below), or the install's error.
+    fn on_joined(
+        &mut self,
+        joined: Result<JobOutcome, tokio::task::JoinError>,
+    ) -> Result<(), InstallError> {
+        match joined {
+            Ok((id, Ok(()))) => {
+                self.requesting.remove(&id);
+                Ok(())
+            }
+            // A shard that went on from an earlier run's hash state and does not hash to
+            // its published SHA-256: the bytes kept from that run may be what is wrong
+            // (a hub that served other bytes then), so the shard is fetched whole once
+            // more in this run (its journal lines are discarded already). Only a fresh
+            // fetch that is still wrong fails the install.
+            Ok((id, Err(InstallError::SourceHashMismatch { shard, .. })))
+                if self.started.get(id).is_some_and(|&(_, resumed)| resumed) =>
+            {
+                self.requesting.remove(&id);
+                let si = self.started[id].0;
+                self.reporter.phase(
+                    "refetch",
+                    &format!(
+                        "{shard}: the pieces kept from an earlier run do not hash to its \
+                         published SHA-256; fetching the whole shard again"
+                    ),
+                );
+                let ctx = &self.ctx;
+                ctx.finished
+                    .forget(shard_files(&ctx.plan, &ctx.placements, si));
+                self.again.insert(self.started.len());
+                self.waiting.push_front(whole_shard(&ctx.plan, si));
+                Ok(())
+            }
+            Ok((_, Err(e))) => Err(e),
+            Err(e) => Err(InstallError::Internal(format!("read task failed: {e}"))),
+        }
+    }
 }
 
 /// Every read of shard `si`, in order, each hashed from a fresh hash state: the job

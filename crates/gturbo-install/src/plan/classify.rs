@@ -8,13 +8,15 @@
 
 use std::collections::BTreeMap;
 
-use crate::family::{Family, Role};
+use crate::family::{Family, Role, RuleMatch};
 use crate::format::Scheme;
 use crate::format::pools::ExpertPart;
 use crate::header::{Dtype, ShardHeader};
 
+use super::error::PlanError;
 use super::mlx::{Packed, Source};
-use super::{PlanError, PlanOptions, Policy};
+use super::policy::Policy;
+use super::types::PlanOptions;
 
 /// An expert pool: the sidecar it belongs to (`None` for the main model) and its layer.
 /// `None` orders before every sidecar, so a map over keys lists the main model first.
@@ -102,132 +104,169 @@ pub(super) fn classify(
         } else {
             None
         };
-        {
-            let (m, name) =
-                family
-                    .classify_normalised(&t.name)
-                    .ok_or_else(|| PlanError::Unmatched {
-                        shard: h.shard.clone(),
-                        tensor: t.name.clone(),
-                        family_file: family.origin.clone(),
-                    })?;
-            let name = name.into_owned();
-            // Two source names (one prefixed) for one installed name are duplicates too.
-            if let Some(&prev) = seen.get(&name) {
-                return Err(PlanError::Duplicate {
-                    tensor: name,
-                    first: headers[prev].shard.clone(),
-                    second: h.shard.clone(),
-                });
-            }
-            seen.insert(name.clone(), si);
-            let tensor_err = |field: &str, detail: String| PlanError::Tensor {
-                shard: h.shard.clone(),
-                tensor: t.name.clone(),
-                field: field.to_string(),
-                detail,
-            };
-            let skipped = m
-                .rule
-                .sidecar
-                .as_ref()
-                .filter(|s| options.skip_sidecars.contains(*s));
-            let role = if let Some(s) = skipped {
-                DraftRole::Excluded {
-                    why: format!("sidecar `{s}` skipped"),
-                }
-            } else {
-                match m.rule.role {
-                    Role::Excluded => DraftRole::Excluded {
-                        why: m
-                            .rule
-                            .why
-                            .clone()
-                            .unwrap_or_else(|| "excluded by the family".into()),
-                    },
-                    Role::Resident => DraftRole::Resident {
-                        scheme: match &t.packed {
-                            Some(p) => Scheme::Affine(p.affine),
-                            None => policy.resident(&name, m.captures.layer, t.dtype, &t.shape),
-                        },
-                    },
-                    Role::ExpertsFused | Role::Expert | Role::ExpertsStacked => {
-                        let part = match (m.rule.role, m.captures.part.as_deref()) {
-                            (Role::ExpertsStacked, Some("gate_proj")) => ExpertPart::Gate,
-                            (Role::ExpertsStacked, Some("up_proj")) => ExpertPart::Up,
-                            (Role::ExpertsStacked, Some("down_proj")) => ExpertPart::Down,
-                            (Role::ExpertsFused, Some("gate_up_proj")) => ExpertPart::GateUp,
-                            (Role::ExpertsFused, Some("down_proj")) => ExpertPart::Down,
-                            (Role::Expert, Some("gate_proj")) => ExpertPart::Gate,
-                            (Role::Expert, Some("up_proj")) => ExpertPart::Up,
-                            (Role::Expert, Some("down_proj")) => ExpertPart::Down,
-                            (_, p) => {
-                                return Err(tensor_err(
-                                    "name",
-                                    format!(
-                                        "expert part {p:?} is not one of gate_up_proj/down_proj (fused) or gate_proj/up_proj/down_proj"
-                                    ),
-                                ));
-                            }
-                        };
-                        let want_dims = if m.rule.role == Role::Expert { 2 } else { 3 };
-                        if t.shape.len() != want_dims || t.shape.contains(&0) {
-                            return Err(tensor_err(
-                                "shape",
-                                format!(
-                                    "{:?}: expected {want_dims} non-zero dimensions for {:?} experts",
-                                    t.shape, m.rule.role
-                                ),
-                            ));
-                        }
-                        DraftRole::Expert {
-                            pool: (m.rule.sidecar.clone(), m.captures.layer.unwrap_or(0)),
-                            part,
-                            expert: m.captures.expert,
-                        }
-                    }
-                    Role::Rows => {
-                        if t.packed.is_some() || requant.is_some() {
-                            return Err(tensor_err(
-                                "dtype",
-                                "a row table is installed from unquantized rows; this one is \
-                                 pre-quantized"
-                                    .into(),
-                            ));
-                        }
-                        if t.shape.len() != 2 || t.shape[1] == 0 {
-                            return Err(tensor_err(
-                                "shape",
-                                format!("{:?}: a row table must be 2-D [rows, width]", t.shape),
-                            ));
-                        }
-                        if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
-                            return Err(tensor_err(
-                                "dtype",
-                                format!("{}: a row table must be floating point", t.dtype.name()),
-                            ));
-                        }
-                        let name = m.rule.pool.clone().unwrap_or_else(|| "rows".into());
-                        DraftRole::Rows {
-                            table: (m.captures.layer.unwrap_or(0), name),
-                            shard: m.captures.shard.unwrap_or(0),
-                        }
-                    }
-                }
-            };
-            drafts.push(Draft {
-                name,
-                shard: si,
-                dtype: t.dtype,
-                shape: t.shape,
-                src: t.src,
-                role,
-                layer: m.captures.layer,
-                sidecar: m.rule.sidecar.clone(),
-                packed: t.packed,
-                requant,
+        let (m, name) =
+            family
+                .classify_normalised(&t.name)
+                .ok_or_else(|| PlanError::Unmatched {
+                    shard: h.shard.clone(),
+                    tensor: t.name.clone(),
+                    family_file: family.origin.clone(),
+                })?;
+        let name = name.into_owned();
+        // Two source names (one prefixed) for one installed name are duplicates too.
+        if let Some(&prev) = seen.get(&name) {
+            return Err(PlanError::Duplicate {
+                tensor: name,
+                first: headers[prev].shard.clone(),
+                second: h.shard.clone(),
             });
         }
+        seen.insert(name.clone(), si);
+        let tensor = Classified {
+            source: &t,
+            shard: &h.shard,
+            name: &name,
+            rule: &m,
+            requantized: requant.is_some(),
+        };
+        let role = tensor.role(options, policy)?;
+        drafts.push(Draft {
+            name,
+            shard: si,
+            dtype: t.dtype,
+            shape: t.shape,
+            src: t.src,
+            role,
+            layer: m.captures.layer,
+            sidecar: m.rule.sidecar.clone(),
+            packed: t.packed,
+            requant,
+        });
     }
     Ok(drafts)
+}
+
+/// One source tensor and the family rule it matched, for the role stage.
+struct Classified<'a> {
+    source: &'a Source,
+    /// The shard file it is in (for errors).
+    shard: &'a str,
+    /// Its installed name.
+    name: &'a str,
+    rule: &'a RuleMatch<'a>,
+    /// Whether it is a module `--requantize` dequantizes.
+    requantized: bool,
+}
+
+impl Classified<'_> {
+    fn tensor_err(&self, field: &str, detail: String) -> PlanError {
+        PlanError::Tensor {
+            shard: self.shard.to_string(),
+            tensor: self.source.name.clone(),
+            field: field.to_string(),
+            detail,
+        }
+    }
+
+    /// What happens to the tensor: excluded (by its rule, or with a skipped sidecar),
+    /// resident at the policy's scheme, or a member of an expert pool or a row table.
+    fn role(&self, options: &PlanOptions, policy: &Policy<'_>) -> Result<DraftRole, PlanError> {
+        let (m, t) = (self.rule, self.source);
+        let skipped = m
+            .rule
+            .sidecar
+            .as_ref()
+            .filter(|s| options.skip_sidecars.contains(*s));
+        if let Some(s) = skipped {
+            return Ok(DraftRole::Excluded {
+                why: format!("sidecar `{s}` skipped"),
+            });
+        }
+        Ok(match m.rule.role {
+            Role::Excluded => DraftRole::Excluded {
+                why: m
+                    .rule
+                    .why
+                    .clone()
+                    .unwrap_or_else(|| "excluded by the family".into()),
+            },
+            Role::Resident => DraftRole::Resident {
+                scheme: match &t.packed {
+                    Some(p) => Scheme::Affine(p.affine),
+                    None => policy.resident(self.name, m.captures.layer, t.dtype, &t.shape),
+                },
+            },
+            Role::ExpertsFused | Role::Expert | Role::ExpertsStacked => self.expert_role()?,
+            Role::Rows => self.rows_role()?,
+        })
+    }
+
+    /// An expert projection: the part its rule's role and capture name, and the
+    /// dimensions that role gives.
+    fn expert_role(&self) -> Result<DraftRole, PlanError> {
+        let (m, t) = (self.rule, self.source);
+        let part = match (m.rule.role, m.captures.part.as_deref()) {
+            (Role::ExpertsStacked, Some("gate_proj")) => ExpertPart::Gate,
+            (Role::ExpertsStacked, Some("up_proj")) => ExpertPart::Up,
+            (Role::ExpertsStacked, Some("down_proj")) => ExpertPart::Down,
+            (Role::ExpertsFused, Some("gate_up_proj")) => ExpertPart::GateUp,
+            (Role::ExpertsFused, Some("down_proj")) => ExpertPart::Down,
+            (Role::Expert, Some("gate_proj")) => ExpertPart::Gate,
+            (Role::Expert, Some("up_proj")) => ExpertPart::Up,
+            (Role::Expert, Some("down_proj")) => ExpertPart::Down,
+            (_, p) => {
+                return Err(self.tensor_err(
+                    "name",
+                    format!(
+                        "expert part {p:?} is not one of gate_up_proj/down_proj (fused) or gate_proj/up_proj/down_proj"
+                    ),
+                ));
+            }
+        };
+        let want_dims = if m.rule.role == Role::Expert { 2 } else { 3 };
+        if t.shape.len() != want_dims || t.shape.contains(&0) {
+            return Err(self.tensor_err(
+                "shape",
+                format!(
+                    "{:?}: expected {want_dims} non-zero dimensions for {:?} experts",
+                    t.shape, m.rule.role
+                ),
+            ));
+        }
+        Ok(DraftRole::Expert {
+            pool: (m.rule.sidecar.clone(), m.captures.layer.unwrap_or(0)),
+            part,
+            expert: m.captures.expert,
+        })
+    }
+
+    /// A shard of a row table: unquantized, 2-D, floating point.
+    fn rows_role(&self) -> Result<DraftRole, PlanError> {
+        let (m, t) = (self.rule, self.source);
+        if t.packed.is_some() || self.requantized {
+            return Err(self.tensor_err(
+                "dtype",
+                "a row table is installed from unquantized rows; this one is \
+                 pre-quantized"
+                    .into(),
+            ));
+        }
+        if t.shape.len() != 2 || t.shape[1] == 0 {
+            return Err(self.tensor_err(
+                "shape",
+                format!("{:?}: a row table must be 2-D [rows, width]", t.shape),
+            ));
+        }
+        if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+            return Err(self.tensor_err(
+                "dtype",
+                format!("{}: a row table must be floating point", t.dtype.name()),
+            ));
+        }
+        let name = m.rule.pool.clone().unwrap_or_else(|| "rows".into());
+        Ok(DraftRole::Rows {
+            table: (m.captures.layer.unwrap_or(0), name),
+            shard: m.captures.shard.unwrap_or(0),
+        })
+    }
 }

@@ -6,15 +6,8 @@
 //! lost when a read fails and keeps many reads in flight. A tensor larger than the cap
 //! is split at whole rows, so each read carries complete rows.
 
-use super::{Dest, PlanOptions, PlannedShard, PlannedTensor, RangeRead};
-
-/// Largest coalesced read: 64 MiB (the seed installer's range size, which streamed
-/// Flash-Next at ≈ 39 MB/s with one range in flight; smaller ranges cost more
-/// requests against hub rate limits, larger ones lose more on a dropped connection).
-pub const COALESCE_MAX: u64 = 64 << 20;
-
-/// Largest gap read through: 1 MiB.
-pub const COALESCE_GAP: u64 = 1 << 20;
+pub use super::types::{COALESCE_GAP, COALESCE_MAX};
+use super::types::{Dest, PlanOptions, PlannedShard, PlannedTensor, RangeRead};
 
 /// The plan's last stage, *reads*: its reads, in (shard, offset) order. A shard whose
 /// published SHA-256 is checked is read whole ([`cover_shard`]); any other shard's

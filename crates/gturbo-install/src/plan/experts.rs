@@ -13,7 +13,9 @@ use crate::format::{PAGE, Scheme, align_up};
 use crate::header::Dtype;
 
 use super::classify::{Draft, DraftRole, PoolKey};
-use super::{Dest, Placed, PlanError, Policy};
+use super::error::PlanError;
+use super::policy::Policy;
+use super::types::{Dest, Placed};
 
 /// One member of a pool: tensor index, part, expert (`None` when fused).
 type Member = (usize, ExpertPart, Option<u64>);

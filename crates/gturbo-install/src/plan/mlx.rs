@@ -21,9 +21,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::format::{Affine, Scheme};
-use crate::header::{Dtype, ShardHeader};
+use crate::header::{Dtype, ShardHeader, TensorHeader};
 
-use super::PlanError;
+use super::error::PlanError;
 
 /// The `quantization` block of an MLX checkpoint's `config.json`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,17 +222,7 @@ pub(super) fn sources(
     headers: &[ShardHeader],
     quant: Option<&MlxQuant>,
 ) -> Result<Vec<Source>, PlanError> {
-    let part = |si: usize, t: &crate::header::TensorHeader| PartSrc {
-        name: t.name.clone(),
-        shard: si,
-        dtype: t.dtype,
-        shape: t.shape.clone(),
-        src: [
-            headers[si].data_start() + t.data.start,
-            headers[si].data_start() + t.data.end,
-        ],
-    };
-    let mut by_name: BTreeMap<&str, (usize, &crate::header::TensorHeader)> = BTreeMap::new();
+    let mut by_name: ByName<'_> = BTreeMap::new();
     for (si, h) in headers.iter().enumerate() {
         for t in &h.tensors {
             // Duplicates are the classify stage's to report, naming both shards.
@@ -241,161 +231,247 @@ pub(super) fn sources(
     }
     // Modules: every `P.scales` of a pre-quantized source.
     let mut modules: BTreeMap<String, Packed> = BTreeMap::new();
-    if quant.is_none() {
-        // Packed MLX modules with no block to say their widths: refused here, naming
-        // the missing key, rather than later as tensors no family rule knows.
-        let packed = by_name.keys().find_map(|name| {
-            let path = name.strip_suffix(".scales")?;
-            let (_, w) = by_name.get(format!("{path}.weight").as_str())?;
-            (w.dtype == Dtype::U32).then_some(path)
-        });
-        if let Some(path) = packed {
-            return Err(cfg(
-                "quantization".into(),
+    match quant {
+        None => refuse_unlabelled_modules(&by_name)?,
+        Some(q) => {
+            for (name, &scales) in &by_name {
+                let Some(path) = name.strip_suffix(".scales") else {
+                    continue;
+                };
+                let module = Module {
+                    headers,
+                    by_name: &by_name,
+                    path,
+                    name,
+                    scales,
+                };
+                modules.insert(path.to_string(), module.packed(q)?);
+            }
+        }
+    }
+    Ok(logical_sources(headers, &modules))
+}
+
+/// Every tensor of the shards by name, with its shard index (the first of a
+/// duplicated name).
+type ByName<'h> = BTreeMap<&'h str, (usize, &'h TensorHeader)>;
+
+/// Tensor `t` of shard `si` as a module part, its byte range absolute in the file.
+fn part_src(headers: &[ShardHeader], si: usize, t: &TensorHeader) -> PartSrc {
+    PartSrc {
+        name: t.name.clone(),
+        shard: si,
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        src: [
+            headers[si].data_start() + t.data.start,
+            headers[si].data_start() + t.data.end,
+        ],
+    }
+}
+
+/// Packed MLX modules with no block to say their widths: refused here, naming the
+/// missing key, rather than later as tensors no family rule knows.
+fn refuse_unlabelled_modules(by_name: &ByName<'_>) -> Result<(), PlanError> {
+    let packed = by_name.keys().find_map(|name| {
+        let path = name.strip_suffix(".scales")?;
+        let (_, w) = by_name.get(format!("{path}.weight").as_str())?;
+        (w.dtype == Dtype::U32).then_some(path)
+    });
+    match packed {
+        Some(path) => Err(cfg(
+            "quantization".into(),
+            format!(
+                "missing, but the source is MLX-quantized (`{path}.weight` is U32 \
+                 packed codes with `{path}.scales`); a pre-quantized source needs \
+                 its `quantization` block to say each module's bits and group size"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// One quantized module of a pre-quantized source, found by its `P.scales`.
+struct Module<'a> {
+    headers: &'a [ShardHeader],
+    by_name: &'a ByName<'a>,
+    /// `P`.
+    path: &'a str,
+    /// `P.scales`.
+    name: &'a str,
+    scales: (usize, &'a TensorHeader),
+}
+
+impl Module<'_> {
+    fn err(&self, shard: usize, tensor: &str, field: &str, detail: String) -> PlanError {
+        PlanError::Tensor {
+            shard: self.headers[shard].shard.clone(),
+            tensor: tensor.to_string(),
+            field: field.into(),
+            detail,
+        }
+    }
+
+    /// The module's three tensors, checked against each other and against the widths
+    /// the config's block gives it: weights, scales and biases present, the module
+    /// quantized by the block, dtypes, shapes, and the packed width.
+    fn packed(&self, q: &MlxQuant) -> Result<Packed, PlanError> {
+        let (path, name, (si, t)) = (self.path, self.name, self.scales);
+        let get = |suffix: &str| {
+            self.by_name
+                .get(format!("{path}.{suffix}").as_str())
+                .copied()
+        };
+        let (Some((wsi, w)), Some((bsi, b))) = (get("weight"), get("biases")) else {
+            return Err(self.err(
+                si,
+                name,
+                "name",
                 format!(
-                    "missing, but the source is MLX-quantized (`{path}.weight` is U32 \
-                     packed codes with `{path}.scales`); a pre-quantized source needs \
-                     its `quantization` block to say each module's bits and group size"
+                    "a quantized module has `{path}.weight`, `{path}.scales` and \
+                     `{path}.biases` ({} says affine); the source lacks one",
+                    q.key
+                ),
+            ));
+        };
+        let (affine, key) = q.lookup(path);
+        let Some(affine) = affine else {
+            return Err(self.err(
+                si,
+                name,
+                "name",
+                format!(
+                    "config.json `{key}` is false (not quantized), but the source has \
+                     quantization scales for it"
+                ),
+            ));
+        };
+        self.check_dtypes((wsi, w), (bsi, b))?;
+        self.check_widths(affine, &key, (wsi, w))?;
+        Ok(Packed {
+            affine,
+            parts: [
+                part_src(self.headers, wsi, w),
+                part_src(self.headers, si, t),
+                part_src(self.headers, bsi, b),
+            ],
+        })
+    }
+
+    /// U32 packed weights, BF16 scales and biases, biases shaped as the scales.
+    fn check_dtypes(
+        &self,
+        (wsi, w): (usize, &TensorHeader),
+        (bsi, b): (usize, &TensorHeader),
+    ) -> Result<(), PlanError> {
+        let (path, name, (si, t)) = (self.path, self.name, self.scales);
+        if w.dtype != Dtype::U32 {
+            return Err(self.err(
+                wsi,
+                &format!("{path}.weight"),
+                "dtype",
+                format!(
+                    "{}; a quantized module's packed weights are U32",
+                    w.dtype.name()
                 ),
             ));
         }
-    }
-    if let Some(q) = quant {
-        for (name, &(si, t)) in &by_name {
-            let Some(path) = name.strip_suffix(".scales") else {
-                continue;
-            };
-            let get = |suffix: &str| by_name.get(format!("{path}.{suffix}").as_str()).copied();
-            let err = |shard: usize, tensor: &str, field: &str, detail: String| PlanError::Tensor {
-                shard: headers[shard].shard.clone(),
-                tensor: tensor.to_string(),
-                field: field.into(),
-                detail,
-            };
-            let (Some((wsi, w)), Some((bsi, b))) = (get("weight"), get("biases")) else {
-                return Err(err(
-                    si,
-                    name,
-                    "name",
-                    format!(
-                        "a quantized module has `{path}.weight`, `{path}.scales` and \
-                         `{path}.biases` ({} says affine); the source lacks one",
-                        q.key
-                    ),
-                ));
-            };
-            let (affine, key) = q.lookup(path);
-            let Some(affine) = affine else {
-                return Err(err(
-                    si,
-                    name,
-                    "name",
-                    format!(
-                        "config.json `{key}` is false (not quantized), but the source has \
-                         quantization scales for it"
-                    ),
-                ));
-            };
-            let wname = format!("{path}.weight");
-            if w.dtype != Dtype::U32 {
-                return Err(err(
-                    wsi,
-                    &wname,
-                    "dtype",
-                    format!(
-                        "{}; a quantized module's packed weights are U32",
-                        w.dtype.name()
-                    ),
-                ));
-            }
-            if t.dtype != Dtype::BF16 || b.dtype != Dtype::BF16 {
-                return Err(err(
-                    si,
-                    name,
-                    "dtype",
-                    format!(
-                        "scales {} and biases {}; gturbo stores BF16 scales and biases \
-                         (convert with --dtype bfloat16)",
-                        t.dtype.name(),
-                        b.dtype.name()
-                    ),
-                ));
-            }
-            if b.shape != t.shape {
-                return Err(err(
-                    bsi,
-                    &format!("{path}.biases"),
-                    "shape",
-                    format!("{:?}, but `{name}` is {:?}", b.shape, t.shape),
-                ));
-            }
-            let (Some((&words, wlead)), Some((&groups, slead))) =
-                (w.shape.split_last(), t.shape.split_last())
-            else {
-                return Err(err(
-                    wsi,
-                    &wname,
-                    "shape",
-                    "a quantized weight has at least one dimension".into(),
-                ));
-            };
-            if wlead != slead || words == 0 {
-                return Err(err(
-                    wsi,
-                    &wname,
-                    "shape",
-                    format!(
-                        "{:?} does not pair with `{name}` {:?} (the same rows, one or more \
-                         words per row)",
-                        w.shape, t.shape
-                    ),
-                ));
-            }
-            let bits = affine.bits() as u64;
-            let Some(packed_bits) = words.checked_mul(32) else {
-                return Err(err(
-                    wsi,
-                    &wname,
-                    "shape",
-                    format!("{:?} overflows", w.shape),
-                ));
-            };
-            if !packed_bits.is_multiple_of(bits) {
-                return Err(err(
-                    wsi,
-                    &wname,
-                    "shape",
-                    format!(
-                        "{words} u32 words per row are {packed_bits} bits, not a whole number \
-                         of {bits}-bit codes (config.json `{key}`): the packed width is \
-                         inconsistent with the bits"
-                    ),
-                ));
-            }
-            let cols = packed_bits / bits;
-            if groups.checked_mul(affine.group() as u64) != Some(cols) || !affine.fits(cols) {
-                return Err(err(
-                    si,
-                    name,
-                    "shape",
-                    format!(
-                        "{groups} groups of {} per row, but `{wname}` packs {cols} columns at \
-                         {bits} bits: config.json `{key}` ({}) disagrees with the tensors' \
-                         shapes",
-                        affine.group(),
-                        affine.label()
-                    ),
-                ));
-            }
-            modules.insert(
-                path.to_string(),
-                Packed {
-                    affine,
-                    parts: [part(wsi, w), part(si, t), part(bsi, b)],
-                },
-            );
+        if t.dtype != Dtype::BF16 || b.dtype != Dtype::BF16 {
+            return Err(self.err(
+                si,
+                name,
+                "dtype",
+                format!(
+                    "scales {} and biases {}; gturbo stores BF16 scales and biases \
+                     (convert with --dtype bfloat16)",
+                    t.dtype.name(),
+                    b.dtype.name()
+                ),
+            ));
         }
+        if b.shape != t.shape {
+            return Err(self.err(
+                bsi,
+                &format!("{path}.biases"),
+                "shape",
+                format!("{:?}, but `{name}` is {:?}", b.shape, t.shape),
+            ));
+        }
+        Ok(())
     }
+
+    /// The packed weights pair with the scales (the same rows, one or more words per
+    /// row), hold a whole number of `affine.bits()`-bit codes per row, and those
+    /// columns are the scales' groups of `affine.group()` (config.json `key`).
+    fn check_widths(
+        &self,
+        affine: Affine,
+        key: &str,
+        (wsi, w): (usize, &TensorHeader),
+    ) -> Result<(), PlanError> {
+        let (name, (si, t)) = (self.name, self.scales);
+        let wname = format!("{}.weight", self.path);
+        let (Some((&words, wlead)), Some((&groups, slead))) =
+            (w.shape.split_last(), t.shape.split_last())
+        else {
+            return Err(self.err(
+                wsi,
+                &wname,
+                "shape",
+                "a quantized weight has at least one dimension".into(),
+            ));
+        };
+        if wlead != slead || words == 0 {
+            return Err(self.err(
+                wsi,
+                &wname,
+                "shape",
+                format!(
+                    "{:?} does not pair with `{name}` {:?} (the same rows, one or more \
+                     words per row)",
+                    w.shape, t.shape
+                ),
+            ));
+        }
+        let bits = affine.bits() as u64;
+        let Some(packed_bits) = words.checked_mul(32) else {
+            return Err(self.err(wsi, &wname, "shape", format!("{:?} overflows", w.shape)));
+        };
+        if !packed_bits.is_multiple_of(bits) {
+            return Err(self.err(
+                wsi,
+                &wname,
+                "shape",
+                format!(
+                    "{words} u32 words per row are {packed_bits} bits, not a whole number \
+                     of {bits}-bit codes (config.json `{key}`): the packed width is \
+                     inconsistent with the bits"
+                ),
+            ));
+        }
+        let cols = packed_bits / bits;
+        if groups.checked_mul(affine.group() as u64) != Some(cols) || !affine.fits(cols) {
+            return Err(self.err(
+                si,
+                name,
+                "shape",
+                format!(
+                    "{groups} groups of {} per row, but `{wname}` packs {cols} columns at \
+                     {bits} bits: config.json `{key}` ({}) disagrees with the tensors' \
+                     shapes",
+                    affine.group(),
+                    affine.label()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Every tensor in (shard, offset) order as the planner sees it: a module's scales
+/// and biases fold into its weights, which stand for the logical `[.., out, in]`
+/// matrix (dtype that of its scales).
+fn logical_sources(headers: &[ShardHeader], modules: &BTreeMap<String, Packed>) -> Vec<Source> {
     let consumed = |name: &str| {
         [".weight", ".scales", ".biases"].iter().any(|s| {
             name.strip_suffix(s)
@@ -405,7 +481,7 @@ pub(super) fn sources(
     let mut out = Vec::new();
     for (si, h) in headers.iter().enumerate() {
         for t in &h.tensors {
-            let p = part(si, t);
+            let p = part_src(headers, si, t);
             if !consumed(&t.name) {
                 out.push(Source {
                     name: p.name,
@@ -437,7 +513,7 @@ pub(super) fn sources(
             });
         }
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]

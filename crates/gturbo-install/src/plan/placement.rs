@@ -7,7 +7,7 @@
 
 use crate::format::{RowBlocks, Scheme};
 
-use super::{Dest, Plan, PlannedTensor};
+use super::types::{Dest, Plan, PlannedTensor};
 use crate::format::pools::ExpertPart;
 use crate::format::resident::Storage;
 
@@ -77,6 +77,92 @@ enum Kind {
     },
 }
 
+impl Kind {
+    /// Where `t`'s rows (`rows` of them) land in its destination's file; `None` for an
+    /// excluded tensor or a destination the plan does not describe.
+    fn of(plan: &Plan, t: &PlannedTensor, rows: u64) -> Option<Kind> {
+        let n_pools = plan.outputs.expert_pools.len();
+        match &t.dest {
+            Dest::Excluded { .. } => None,
+            Dest::Resident { entry } => Some(Kind::resident(plan, *entry)),
+            Dest::ExpertsFused { pool, part } | Dest::Expert { pool, part, .. } => {
+                Kind::experts(plan, t, *pool, *part, rows)
+            }
+            Dest::Rows { pool, shard } => {
+                let p = &plan.outputs.row_pools[*pool];
+                let s = &p.shards[*shard];
+                Some(Kind::Rows {
+                    file: 1 + n_pools + pool,
+                    base: s.offset,
+                    blocks: RowBlocks::new(s.rows, p.row_bytes)?,
+                })
+            }
+        }
+    }
+
+    /// Resident entry `entry`: its regions in the resident file's payload.
+    fn resident(plan: &Plan, entry: usize) -> Kind {
+        let e = &plan.outputs.resident.index.tensors[entry];
+        let base = plan.outputs.resident.payload_start;
+        match e.storage {
+            Storage::Dense { data } => Kind::Linear {
+                file: 0,
+                w: base + data.offset,
+                s: 0,
+                b: 0,
+            },
+            Storage::Quant {
+                weights,
+                scales,
+                biases,
+                ..
+            } => Kind::Linear {
+                file: 0,
+                w: base + weights.offset,
+                s: base + scales.offset,
+                b: base + biases.offset,
+            },
+        }
+    }
+
+    /// Part `part` of expert pool `pool`: the blob parts it fills (gate and up for a
+    /// fused `gate_up`), and the experts its rows cover.
+    fn experts(
+        plan: &Plan,
+        t: &PlannedTensor,
+        pool: usize,
+        part: ExpertPart,
+        rows: u64,
+    ) -> Option<Kind> {
+        let p = &plan.outputs.expert_pools[pool];
+        let offs = |want: ExpertPart| {
+            p.parts.iter().find(|bp| bp.part == want).map(|bp| {
+                (
+                    bp.rows,
+                    bp.offset,
+                    bp.offset + bp.weights,
+                    bp.offset + bp.weights + bp.scales,
+                )
+            })
+        };
+        let parts: Vec<(u64, u64, u64, u64)> = match part {
+            ExpertPart::GateUp => vec![offs(ExpertPart::Gate)?, offs(ExpertPart::Up)?],
+            other => vec![offs(other)?],
+        };
+        let (first_expert, rows_per_expert) = match &t.dest {
+            Dest::Expert { expert, .. } => (*expert, rows),
+            _ => (0, parts.iter().map(|p| p.0).sum()),
+        };
+        Some(Kind::Experts {
+            file: 1 + pool,
+            stride: p.stride,
+            first_expert,
+            rows_per_expert,
+            parts,
+        })
+    }
+}
+
 impl TensorPlacement {
     /// Placement of `t` in `plan`; `None` for excluded tensors, and for a row the
     /// format has no layout for under the tensor's scheme (the planner never plans one).
@@ -108,70 +194,7 @@ impl TensorPlacement {
                 return None;
             }
         }
-        let n_pools = plan.outputs.expert_pools.len();
-        let kind = match &t.dest {
-            Dest::Excluded { .. } => return None,
-            Dest::Resident { entry } => {
-                let e = &plan.outputs.resident.index.tensors[*entry];
-                let base = plan.outputs.resident.payload_start;
-                match e.storage {
-                    Storage::Dense { data } => Kind::Linear {
-                        file: 0,
-                        w: base + data.offset,
-                        s: 0,
-                        b: 0,
-                    },
-                    Storage::Quant {
-                        weights,
-                        scales,
-                        biases,
-                        ..
-                    } => Kind::Linear {
-                        file: 0,
-                        w: base + weights.offset,
-                        s: base + scales.offset,
-                        b: base + biases.offset,
-                    },
-                }
-            }
-            Dest::ExpertsFused { pool, part } | Dest::Expert { pool, part, .. } => {
-                let p = &plan.outputs.expert_pools[*pool];
-                let offs = |want: ExpertPart| {
-                    p.parts.iter().find(|bp| bp.part == want).map(|bp| {
-                        (
-                            bp.rows,
-                            bp.offset,
-                            bp.offset + bp.weights,
-                            bp.offset + bp.weights + bp.scales,
-                        )
-                    })
-                };
-                let parts: Vec<(u64, u64, u64, u64)> = match part {
-                    ExpertPart::GateUp => vec![offs(ExpertPart::Gate)?, offs(ExpertPart::Up)?],
-                    other => vec![offs(*other)?],
-                };
-                let (first_expert, rows_per_expert) = match &t.dest {
-                    Dest::Expert { expert, .. } => (*expert, rows),
-                    _ => (0, parts.iter().map(|p| p.0).sum()),
-                };
-                Kind::Experts {
-                    file: 1 + pool,
-                    stride: p.stride,
-                    first_expert,
-                    rows_per_expert,
-                    parts,
-                }
-            }
-            Dest::Rows { pool, shard } => {
-                let p = &plan.outputs.row_pools[*pool];
-                let s = &p.shards[*shard];
-                Kind::Rows {
-                    file: 1 + n_pools + pool,
-                    base: s.offset,
-                    blocks: RowBlocks::new(s.rows, p.row_bytes)?,
-                }
-            }
-        };
+        let kind = Kind::of(plan, t, rows)?;
         Some(TensorPlacement {
             scheme: t.scheme,
             src_row_bytes,

@@ -10,7 +10,9 @@ use crate::format::pools::{RowPool, RowShard};
 use crate::format::{PAGE, RowBlocks, row_bytes};
 
 use super::classify::{Draft, DraftRole, TableKey};
-use super::{Dest, Placed, PlanError, Policy};
+use super::error::PlanError;
+use super::policy::Policy;
+use super::types::{Dest, Placed};
 
 /// The row pools in (layer, name) order and where each shard tensor goes.
 pub(super) fn place(

@@ -442,6 +442,77 @@ struct TreeLfs {
     oid: String,
 }
 
+/// One file entry of a tree listing page (answered at `final_url`) as a [`RepoFile`]:
+/// a safe path listed once, a size, the LFS SHA-256 and the git blob id each well
+/// formed where given.
+fn listed_file(
+    e: TreeEntry,
+    origin: &str,
+    final_url: &Url,
+    seen_paths: &mut BTreeSet<String>,
+) -> Result<RepoFile, SourceError> {
+    check_repo_path(origin, &e.path)?;
+    let malformed = |field: &str, detail: String| SourceError::Malformed {
+        url: display_url(final_url),
+        field: format!("{}: {field}", e.path),
+        detail,
+    };
+    let Some(size) = e.size else {
+        return Err(malformed("size", "missing".into()));
+    };
+    let sha256 = match &e.lfs {
+        Some(lfs) if is_sha256(&lfs.oid) => Some(lfs.oid.to_ascii_lowercase()),
+        Some(lfs) => {
+            return Err(malformed(
+                "lfs.oid",
+                format!("{:?} is not a SHA-256 hex digest", lfs.oid),
+            ));
+        }
+        None => None,
+    };
+    // An LFS file's `oid` names its pointer file, not the content.
+    let git_oid = match &e.oid {
+        Some(oid) if e.lfs.is_none() => {
+            if !digest::is_hex(oid, digest::GIT_OID_HEX_LEN) {
+                return Err(malformed(
+                    "oid",
+                    format!("{oid:?} is not a git blob id (40 hex digits)"),
+                ));
+            }
+            Some(oid.to_ascii_lowercase())
+        }
+        _ => None,
+    };
+    if !seen_paths.insert(e.path.clone()) {
+        return Err(malformed("path", "listed twice".into()));
+    }
+    Ok(RepoFile {
+        path: e.path,
+        size,
+        sha256,
+        git_oid,
+    })
+}
+
+/// The next page of a tree listing answered at `final_url`, from its `Link` header;
+/// `None` on the last page.
+fn next_tree_page(headers: &HeaderMap, final_url: &Url) -> Result<Option<Url>, SourceError> {
+    let next = headers
+        .get(header::LINK)
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_link_next)
+        .map(|n| final_url.join(n));
+    match next {
+        None => Ok(None),
+        Some(Ok(u)) => Ok(Some(u)),
+        Some(Err(e)) => Err(SourceError::Malformed {
+            url: display_url(final_url),
+            field: "Link".into(),
+            detail: format!("next page is not a URL: {e}"),
+        }),
+    }
+}
+
 impl HttpSource {
     /// Requests sent to the endpoint's own origin (API and `/resolve`), the ones the
     /// hub's 5-minute rate limit counts; redirected CDN requests are not among them.
@@ -882,26 +953,7 @@ impl Inner {
     async fn resolve_uncached(&self) -> Result<ResolvedRepo, SourceError> {
         let repo = &self.config.repo;
         let revision = &self.config.revision;
-        let commit = if is_commit(revision) {
-            revision.to_ascii_lowercase()
-        } else {
-            let url = self.api_url("revision", revision)?;
-            let what = format!("revision {revision} of {repo}");
-            let (info, _, final_url): (RevisionInfo, _, _) = self
-                .with_retries(|| self.get_json(&url, &what))
-                .await
-                .map_err(Failure::into_error)?;
-            match info.sha {
-                Some(sha) if is_commit(&sha) => sha.to_ascii_lowercase(),
-                other => {
-                    return Err(SourceError::Malformed {
-                        url: display_url(&final_url),
-                        field: "sha".into(),
-                        detail: format!("{other:?} is not a 40-hex commit"),
-                    });
-                }
-            }
-        };
+        let commit = self.resolve_commit().await?;
         let mut page_url = self.api_url("tree", &commit)?;
         page_url.query_pairs_mut().append_pair("recursive", "true");
         let origin = format!("tree listing of {repo}@{commit}");
@@ -921,67 +973,12 @@ impl Inner {
                 .with_retries(|| self.get_json(&page_url, &what))
                 .await
                 .map_err(Failure::into_error)?;
-            for e in entries {
-                if e.kind != "file" {
-                    continue;
-                }
-                check_repo_path(&origin, &e.path)?;
-                let malformed = |field: &str, detail: String| SourceError::Malformed {
-                    url: display_url(&final_url),
-                    field: format!("{}: {field}", e.path),
-                    detail,
-                };
-                let Some(size) = e.size else {
-                    return Err(malformed("size", "missing".into()));
-                };
-                let sha256 = match &e.lfs {
-                    Some(lfs) if is_sha256(&lfs.oid) => Some(lfs.oid.to_ascii_lowercase()),
-                    Some(lfs) => {
-                        return Err(malformed(
-                            "lfs.oid",
-                            format!("{:?} is not a SHA-256 hex digest", lfs.oid),
-                        ));
-                    }
-                    None => None,
-                };
-                // An LFS file's `oid` names its pointer file, not the content.
-                let git_oid = match &e.oid {
-                    Some(oid) if e.lfs.is_none() => {
-                        if !digest::is_hex(oid, digest::GIT_OID_HEX_LEN) {
-                            return Err(malformed(
-                                "oid",
-                                format!("{oid:?} is not a git blob id (40 hex digits)"),
-                            ));
-                        }
-                        Some(oid.to_ascii_lowercase())
-                    }
-                    _ => None,
-                };
-                if !seen_paths.insert(e.path.clone()) {
-                    return Err(malformed("path", "listed twice".into()));
-                }
-                files.push(RepoFile {
-                    path: e.path,
-                    size,
-                    sha256,
-                    git_oid,
-                });
+            for e in entries.into_iter().filter(|e| e.kind == "file") {
+                files.push(listed_file(e, &origin, &final_url, &mut seen_paths)?);
             }
-            let next = headers
-                .get(header::LINK)
-                .and_then(|v| v.to_str().ok())
-                .and_then(parse_link_next)
-                .map(|n| final_url.join(n));
-            match next {
+            match next_tree_page(&headers, &final_url)? {
                 None => break,
-                Some(Ok(u)) => page_url = u,
-                Some(Err(e)) => {
-                    return Err(SourceError::Malformed {
-                        url: display_url(&final_url),
-                        field: "Link".into(),
-                        detail: format!("next page is not a URL: {e}"),
-                    });
-                }
+                Some(u) => page_url = u,
             }
         }
         files.sort_by(|a, b| a.path.cmp(&b.path));
@@ -991,6 +988,30 @@ impl Inner {
             commit: Some(commit),
             files,
         })
+    }
+
+    /// The commit the configured revision names: the revision itself when it is a
+    /// commit, else the one the revision API answers.
+    async fn resolve_commit(&self) -> Result<String, SourceError> {
+        let repo = &self.config.repo;
+        let revision = &self.config.revision;
+        if is_commit(revision) {
+            return Ok(revision.to_ascii_lowercase());
+        }
+        let url = self.api_url("revision", revision)?;
+        let what = format!("revision {revision} of {repo}");
+        let (info, _, final_url): (RevisionInfo, _, _) = self
+            .with_retries(|| self.get_json(&url, &what))
+            .await
+            .map_err(Failure::into_error)?;
+        match info.sha {
+            Some(sha) if is_commit(&sha) => Ok(sha.to_ascii_lowercase()),
+            other => Err(SourceError::Malformed {
+                url: display_url(&final_url),
+                field: "sha".into(),
+                detail: format!("{other:?} is not a 40-hex commit"),
+            }),
+        }
     }
 
     /// Send the ranged `GET` for `range` of `file` to `url` and check the answer's

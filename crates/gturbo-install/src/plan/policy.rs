@@ -1,0 +1,75 @@
+//! The quantization policy of one plan: which scheme each matrix is stored at.
+
+use super::profile;
+use crate::family::Family;
+use crate::format::Scheme;
+use crate::header::Dtype;
+
+/// The quantization policy of one plan: the profile's rules, the family's overrides
+/// and `never_quantize` on top, and the group fit (a matrix whose rows are not whole
+/// groups of its scheme stays at its dtype, as mlx-lm leaves it).
+pub(super) struct Policy<'a> {
+    pub(super) family: &'a Family,
+    pub(super) profile: &'static profile::Profile,
+    pub(super) num_layers: u64,
+    pub(super) prequantized: bool,
+    /// `--requantize` on a pre-quantized source: its modules are planned as the
+    /// BF16 matrices they dequantize to.
+    pub(super) requantize: bool,
+}
+
+/// `scheme` if rows of `cols` elements are whole groups of it, else passthrough.
+fn fit(scheme: Scheme, cols: u64) -> Scheme {
+    match scheme.group() {
+        Some(g) if cols == 0 || !cols.is_multiple_of(u64::from(g)) => Scheme::Passthrough,
+        _ => scheme,
+    }
+}
+
+impl Policy<'_> {
+    /// Whether nothing of this plan is quantized here (a pre-quantized source's own
+    /// modules aside).
+    fn keeps_dtype(&self, dtype: Dtype) -> bool {
+        self.prequantized || dtype != Dtype::BF16 || self.profile.is_passthrough(self.family)
+    }
+
+    /// Scheme for a resident tensor of a source gturbo quantizes itself.
+    pub(super) fn resident(
+        &self,
+        name: &str,
+        layer: Option<u64>,
+        dtype: Dtype,
+        shape: &[u64],
+    ) -> Scheme {
+        if self.keeps_dtype(dtype) || shape.len() < 2 {
+            return Scheme::Passthrough;
+        }
+        let last = shape.last().copied().unwrap_or(0);
+        if self.profile.family_overrides()
+            && let Some(s) = self.family.quant_override(name)
+        {
+            return fit(s, last);
+        }
+        if shape.len() == 2 && name.ends_with(".weight") && !self.family.never_quantize(name) {
+            let s =
+                self.profile
+                    .rule_scheme(self.family, name, layer.unwrap_or(0), self.num_layers);
+            fit(s, last)
+        } else {
+            Scheme::Passthrough
+        }
+    }
+
+    /// Scheme for a matrix that is always eligible (an expert projection, a row table)
+    /// whose rows have `cols` elements.
+    pub(super) fn pool(&self, name: &str, layer: u64, dtype: Dtype, cols: u64) -> Scheme {
+        if self.keeps_dtype(dtype) {
+            return Scheme::Passthrough;
+        }
+        fit(
+            self.profile
+                .rule_scheme(self.family, name, layer, self.num_layers),
+            cols,
+        )
+    }
+}
