@@ -10,12 +10,11 @@
 //! toy configs; the reference's fallback for a config without it (`hidden_act`,
 //! silu) is not reachable from an install.
 
-use super::attention::{AttnDims, IndexerDims};
-use super::gdn::GdnDims;
-use super::hc::HcDims;
+use super::attention::AttnDims;
 use super::moe::MoeDims;
 use super::norm::GateAct;
 use super::ple::PleDims;
+use super::seam::{GdnDims, HcDims, IndexerDims};
 use crate::format::manifest::Manifest;
 use crate::runtime::RunError;
 

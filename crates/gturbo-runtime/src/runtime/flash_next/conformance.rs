@@ -31,12 +31,11 @@
 //!   negative scores 0 on both), so the top-k boundary falls inside ties.
 //! - `indexed_attention`: `1e-5` of the largest `|v|` (the core attention bound).
 
-use super::attention::{IndexerDims, select_blocks};
-use super::gdn::GdnDims;
-use super::hc::HcDims;
+use super::attention::select_blocks;
 use super::norm::GateAct;
-use super::ops::{Act, CpuAttnCache, FlashOps};
+use super::ops::CpuAttnCache;
 use super::rope::inv_freq;
+use super::seam::{Act, FlashOps, GdnDims, HcDims, IndexerDims};
 use crate::runtime::kernels::{Backend, Causal, Cpu};
 
 /// xorshift64; `unit` is uniform in [-1, 1).

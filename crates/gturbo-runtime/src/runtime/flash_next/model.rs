@@ -22,7 +22,7 @@ use super::gdn::{GdnState, GdnWeights, gdn_forward};
 use super::hc::{HcRead, HyperConnection, hc_read};
 use super::install::FlashInstall;
 use super::moe::{MoeWeights, moe_forward};
-use super::ops::FlashOps;
+use super::seam::FlashOps;
 use super::ple::{PleState, PleTables, PleWeights, ple_forward};
 use super::rope::inv_freq;
 use crate::format::manifest;

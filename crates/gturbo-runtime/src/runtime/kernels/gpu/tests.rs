@@ -381,7 +381,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
         },
         f.rows,
         f.cols,
-        if ops::use_tiled(n) { "tiled" } else { "matvec" }
+        if tuning::use_tiled(n) { "tiled" } else { "matvec" }
     );
     let m = f.matrix();
     let w = GpuMatrix::upload(ctx, &m, "test").unwrap();
@@ -390,7 +390,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     let mut want = vec![0f32; n * f.rows];
     Cpu::new(1).matmul(&m, &xs, n, &mut want);
     let bound = f.bound(&xs);
-    let path = if n == 1 && ops::qmatvec_fast_path(&w) {
+    let path = if n == 1 && w.fast_path() {
         " fast"
     } else {
         ""
@@ -401,7 +401,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     // The fast kernel at tilings the shape-based choice may not take: one lane per
     // few words to a whole workgroup per row, 1 to 4 rows per set.
     if let (true, Encoding::Affine { bits, group }) = (
-        n == 1 && ops::qmatvec_fast_path(&w) && f.rows <= 2048,
+        n == 1 && w.fast_path() && f.rows <= 2048,
         w.encoding,
     ) {
         for (lanes, rps) in [(4, 1), (8, 3), (32, 4), (64, 2), (256, 4)] {
@@ -433,7 +433,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     if f.kind == "quant" {
         let fast = matches!(f.bits, 2 | 4 | 8) && f.group.is_multiple_of(128 / f.bits as usize);
         assert_eq!(
-            ops::qmatvec_fast_path(&w),
+            w.fast_path(),
             fast,
             "{what}: fast path expected for 2/4/8 bits whose 16-byte words stay in a group"
         );
@@ -451,7 +451,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
             b_off: ((4 + wl + sl) / 2) as u32,
             ..w.clone()
         };
-        assert!(!ops::qmatvec_fast_path(&shifted));
+        assert!(!shifted.fast_path());
         let got = gpu_matmul(ctx, &shifted, &xs, n, &what);
         assert_close(&format!("{what} at a word offset"), &got, &want, |i| {
             2e-5 * bound[i] + 1e-30
@@ -566,7 +566,7 @@ fn packed_x_products_match_cpu() {
         let what = format!("x24 4_g{} [{rows}x{cols}]", group.size());
         let w = GpuMatrix::upload(ctx, &f.matrix(), "test").unwrap();
         assert!(
-            ops::qmatvec_x24_path(&w),
+            w.x24_path(),
             "{what}: takes the packed-x kernel"
         );
         let xs = rng.vec(cols);
@@ -709,7 +709,7 @@ fn packed_x_tiling_aims_at_512_workgroups() {
         (512, 1 << 20, 4),
     ] {
         assert_eq!(
-            ops::x24_lanes(row_v, rows),
+            tuning::x24_lanes(row_v, rows),
             lanes,
             "{rows} rows of {row_v} words"
         );
@@ -969,7 +969,7 @@ fn attention_matches_cpu_prefill_then_decode() {
     // A long context: decode splits it into chunks of 96 positions (more than one
     // 64-key block each, the last one partial), combined across 22 workgroups.
     let (heads, kv_heads, hd, pos) = (2, 1, 64, 2100);
-    assert_eq!(ops::split_chunk(1, heads, pos + 1), Some(96));
+    assert_eq!(tuning::split_chunk(1, heads, pos + 1), Some(96));
     let cache = KvCache::new(ctx, pos + 1, kv_heads, hd).unwrap();
     let k = rng.vec((pos + 1) * hd);
     let v = rng.vec((pos + 1) * hd);
