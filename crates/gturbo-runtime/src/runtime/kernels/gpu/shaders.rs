@@ -1,9 +1,24 @@
 //! The WGSL sources, their parameter blocks and the kernel variants the host builds.
 //!
+//! A source that reduces over its workgroup is compiled with
+//! `shaders/common/reduce.wgsl` (the tree max and sum) in front of it (`with_reduce!`),
+//! so the reductions are written once.
+//!
 //! Each shader file declares one `struct Params` of 4-byte scalars, bound as the
 //! uniform at `@group(0) @binding(0)`. Its host twin is declared once here with
 //! [`params!`], which records the field names; the shader check in `tests.rs` reads
 //! the WGSL struct with naga and fails unless names, order and offsets agree.
+
+/// The source `file` (under `shaders/`) with the workgroup reductions in front of it.
+macro_rules! with_reduce {
+    ($file:literal) => {
+        concat!(
+            include_str!("shaders/common/reduce.wgsl"),
+            "\n",
+            include_str!(concat!("shaders/", $file))
+        )
+    };
+}
 
 /// One WGSL source file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -64,8 +79,8 @@ impl Shader {
             Shader::Fmatvec => include_str!("shaders/fmatvec.wgsl"),
             Shader::Norm => include_str!("shaders/norm.wgsl"),
             Shader::Rope => include_str!("shaders/rope.wgsl"),
-            Shader::Attn => include_str!("shaders/attn.wgsl"),
-            Shader::Softmax => include_str!("shaders/softmax.wgsl"),
+            Shader::Attn => with_reduce!("attn.wgsl"),
+            Shader::Softmax => with_reduce!("softmax.wgsl"),
             Shader::Elementwise => include_str!("shaders/elementwise.wgsl"),
             Shader::Embed => include_str!("shaders/embed.wgsl"),
             Shader::Flash(f) => f.source(),
@@ -370,11 +385,11 @@ impl FlashShader {
     pub(crate) fn source(self) -> &'static str {
         match self {
             FlashShader::Elementwise => include_str!("shaders/flash_elementwise.wgsl"),
-            FlashShader::Norm => include_str!("shaders/flash_norm.wgsl"),
+            FlashShader::Norm => with_reduce!("flash_norm.wgsl"),
             FlashShader::Conv => include_str!("shaders/flash_conv.wgsl"),
-            FlashShader::Gdn => include_str!("shaders/flash_gdn.wgsl"),
+            FlashShader::Gdn => with_reduce!("flash_gdn.wgsl"),
             FlashShader::Indexer => include_str!("shaders/flash_indexer.wgsl"),
-            FlashShader::Attn => include_str!("shaders/flash_attn.wgsl"),
+            FlashShader::Attn => with_reduce!("flash_attn.wgsl"),
         }
     }
 
