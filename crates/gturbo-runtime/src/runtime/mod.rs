@@ -12,6 +12,7 @@ pub mod kernels;
 pub mod sample;
 pub mod text;
 
+mod axes;
 pub mod error;
 pub mod experts;
 pub mod flash_next;
