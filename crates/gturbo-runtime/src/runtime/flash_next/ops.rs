@@ -23,9 +23,9 @@ use std::ops::Range;
 use super::attention::{allowed_positions, block_scores};
 use super::gdn::{causal_conv_silu, gdn_recurrence};
 use super::norm::{GateAct, gated_rms_norm, offset_rms_norm, sigmoid, silu};
-use super::seam::{GdnDims, HcDims, IndexerDims};
 /// The seam, where its users have long found it.
 pub use super::seam::{Act, FlashOps};
+use super::seam::{GdnDims, HcDims, IndexerDims};
 use crate::runtime::kernels::{
     Backend, Causal, Cpu, CpuRope, NormGain, OpResult, axpy, dot, softmax_inplace,
 };

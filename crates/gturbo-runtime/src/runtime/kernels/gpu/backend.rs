@@ -13,8 +13,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::context::{AdapterSummary, GpuContext, GpuOptions};
-use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable, Scratch};
 use super::error::{GpuError, Result};
+use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable, Scratch};
 use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{

@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use wgpu::util::DeviceExt;
 
+use super::error::{GpuError, Result};
 use super::shaders::{Kernel, KernelKey, PARAMS_SLOT, Shader};
 use super::tuning;
-use super::error::{GpuError, Result};
 
 /// The backends wgpu is asked for: Vulkan, Metal, DX12 (not GL, whose compute
 /// support is partial).

@@ -34,12 +34,12 @@ use wgpu::util::DeviceExt;
 
 use super::backend::{Gpu, GpuBuf, GpuRope};
 use super::context::GpuContext;
+use super::error::{GpuError, Result};
 use super::shaders::{
     ConvParams, FlashAttnParams, FlashElementwiseParams, FlashNormParams, FlashShader, GdnParams,
     IndexerParams, Kernel, Shader,
 };
 use super::tensor::{DType, GpuTensor};
-use super::error::{GpuError, Result};
 use crate::runtime::flash_next::norm::GateAct;
 use crate::runtime::flash_next::seam::{Act, FlashOps, GdnDims, HcDims, IndexerDims};
 use crate::runtime::kernels::backend::{Backend, BackendError, Causal, OpResult};

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use wgpu::util::DeviceExt;
 
 use super::context::GpuContext;
+use super::error::{GpuError, Result};
 use super::shaders::{
     AttnParams, ElementwiseParams, EmbedParams, FmatvecParams, Kernel, NormParams, QmatvecParams,
     QmatvecX24Params, RopeParams, Shader, SoftmaxParams,
@@ -15,7 +16,6 @@ use super::tensor::{
     DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable, Scratch,
 };
 use super::tuning::{self, split_chunk, use_tiled};
-use super::error::{GpuError, Result};
 
 /// Rows one matrix-vector workgroup computes (`ROWS` in the shaders).
 const MATVEC_ROWS: usize = 8;

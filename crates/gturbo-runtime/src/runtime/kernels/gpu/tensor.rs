@@ -4,12 +4,12 @@
 use std::sync::{Arc, Mutex};
 
 use super::context::GpuContext;
-use super::tuning;
 use super::error::{GpuError, Result};
+use super::tuning;
 use crate::format::dtype::Dtype;
 use crate::format::pools::ExpertPool;
 use crate::format::quant::GROUP;
-use crate::runtime::kernels::Matrix;
+use crate::runtime::kernels::{FloatDtype, Matrix};
 
 /// Element type of a [`GpuTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +182,15 @@ pub enum Encoding {
 }
 
 impl Encoding {
+    /// The encoding of a float matrix of `dtype`.
+    pub(crate) fn float(dtype: FloatDtype) -> Encoding {
+        match dtype {
+            FloatDtype::Bf16 => Encoding::Bf16,
+            FloatDtype::F16 => Encoding::F16,
+            FloatDtype::F32 => Encoding::F32,
+        }
+    }
+
     /// The code the float kernels take as `DTYPE` (f32 0, BF16 1, F16 2), or 3 for
     /// affine (the embed kernel's `ENCODING`).
     pub(crate) fn code(self) -> u32 {
@@ -294,9 +303,7 @@ impl GpuMatrix {
                     vec![weights, scales, biases],
                 )
             }
-            Matrix::Bf16 { data, .. } => (Encoding::Bf16, vec![data]),
-            Matrix::F16 { data, .. } => (Encoding::F16, vec![data]),
-            Matrix::F32 { data, .. } => (Encoding::F32, vec![data]),
+            Matrix::Float { dtype, data, .. } => (Encoding::float(dtype), vec![data]),
         };
         // One buffer: codes (a whole number of words, since cols is a multiple of the
         // group and 32 codes of any width fill whole words),

@@ -16,7 +16,9 @@ use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
 use crate::format::quant::{Bits, Group, Spec, f32_to_bf16, quantize_rows};
 use crate::format::{PAGE, Scheme, align_up};
 use crate::runtime::kernels::expert_matrices;
-use crate::runtime::kernels::{Cpu, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
+use crate::runtime::kernels::{
+    Cpu, FloatDtype, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace,
+};
 
 // ---------------------------------------------------------------- shader check
 
@@ -315,9 +317,24 @@ impl Fixture {
                 rows,
                 cols,
             },
-            "bf16" => Matrix::Bf16 { data, rows, cols },
-            "f16" => Matrix::F16 { data, rows, cols },
-            _ => Matrix::F32 { data, rows, cols },
+            "bf16" => Matrix::Float {
+                dtype: FloatDtype::Bf16,
+                data,
+                rows,
+                cols,
+            },
+            "f16" => Matrix::Float {
+                dtype: FloatDtype::F16,
+                data,
+                rows,
+                cols,
+            },
+            _ => Matrix::Float {
+                dtype: FloatDtype::F32,
+                data,
+                rows,
+                cols,
+            },
         }
     }
 
@@ -381,7 +398,11 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
         },
         f.rows,
         f.cols,
-        if tuning::use_tiled(n) { "tiled" } else { "matvec" }
+        if tuning::use_tiled(n) {
+            "tiled"
+        } else {
+            "matvec"
+        }
     );
     let m = f.matrix();
     let w = GpuMatrix::upload(ctx, &m, "test").unwrap();
@@ -390,20 +411,15 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     let mut want = vec![0f32; n * f.rows];
     Cpu::new(1).matmul(&m, &xs, n, &mut want);
     let bound = f.bound(&xs);
-    let path = if n == 1 && w.fast_path() {
-        " fast"
-    } else {
-        ""
-    };
+    let path = if n == 1 && w.fast_path() { " fast" } else { "" };
     assert_close(&format!("{what}{path}"), &got, &want, |i| {
         2e-5 * bound[i] + 1e-30
     });
     // The fast kernel at tilings the shape-based choice may not take: one lane per
     // few words to a whole workgroup per row, 1 to 4 rows per set.
-    if let (true, Encoding::Affine { bits, group }) = (
-        n == 1 && w.fast_path() && f.rows <= 2048,
-        w.encoding,
-    ) {
+    if let (true, Encoding::Affine { bits, group }) =
+        (n == 1 && w.fast_path() && f.rows <= 2048, w.encoding)
+    {
         for (lanes, rps) in [(4, 1), (8, 3), (32, 4), (64, 2), (256, 4)] {
             let x = ctx.upload_f32(&[1, f.cols], &xs).unwrap();
             let mut init = vec![0f32; f.rows + GUARDS];
@@ -565,10 +581,7 @@ fn packed_x_products_match_cpu() {
         let f = Fixture::quant_g(Bits::Four, group, rows, cols, &mut rng);
         let what = format!("x24 4_g{} [{rows}x{cols}]", group.size());
         let w = GpuMatrix::upload(ctx, &f.matrix(), "test").unwrap();
-        assert!(
-            w.x24_path(),
-            "{what}: takes the packed-x kernel"
-        );
+        assert!(w.x24_path(), "{what}: takes the packed-x kernel");
         let xs = rng.vec(cols);
         let got = gpu_matmul(ctx, &w, &xs, 1, &what);
         let want = cpu(&f, &xs);
