@@ -8,9 +8,10 @@
 //! of time. A runner never multiplies a [`Matrix`] itself: it hands it to a
 //! [`Backend`] once ([`Backend::weights`]) and then calls whole operations (norms,
 //! RoPE, attention with its KV cache, the FFN, routing, an expert's FFN) on tensors
-//! the backend owns (`backend.rs` gives the contract). [`Cpu`] is the only backend
-//! today: its ops (`cpu.rs`) run over the host-slice products [`Cpu::matvec`] and
-//! [`Cpu::matmul`] below, which a device backend's tests also compare against.
+//! the backend owns (`backend.rs` gives the contract). Two backends implement it:
+//! [`Cpu`], whose ops (`cpu.rs`) run over the host-slice products [`Cpu::matvec`] and
+//! [`Cpu::matmul`] below, and `gpu::Gpu` (wgpu, with the `gpu` feature), whose tests
+//! compare it against them.
 //!
 //! # Arithmetic
 //! Quantized products never materialise the dequantized matrix. One group of 64
