@@ -22,3 +22,5 @@ pub mod gate;
 pub mod generate;
 pub mod load;
 pub mod model;
+#[cfg(test)]
+mod testing;

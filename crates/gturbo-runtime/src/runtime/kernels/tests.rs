@@ -9,27 +9,9 @@
 
 use super::*;
 use crate::format::quant::{Bits, Spec, dequantize_rows, f32_to_bf16, quantize_rows};
+use crate::runtime::testing::Rng;
 
 const TOL: f64 = 1e-5;
-
-/// Xorshift: the same inputs on every run, shared with `conformance`.
-pub(super) struct Rng(pub(super) u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    pub(super) fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    pub(super) fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.unit()).collect()
-    }
-}
 
 /// Bytes placed at an odd offset inside a larger buffer, so loads are unaligned.
 struct Odd(Vec<u8>);

@@ -847,25 +847,9 @@ impl FlashOps for Gpu {
 /// `GTURBO_REQUIRE_GPU=1` or in a strict run (CI).
 #[cfg(test)]
 mod tests {
-    use std::sync::OnceLock;
-
     use super::*;
     use crate::runtime::flash_next::conformance;
-    use crate::runtime::kernels::gpu::GpuOptions;
-
-    static GPU: OnceLock<std::result::Result<Gpu, String>> = OnceLock::new();
-
-    fn gpu(test: &str) -> Option<&'static Gpu> {
-        match GPU.get_or_init(|| Gpu::new(&GpuOptions::default()).map_err(|e| e.to_string())) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                if std::env::var("GTURBO_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                    panic!("{test}: GTURBO_REQUIRE_GPU=1 but no GPU: {e}");
-                }
-                gturbo_testkit::skip::require_or_skip(test, Err(format!("no GPU adapter ({e})")))
-            }
-        }
-    }
+    use crate::runtime::kernels::gpu::tests::gpu_backend as gpu;
 
     macro_rules! flash_checks {
         ($($group:ident),*) => {

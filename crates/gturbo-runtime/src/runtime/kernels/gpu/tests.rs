@@ -19,6 +19,7 @@ use crate::runtime::kernels::expert_matrices;
 use crate::runtime::kernels::{
     Cpu, FloatDtype, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace,
 };
+use crate::runtime::testing::Rng;
 
 // ---------------------------------------------------------------- shader check
 
@@ -203,23 +204,6 @@ seam_checks!(
     route,
     experts
 );
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.unit()).collect()
-    }
-}
 
 /// A matrix's bytes as the install stores them, plus what the tolerance needs: per
 /// element `|s·q| + |b|` (quantized) or `|w|` (float).
