@@ -10,7 +10,7 @@
 //!   token and the implied tok/s ceiling of the matrix products alone);
 //! - the same sweep as prefill, `matmul` with n = 8 and 32 vectors (per-token figures).
 
-use gturbo::runtime::kernels::{Activations, Backend, Cpu, Matrix};
+use gturbo::runtime::kernels::{Activations, Backend, Cpu, FloatDtype, Matrix};
 use gturbo::transform::quant::{Bits, f32_to_bf16, quantize_rows};
 use std::time::Instant;
 
@@ -75,7 +75,8 @@ impl Owned {
     fn matrix(&self) -> Matrix<'_> {
         let (rows, cols) = (self.rows, self.cols);
         if self.bits == 16 {
-            Matrix::Bf16 {
+            Matrix::Float {
+                dtype: FloatDtype::Bf16,
                 data: &self.parts[0],
                 rows,
                 cols,

@@ -37,5 +37,29 @@ pub const GTURBO_TEST_RAM_BYTES: &str = "GTURBO_TEST_RAM_BYTES";
 /// Test hook: the free bytes `gturbo doctor` reports at the output location, instead of
 /// the filesystem's figure. Used by the doctor tests; never set it otherwise.
 pub const GTURBO_TEST_FREE_DISK_BYTES: &str = "GTURBO_TEST_FREE_DISK_BYTES";
+/// GPU backend, benchmarks: `LANESxROWS` forces `qmatvec_fast`'s tiling (lanes a power of
+/// two from 4 to 256, 1 to 4 rows per set) for every product; unset or malformed: chosen
+/// per shape.
+pub const GTURBO_GPU_TILING: &str = "GTURBO_GPU_TILING";
+/// GPU backend, benchmarks: `qmatvec_x24`'s invocations per 4 rows (a power of two, 4 to
+/// 256) for every product; unset or out of range: chosen per shape.
+pub const GTURBO_GPU_X24_LANES: &str = "GTURBO_GPU_X24_LANES";
+/// GPU backend: `0` never rounds x to 24 bits for the 4-bit decode product
+/// (`qmatvec_x24`), `1` does for every eligible product (tests, figures); unset: on
+/// Vulkan and DX12 from 8 M codes.
+pub const GTURBO_GPU_PACKED_X: &str = "GTURBO_GPU_PACKED_X";
+/// GPU backend, benchmarks: submit the recorded work after this many dispatches (1 to
+/// 4096; default 48).
+pub const GTURBO_GPU_SUBMIT_EVERY: &str = "GTURBO_GPU_SUBMIT_EVERY";
+/// GPU backend: `0` turns the fused kernels off (gate/up/SwiGLU of one token as one
+/// dispatch; a resident MoE layer routed on the device), for before/after figures.
+pub const GTURBO_GPU_FUSE: &str = "GTURBO_GPU_FUSE";
+/// GPU backend: `0` turns off the split of decode attention over a long context across
+/// workgroups, for before/after figures.
+pub const GTURBO_GPU_ATTN_SPLIT: &str = "GTURBO_GPU_ATTN_SPLIT";
+/// GPU backend: set (and not `0`) to count dispatches, submits and waits and, on an
+/// adapter with timestamp queries, time every dispatch on the device; printed when the
+/// backend is dropped.
+pub const GTURBO_GPU_STATS: &str = "GTURBO_GPU_STATS";
 /// Set to a non-empty value to draw progress without colour (<https://no-color.org>).
 pub const NO_COLOR: &str = "NO_COLOR";

@@ -13,7 +13,7 @@ use memmap2::Mmap;
 use super::error::RunError;
 use super::experts::{ExpertMode, ExpertStore};
 use super::gate::{self, Runner};
-use super::kernels::Matrix;
+use super::kernels::{FloatDtype, Matrix};
 use crate::format::check::{self as verify, VerifyFailure};
 use crate::format::check_relative_path;
 use crate::format::dtype::Dtype;
@@ -349,9 +349,24 @@ fn matrix_view<'a>(
                 )));
             }
             Ok(match dtype {
-                Dtype::BF16 => Matrix::Bf16 { data, rows, cols },
-                Dtype::F16 => Matrix::F16 { data, rows, cols },
-                _ => Matrix::F32 { data, rows, cols },
+                Dtype::BF16 => Matrix::Float {
+                    dtype: FloatDtype::Bf16,
+                    data,
+                    rows,
+                    cols,
+                },
+                Dtype::F16 => Matrix::Float {
+                    dtype: FloatDtype::F16,
+                    data,
+                    rows,
+                    cols,
+                },
+                _ => Matrix::Float {
+                    dtype: FloatDtype::F32,
+                    data,
+                    rows,
+                    cols,
+                },
             })
         }
     }

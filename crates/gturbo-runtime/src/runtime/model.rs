@@ -13,6 +13,7 @@
 //! input checks, the expert store (blobs pinned in the slot cache while an expert
 //! runs) and the logits handed back for sampling.
 
+use super::axes::{Axes, axis_err};
 use super::error::{InputError, RunError};
 use super::experts::ExpertMode;
 use super::gate::{QK_NORM, ROUTED_MOE};
@@ -62,87 +63,46 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
 }
 
-fn axis_err(m: &Manifest, axis: &str, msg: &str) -> RunError {
-    RunError::invalid(
-        manifest::FILE_NAME,
-        format!("arch.axes.{axis} (family {}): {msg}", m.family),
-    )
-}
-
-fn axis_usize(m: &Manifest, axis: &str) -> Result<Option<usize>, RunError> {
-    match m.arch.axes.get(axis) {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .filter(|&n| n > 0 && n < 1 << 32)
-            .map(|n| Some(n as usize))
-            .ok_or_else(|| axis_err(m, axis, &format!("{v} is not a positive integer"))),
-    }
-}
-
-fn need_usize(m: &Manifest, axis: &str) -> Result<usize, RunError> {
-    axis_usize(m, axis)?.ok_or_else(|| axis_err(m, axis, "missing"))
-}
-
-fn axis_f64(m: &Manifest, axis: &str) -> Result<Option<f64>, RunError> {
-    match m.arch.axes.get(axis) {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .filter(|f| f.is_finite() && *f > 0.0)
-            .map(Some)
-            .ok_or_else(|| axis_err(m, axis, &format!("{v} is not a positive number"))),
-    }
-}
-
-fn axis_bool(m: &Manifest, axis: &str) -> Result<Option<bool>, RunError> {
-    match m.arch.axes.get(axis) {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(v) => v
-            .as_bool()
-            .map(Some)
-            .ok_or_else(|| axis_err(m, axis, &format!("{v} is not a boolean"))),
-    }
-}
+/// The decoder runner reads integer axes below 2^32.
+const AXIS_BELOW: u64 = 1 << 32;
 
 impl Config {
     /// Read the decoder's numbers from the manifest. Defaults follow the Hugging Face
     /// configs: `head_dim = hidden / heads`, `norm_topk_prob = false`,
     /// `rms_norm_eps = 1e-6`, `rope_theta = 10000`.
     pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
+        let a = Axes::new(m, AXIS_BELOW, "missing");
         // The install's own rules first (the planner checked the config with them).
-        crate::format::axes::check(&m.arch.axes).map_err(|e| axis_err(m, &e.axis, &e.detail))?;
+        crate::format::axes::check(&m.arch.axes).map_err(|e| a.err(&e.axis, &e.detail))?;
         if m.arch
             .axes
             .get("rope_scaling")
             .is_some_and(|v| !v.is_null())
         {
-            return Err(axis_err(
-                m,
+            return Err(a.err(
                 "rope_scaling",
                 "RoPE scaling is not implemented by the decoder runner (only plain RoPE)",
             ));
         }
-        let hidden = need_usize(m, "hidden_size")?;
-        let heads = need_usize(m, "num_attention_heads")?;
-        let kv_heads = axis_usize(m, "num_key_value_heads")?.unwrap_or(heads);
+        let hidden = a.usize("hidden_size")?;
+        let heads = a.usize("num_attention_heads")?;
+        let kv_heads = a.opt_usize("num_key_value_heads")?.unwrap_or(heads);
         if heads % kv_heads != 0 {
-            return Err(axis_err(
-                m,
+            return Err(a.err(
                 "num_key_value_heads",
                 &format!("{kv_heads} does not divide num_attention_heads {heads}"),
             ));
         }
-        let head_dim = axis_usize(m, "head_dim")?.unwrap_or(hidden / heads);
+        let head_dim = a.opt_usize("head_dim")?.unwrap_or(hidden / heads);
         if head_dim % 2 != 0 || head_dim == 0 {
-            return Err(axis_err(m, "head_dim", "RoPE needs an even head width"));
+            return Err(a.err("head_dim", "RoPE needs an even head width"));
         }
         let moe = if m.arch.required_axes.iter().any(|a| a == ROUTED_MOE) {
             Some(MoeConfig {
-                experts: need_usize(m, "num_experts")?,
-                top_k: need_usize(m, "num_experts_per_tok")?,
-                intermediate: need_usize(m, "moe_intermediate_size")?,
-                norm_topk_prob: axis_bool(m, "norm_topk_prob")?.unwrap_or(false),
+                experts: a.usize("num_experts")?,
+                top_k: a.usize("num_experts_per_tok")?,
+                intermediate: a.usize("moe_intermediate_size")?,
+                norm_topk_prob: a.opt_bool("norm_topk_prob")?.unwrap_or(false),
             })
         } else {
             None
@@ -150,25 +110,25 @@ impl Config {
         if let Some(moe) = &moe
             && moe.top_k > moe.experts
         {
-            return Err(axis_err(m, "num_experts_per_tok", "more than num_experts"));
+            return Err(a.err("num_experts_per_tok", "more than num_experts"));
         }
         Ok(Config {
             hidden,
-            layers: need_usize(m, "num_layers")?,
+            layers: a.usize("num_layers")?,
             heads,
             kv_heads,
             head_dim,
             intermediate: if moe.is_some() {
                 0
             } else {
-                need_usize(m, "intermediate_size")?
+                a.usize("intermediate_size")?
             },
-            vocab: need_usize(m, "vocab_size")?,
-            rope_theta: axis_f64(m, "rope_theta")?.unwrap_or(10_000.0),
-            eps: axis_f64(m, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            vocab: a.usize("vocab_size")?,
+            rope_theta: a.opt_f64("rope_theta")?.unwrap_or(10_000.0),
+            eps: a.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM),
             moe,
-            max_positions: axis_usize(m, "max_position_embeddings")?.unwrap_or(1 << 16),
+            max_positions: a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16),
         })
     }
 }

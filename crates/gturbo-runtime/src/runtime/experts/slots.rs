@@ -383,6 +383,7 @@ impl SlotCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::testing::Rng;
     use std::sync::atomic::AtomicUsize;
 
     /// Look `key` up in `t` as one get-and-drop would; whether it was a hit.
@@ -466,11 +467,9 @@ mod tests {
     fn the_budget_holds_over_a_long_random_sequence_and_hits_match_a_reference_lru() {
         let mut t = Table::new(5);
         let mut reference: Vec<Key> = Vec::new(); // most recent last
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         for _ in 0..10_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next();
             let key = ((x % 3) as usize, (x >> 8) as usize % 9);
             let want_hit = match reference.iter().position(|&k| k == key) {
                 Some(p) => {

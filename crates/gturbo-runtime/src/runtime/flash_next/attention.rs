@@ -25,7 +25,7 @@
 //! A block's key depends only on its `cr` raw keys, so it is computed once, when the
 //! block completes, and cached with the KV cache.
 
-use super::ops::FlashOps;
+use super::seam::{FlashOps, IndexerDims};
 use super::topk::torch_topk;
 use crate::runtime::kernels::{Backend, Causal, NormGain, OpResult, dot};
 
@@ -72,26 +72,6 @@ pub struct AttnDims {
     pub eps: f32,
     /// The indexer's geometry.
     pub indexer: IndexerDims,
-}
-
-/// Indexer geometry.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct IndexerDims {
-    /// Query heads `n_i`.
-    pub heads: usize,
-    /// Head width `d_i` (at least the rotary width).
-    pub head_dim: usize,
-    /// Token budget (a multiple of `cr`).
-    pub budget: usize,
-    /// Tokens per block `cr`.
-    pub compress: usize,
-}
-
-impl IndexerDims {
-    /// Blocks selected at most: `budget / cr`.
-    pub fn block_topk(&self) -> usize {
-        self.budget / self.compress
-    }
 }
 
 impl AttnDims {

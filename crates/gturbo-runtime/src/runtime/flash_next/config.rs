@@ -10,14 +10,14 @@
 //! toy configs; the reference's fallback for a config without it (`hidden_act`,
 //! silu) is not reachable from an install.
 
-use super::attention::{AttnDims, IndexerDims};
-use super::gdn::GdnDims;
-use super::hc::HcDims;
+use super::attention::AttnDims;
 use super::moe::MoeDims;
 use super::norm::GateAct;
 use super::ple::PleDims;
+use super::seam::{GdnDims, HcDims, IndexerDims};
 use crate::format::manifest::Manifest;
 use crate::runtime::RunError;
+use crate::runtime::axes::Axes;
 
 /// What kind of token mixer a layer has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,58 +71,13 @@ pub struct FlashConfig {
     pub ngram_vocab_divisor: Option<u64>,
 }
 
-struct Axes<'a>(&'a Manifest);
-
-impl Axes<'_> {
-    fn err(&self, axis: &str, msg: &str) -> RunError {
-        RunError::invalid(
-            crate::format::manifest::FILE_NAME,
-            format!("arch.axes.{axis} (family {}): {msg}", self.0.family),
-        )
-    }
-
-    fn value(&self, axis: &str) -> Option<&serde_json::Value> {
-        self.0.arch.axes.get(axis).filter(|v| !v.is_null())
-    }
-
-    fn opt_usize(&self, axis: &str) -> Result<Option<usize>, RunError> {
-        match self.value(axis) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .filter(|&n| n > 0 && n < 1 << 40)
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.err(axis, &format!("{v} is not a positive integer"))),
-        }
-    }
-
-    fn usize(&self, axis: &str) -> Result<usize, RunError> {
-        self.opt_usize(axis)?
-            .ok_or_else(|| self.err(axis, "missing (the Flash-Next runner needs it)"))
-    }
-
-    fn f64(&self, axis: &str) -> Result<f64, RunError> {
-        let v = self
-            .value(axis)
-            .ok_or_else(|| self.err(axis, "missing (the Flash-Next runner needs it)"))?;
-        v.as_f64()
-            .filter(|f| f.is_finite() && *f > 0.0)
-            .ok_or_else(|| self.err(axis, &format!("{v} is not a positive number")))
-    }
-
-    fn bool(&self, axis: &str) -> Result<bool, RunError> {
-        let v = self
-            .value(axis)
-            .ok_or_else(|| self.err(axis, "missing (the Flash-Next runner needs it)"))?;
-        v.as_bool()
-            .ok_or_else(|| self.err(axis, &format!("{v} is not a boolean")))
-    }
-}
+/// The Flash-Next runner reads integer axes below 2^40.
+const AXIS_BELOW: u64 = 1 << 40;
 
 impl FlashConfig {
     /// Read and cross-check the axes. Nothing here depends on the tensors.
     pub fn from_manifest(m: &Manifest) -> Result<FlashConfig, RunError> {
-        let a = Axes(m);
+        let a = Axes::new(m, AXIS_BELOW, "missing (the Flash-Next runner needs it)");
         let hidden = a.usize("hidden_size")?;
         let heads = a.usize("num_attention_heads")?;
         let kv_heads = a.usize("num_key_value_heads")?;

@@ -31,33 +31,13 @@
 //!   negative scores 0 on both), so the top-k boundary falls inside ties.
 //! - `indexed_attention`: `1e-5` of the largest `|v|` (the core attention bound).
 
-use super::attention::{IndexerDims, select_blocks};
-use super::gdn::GdnDims;
-use super::hc::HcDims;
+use super::attention::select_blocks;
 use super::norm::GateAct;
-use super::ops::{Act, CpuAttnCache, FlashOps};
+use super::ops::CpuAttnCache;
 use super::rope::inv_freq;
+use super::seam::{Act, FlashOps, GdnDims, HcDims, IndexerDims};
 use crate::runtime::kernels::{Backend, Causal, Cpu};
-
-/// xorshift64; `unit` is uniform in [-1, 1).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.unit() * scale).collect()
-    }
-}
+use crate::runtime::testing::Rng;
 
 fn cpu() -> Cpu {
     Cpu::new(1)
@@ -98,7 +78,7 @@ pub(crate) fn elementwise<B: FlashOps>(b: &B) {
     let mut rng = Rng(0x5eed_0001);
     // 1001 elements: no workgroup divides them; values to ±14 reach both sides of the
     // two-sided sigmoid and its flat tails.
-    let x = rng.vec(1001, 14.0);
+    let x = rng.scaled(1001, 14.0);
     for act in [Act::SiluOver(4.0), Act::Sigmoid, Act::TwoSigmoidOver(3.0)] {
         let mut g = up(b, &x);
         b.act(&mut g, act).unwrap();
@@ -111,7 +91,7 @@ pub(crate) fn elementwise<B: FlashOps>(b: &B) {
             elementwise_tol(&w),
         );
     }
-    let gate = rng.vec(1001, 9.0);
+    let gate = rng.scaled(1001, 9.0);
     let mut g = up(b, &x);
     b.sigmoid_mul(&mut g, &up(b, &gate)).unwrap();
     let mut w = x.clone();
@@ -119,8 +99,8 @@ pub(crate) fn elementwise<B: FlashOps>(b: &B) {
     close("sigmoid_mul", &down(b, &g), &w, elementwise_tol(&w));
     // 7 rows of 143; and one row.
     for rows in [7, 1] {
-        let x = rng.vec(rows * 143, 3.0);
-        let s = rng.vec(rows, 6.0);
+        let x = rng.scaled(rows * 143, 3.0);
+        let s = rng.scaled(rows, 6.0);
         let mut g = up(b, &x);
         b.scale_rows_sigmoid(&mut g, &up(b, &s)).unwrap();
         let mut w = x.clone();
@@ -128,7 +108,7 @@ pub(crate) fn elementwise<B: FlashOps>(b: &B) {
         close("scale_rows_sigmoid", &down(b, &g), &w, elementwise_tol(&w));
     }
     // The attention's [query | gate] split per head, the indexer's [q | k] split.
-    let x = rng.vec(5 * 3 * 80, 1.0);
+    let x = rng.scaled(5 * 3 * 80, 1.0);
     for (width, cols) in [(80, 0..40), (80, 40..80), (240, 192..240), (240, 0..1)] {
         let n = x.len() / width;
         let mut g = b.zeros(n * cols.len()).unwrap();
@@ -154,15 +134,15 @@ pub(crate) fn elementwise<B: FlashOps>(b: &B) {
     ] {
         let n = if d.hidden > 1000 { 2 } else { 5 };
         let (h, s, wd) = (d.hidden, d.streams, d.width());
-        let e = rng.vec(n * h, 2.0);
+        let e = rng.scaled(n * h, 2.0);
         let mut g = b.zeros(n * wd).unwrap();
         b.hc_expand(&up(b, &e), d, &mut g).unwrap();
         let mut w = vec![0f32; n * wd];
         c.hc_expand(&e, d, &mut w).unwrap();
         assert_eq!(down(b, &g), w, "hc_expand {s}x{h}");
 
-        let mix: Vec<f32> = rng.vec(n * wd, 1.0).iter().map(|v| v.abs()).collect();
-        let xn = rng.vec(n * wd, 3.0);
+        let mix: Vec<f32> = rng.scaled(n * wd, 1.0).iter().map(|v| v.abs()).collect();
+        let xn = rng.scaled(n * wd, 3.0);
         let mut g = b.zeros(n * h).unwrap();
         b.hc_mix(&up(b, &mix), &up(b, &xn), d, &mut g).unwrap();
         let mut w = vec![0f32; n * h];
@@ -177,9 +157,9 @@ pub(crate) fn elementwise<B: FlashOps>(b: &B) {
             1e-6 * terms(i) + 1e-30
         });
 
-        let x = rng.vec(n * wd, 3.0);
-        let inject = rng.vec(n * s, 2.0);
-        let y = rng.vec(n * h, 2.0);
+        let x = rng.scaled(n * wd, 3.0);
+        let inject = rng.scaled(n * s, 2.0);
+        let y = rng.scaled(n * h, 2.0);
         let mut g = up(b, &x);
         b.hc_inject(&mut g, &up(b, &inject), &up(b, &y), d).unwrap();
         let mut w = x.clone();
@@ -203,8 +183,8 @@ pub(crate) fn norms<B: FlashOps>(b: &B) {
         (3, 100, 100),
         (1, 96, 32),
     ] {
-        let x = rng.vec(n * wd, 4.0);
-        let w = rng.vec(wd, 0.5);
+        let x = rng.scaled(n * wd, 4.0);
+        let w = rng.scaled(wd, 0.5);
         let mut g = b.zeros(n * wd).unwrap();
         b.norm_grouped(&up(b, &x), &up(b, &w), group, 1e-6, &mut g)
             .unwrap();
@@ -221,9 +201,9 @@ pub(crate) fn norms<B: FlashOps>(b: &B) {
     for act in [GateAct::Sigmoid, GateAct::Silu] {
         // 18 heads of 40 (6 tokens × 3 value heads), and the real 48 heads of 128.
         for (n, d) in [(18, 40), (48, 128)] {
-            let o = rng.vec(n * d, 2.0);
-            let z = rng.vec(n * d, 5.0);
-            let w = rng.vec(d, 1.0);
+            let o = rng.scaled(n * d, 2.0);
+            let z = rng.scaled(n * d, 5.0);
+            let w = rng.scaled(d, 1.0);
             let mut g = b.zeros(n * d).unwrap();
             b.gated_norm(&up(b, &o), &up(b, &z), &up(b, &w), 1e-6, act, &mut g)
                 .unwrap();
@@ -247,9 +227,9 @@ pub(crate) fn norms<B: FlashOps>(b: &B) {
         };
         let wd = s * h;
         // Small keys make some gates' sums land near 0, where the signed root is steep.
-        let key = rng.vec(t * wd, 0.3);
-        let qry = rng.vec(t * wd, 1.0);
-        let value = rng.vec(t * h, 2.0);
+        let key = rng.scaled(t * wd, 0.3);
+        let qry = rng.scaled(t * wd, 1.0);
+        let value = rng.scaled(t * h, 2.0);
         let mut g = b.zeros(t * wd).unwrap();
         b.ple_gate(&up(b, &key), &up(b, &qry), &up(b, &value), d, &mut g)
             .unwrap();
@@ -287,12 +267,12 @@ pub(crate) fn conv<B: FlashOps>(b: &B) {
         (216, 4, 3, &[12, 1, 9, 2, 1]),
         (64, 1, 1, &[3, 1]),
     ] {
-        let w = rng.vec(ch * taps, 0.7);
+        let w = rng.scaled(ch * taps, 0.7);
         let past = (taps - 1) * dilation;
         let (wb, mut sb) = (up(b, &w), b.zeros(past * ch).unwrap());
         let mut sc = vec![0f32; past * ch];
         for &n in steps {
-            let x = rng.vec(n * ch, 2.0);
+            let x = rng.scaled(n * ch, 2.0);
             // Rows −past … n−1 of the sequence the call reads.
             let ext: Vec<f32> = sc.iter().chain(&x).copied().collect();
             let mut g = b.zeros(n * ch).unwrap();
@@ -342,16 +322,16 @@ pub(crate) fn gdn<B: FlashOps>(b: &B) {
         (dims(16, 128, 48, 128), &[2, 1]),
     ] {
         let (nv, vd, ch) = (d.value_heads, d.value_heads * d.value_dim, d.channels());
-        let a_log = rng.vec(nv, 1.0);
-        let dt_bias = rng.vec(nv, 1.0);
+        let a_log = rng.scaled(nv, 1.0);
+        let dt_bias = rng.scaled(nv, 1.0);
         let (ga, gd) = (up(b, &a_log), up(b, &dt_bias));
         let mut gs = b.zeros(nv * d.key_dim * d.value_dim).unwrap();
         let mut cs = vec![0f32; nv * d.key_dim * d.value_dim];
         for &n in steps {
-            let conv = rng.vec(n * ch, 1.5);
-            let bb = rng.vec(n * nv, 4.0);
+            let conv = rng.scaled(n * ch, 1.5);
+            let bb = rng.scaled(n * nv, 4.0);
             // Some gate inputs past softplus's threshold of 20, some far below it.
-            let aa: Vec<f32> = rng.vec(n * nv, 8.0).iter().map(|v| v * 3.0).collect();
+            let aa: Vec<f32> = rng.scaled(n * nv, 8.0).iter().map(|v| v * 3.0).collect();
             let mut g = b.zeros(n * vd).unwrap();
             b.gdn_recurrence(
                 &up(b, &conv),
@@ -456,7 +436,7 @@ pub(crate) fn indexer<B: FlashOps>(b: &B) {
             b.rope_table(&freqs, 64).unwrap(),
             c.rope_table(&freqs, 64).unwrap(),
         );
-        let k_norm = rng.vec(di, 0.3);
+        let k_norm = rng.scaled(di, 0.3);
         let gk = up(b, &k_norm);
         let mut gcache = b.attn_cache(case.kv_heads, case.head_dim, ix).unwrap();
         let mut ccache: CpuAttnCache = c.attn_cache(case.kv_heads, case.head_dim, ix).unwrap();
@@ -466,8 +446,8 @@ pub(crate) fn indexer<B: FlashOps>(b: &B) {
                 "{}x{} heads, indexer {}x{di}/{cr}, {n} tokens at {pos}",
                 case.heads, case.head_dim, ix.heads
             );
-            let iq = rng.vec(n * ix.heads * di, 1.0);
-            let raw = rng.vec(n * di, 1.0);
+            let iq = rng.scaled(n * ix.heads * di, 1.0);
+            let raw = rng.scaled(n * di, 1.0);
             let gs = b
                 .indexer_scores(
                     &mut gcache,
@@ -506,9 +486,9 @@ pub(crate) fn indexer<B: FlashOps>(b: &B) {
                 boundary_ties += usize::from(zero_in && zero_out);
                 blocks.push(csel);
             }
-            let q = rng.vec(n * qw, 1.0);
-            let k = rng.vec(n * kvw, 1.0);
-            let v = rng.vec(n * kvw, 2.0);
+            let q = rng.scaled(n * qw, 1.0);
+            let k = rng.scaled(n * kvw, 1.0);
+            let v = rng.scaled(n * kvw, 2.0);
             let at = Causal {
                 pos,
                 heads: case.heads,

@@ -16,8 +16,8 @@
 //! goldens' cached rollouts match a re-prefill to 2e-5). The state is the last `K − 1`
 //! columns of `c` and one `[dk, dv]` matrix per value head.
 
-use super::norm::{GateAct, l2_normalize, sigmoid, silu, softplus};
-use super::ops::FlashOps;
+use super::norm::{l2_normalize, sigmoid, silu, softplus};
+use super::seam::{FlashOps, GdnDims};
 use crate::runtime::kernels::{Backend, OpResult};
 
 /// One GDN layer's weights, as backend tensors.
@@ -40,41 +40,6 @@ pub struct GdnWeights<'a, B: Backend> {
     pub norm: B::Buf,
     /// `out_proj` `[H, nv·dv]`.
     pub out: B::Weights<'a>,
-}
-
-/// GDN geometry.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GdnDims {
-    /// Stream width `H` (the block's input and output).
-    pub hidden: usize,
-    /// Key heads `nk`.
-    pub key_heads: usize,
-    /// Key head width `dk`.
-    pub key_dim: usize,
-    /// Value heads `nv` (a multiple of `nk`).
-    pub value_heads: usize,
-    /// Value head width `dv`.
-    pub value_dim: usize,
-    /// Conv taps `K`.
-    pub conv_kernel: usize,
-    /// Gated-norm epsilon.
-    pub eps: f32,
-    /// Output gate activation.
-    pub gate: GateAct,
-}
-
-impl GdnDims {
-    /// Conv channels `C = 2·nk·dk + nv·dv`.
-    pub fn channels(&self) -> usize {
-        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-    }
-
-    /// Bytes of one layer's state (conv columns and recurrent matrices, f32).
-    pub fn state_bytes(&self) -> usize {
-        (self.conv_kernel.saturating_sub(1) * self.channels()
-            + self.value_heads * self.key_dim * self.value_dim)
-            * 4
-    }
 }
 
 /// Per-sequence GDN state of one layer.

@@ -14,7 +14,7 @@
 //! x_j ← x_j + inj_j · block(u)                     (into the un-normalised streams)
 //! ```
 
-use super::ops::{Act, FlashOps};
+use super::seam::{Act, FlashOps, HcDims};
 use crate::runtime::kernels::{Backend, OpResult};
 
 /// One hyper-connection's weights, as backend tensors.
@@ -27,26 +27,6 @@ pub struct HyperConnection<'a, B: Backend> {
     pub up: B::Weights<'a>,
     /// `block_inject_weight` `[S, S·H]`; `None` for the final mixer.
     pub inject: Option<B::Weights<'a>>,
-}
-
-/// Stream geometry.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HcDims {
-    /// Streams `S` (`hc_count`).
-    pub streams: usize,
-    /// Stream width `H` (`hidden_size`).
-    pub hidden: usize,
-    /// The mix's low rank `R` (`hc_lowrank`).
-    pub lowrank: usize,
-    /// Norm epsilon.
-    pub eps: f32,
-}
-
-impl HcDims {
-    /// `S·H`, the residual width.
-    pub fn width(&self) -> usize {
-        self.streams * self.hidden
-    }
 }
 
 /// What a hyper-connection read gives for `T` tokens.

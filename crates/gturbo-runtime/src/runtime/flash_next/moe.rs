@@ -11,7 +11,7 @@
 //! install's expert store (slot cache or resident map); the installer has split the
 //! fused `gate_up_proj` into the blob's gate and up parts, gate first.
 
-use super::ops::FlashOps;
+use super::seam::FlashOps;
 use crate::runtime::RunError;
 use crate::runtime::experts::ExpertStore;
 use crate::runtime::kernels::{Backend, BackendError, ExpertRef, Routing};

@@ -31,9 +31,8 @@
 //! The conv state is the last `(K−1)·D` columns of `norm_conv(gv)` (zeros before the
 //! prompt).
 
-use super::hc::HcDims;
-use super::ops::FlashOps;
 use super::rows::RowCache;
+use super::seam::{FlashOps, HcDims};
 use crate::runtime::RunError;
 use crate::runtime::kernels::Backend;
 

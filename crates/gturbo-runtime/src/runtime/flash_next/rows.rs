@@ -25,7 +25,7 @@ use crate::format::quant::GROUP;
 use crate::format::{RowBlocks, Scheme};
 use crate::runtime::RunError;
 use crate::runtime::experts::CacheStats;
-use crate::runtime::kernels::Matrix;
+use crate::runtime::kernels::{FloatDtype, Matrix};
 use crate::runtime::load::safe_join;
 
 /// No entry (end of the recency list).
@@ -295,17 +295,20 @@ impl RowCache {
                 }
             }
             None => match self.pool.dtype {
-                Dtype::F16 => Matrix::F16 {
+                Dtype::F16 => Matrix::Float {
+                    dtype: FloatDtype::F16,
                     data: bytes,
                     rows: 1,
                     cols,
                 },
-                Dtype::F32 => Matrix::F32 {
+                Dtype::F32 => Matrix::Float {
+                    dtype: FloatDtype::F32,
                     data: bytes,
                     rows: 1,
                     cols,
                 },
-                _ => Matrix::Bf16 {
+                _ => Matrix::Float {
+                    dtype: FloatDtype::Bf16,
                     data: bytes,
                     rows: 1,
                     cols,

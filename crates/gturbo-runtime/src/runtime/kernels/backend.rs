@@ -34,11 +34,12 @@
 //! # Runner-specific operations
 //! Operations only one runner needs (Flash-Next's gated-delta-net step, its
 //! hyper-connection mix and inject, the PLE gather and conv, the indexer's block scores)
-//! go in an extension trait of that runner, `trait FlashNextOps: Backend { … }`, which
-//! the runner requires (`FlashModel<'a, B: FlashNextOps>`), so the core trait does not
-//! grow per runner. The CPU implements such a trait over the runner's pure slice
-//! functions (its `Buf` is a `Vec<f32>`, its weights [`Matrix`] views), a GPU once it
-//! has kernels for them.
+//! go in an extension trait of that runner (Flash-Next's is
+//! [`FlashOps`](crate::runtime::flash_next::seam::FlashOps), which its runner requires:
+//! `FlashModel<'a, B: FlashOps>`), so the core trait does not grow per runner. The CPU
+//! implements such a trait over the runner's pure slice functions (its `Buf` is a
+//! `Vec<f32>`, its weights [`Matrix`] views), the GPU with kernels of its own
+//! (`gpu/flash.rs`).
 
 use std::ops::Range;
 

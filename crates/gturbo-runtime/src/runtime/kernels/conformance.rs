@@ -23,12 +23,12 @@
 //!   `g` and `u` times the slopes of `silu(g)·u`, then through `down`), times two.
 
 use super::backend::{Backend, Causal, ExpertRef, NormGain};
-use super::tests::Rng;
-use super::{Cpu, GROUP, Matrix, bf16_at, quant_row_bytes};
+use super::{Cpu, FloatDtype, GROUP, Matrix, bf16_at, quant_row_bytes};
 use crate::format::Scheme;
 use crate::format::dtype::Dtype;
 use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
 use crate::format::quant::{Bits, dequantize_rows, f32_to_bf16, quantize_rows};
+use crate::runtime::testing::Rng;
 
 /// SmolLM2-135M's widths.
 const HIDDEN: usize = 576;
@@ -133,9 +133,24 @@ impl Weights {
                 rows,
                 cols,
             },
-            Enc::Bf16 => Matrix::Bf16 { data, rows, cols },
-            Enc::F16 => Matrix::F16 { data, rows, cols },
-            Enc::F32 => Matrix::F32 { data, rows, cols },
+            Enc::Bf16 => Matrix::Float {
+                dtype: FloatDtype::Bf16,
+                data,
+                rows,
+                cols,
+            },
+            Enc::F16 => Matrix::Float {
+                dtype: FloatDtype::F16,
+                data,
+                rows,
+                cols,
+            },
+            Enc::F32 => Matrix::Float {
+                dtype: FloatDtype::F32,
+                data,
+                rows,
+                cols,
+            },
         }
     }
 

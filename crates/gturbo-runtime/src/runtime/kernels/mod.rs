@@ -8,9 +8,10 @@
 //! of time. A runner never multiplies a [`Matrix`] itself: it hands it to a
 //! [`Backend`] once ([`Backend::weights`]) and then calls whole operations (norms,
 //! RoPE, attention with its KV cache, the FFN, routing, an expert's FFN) on tensors
-//! the backend owns (`backend.rs` gives the contract). [`Cpu`] is the only backend
-//! today: its ops (`cpu.rs`) run over the host-slice products [`Cpu::matvec`] and
-//! [`Cpu::matmul`] below, which a device backend's tests also compare against.
+//! the backend owns (`backend.rs` gives the contract). Two backends implement it:
+//! [`Cpu`], whose ops (`cpu.rs`) run over the host-slice products [`Cpu::matvec`] and
+//! [`Cpu::matmul`] below, and `gpu::Gpu` (wgpu, with the `gpu` feature), whose tests
+//! compare it against them.
 //!
 //! # Arithmetic
 //! Quantized products never materialise the dequantized matrix. One group of 64
@@ -81,26 +82,10 @@ pub enum Matrix<'a> {
         /// Input features, a multiple of `group`.
         cols: usize,
     },
-    /// Little-endian BF16 `[rows, cols]`.
-    Bf16 {
-        /// The elements.
-        data: &'a [u8],
-        /// Output features.
-        rows: usize,
-        /// Input features.
-        cols: usize,
-    },
-    /// Little-endian IEEE half `[rows, cols]`.
-    F16 {
-        /// The elements.
-        data: &'a [u8],
-        /// Output features.
-        rows: usize,
-        /// Input features.
-        cols: usize,
-    },
-    /// Little-endian f32 `[rows, cols]`.
-    F32 {
+    /// Little-endian floats of `dtype`, `[rows, cols]`.
+    Float {
+        /// The element type.
+        dtype: FloatDtype,
         /// The elements.
         data: &'a [u8],
         /// Output features.
@@ -157,24 +142,39 @@ pub enum KernelError {
     },
 }
 
+/// The element type of a [`Matrix::Float`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatDtype {
+    /// BF16.
+    Bf16,
+    /// IEEE half.
+    F16,
+    /// f32.
+    F32,
+}
+
+impl FloatDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            FloatDtype::Bf16 | FloatDtype::F16 => 2,
+            FloatDtype::F32 => 4,
+        }
+    }
+}
+
 impl Matrix<'_> {
     /// Output features (rows).
     pub fn rows(&self) -> usize {
         match *self {
-            Matrix::Quant { rows, .. }
-            | Matrix::Bf16 { rows, .. }
-            | Matrix::F16 { rows, .. }
-            | Matrix::F32 { rows, .. } => rows,
+            Matrix::Quant { rows, .. } | Matrix::Float { rows, .. } => rows,
         }
     }
 
     /// Input features (columns).
     pub fn cols(&self) -> usize {
         match *self {
-            Matrix::Quant { cols, .. }
-            | Matrix::Bf16 { cols, .. }
-            | Matrix::F16 { cols, .. }
-            | Matrix::F32 { cols, .. } => cols,
+            Matrix::Quant { cols, .. } | Matrix::Float { cols, .. } => cols,
         }
     }
 
@@ -188,9 +188,7 @@ impl Matrix<'_> {
                 biases,
                 ..
             } => weights.len() + scales.len() + biases.len(),
-            Matrix::Bf16 { data, .. } | Matrix::F16 { data, .. } | Matrix::F32 { data, .. } => {
-                data.len()
-            }
+            Matrix::Float { data, .. } => data.len(),
         }
     }
 
@@ -256,8 +254,7 @@ impl Matrix<'_> {
                 }
                 Ok(())
             }
-            Matrix::Bf16 { data, .. } | Matrix::F16 { data, .. } => want("data", data.len(), 2, 1),
-            Matrix::F32 { data, .. } => want("data", data.len(), 4, 1),
+            Matrix::Float { dtype, data, .. } => want("data", data.len(), dtype.bytes(), 1),
         }
     }
 
@@ -303,21 +300,17 @@ impl Matrix<'_> {
                     cols,
                 }
             }
-            Matrix::Bf16 { data, cols, .. } => Matrix::Bf16 {
-                data: &data[r0 * cols * 2..r1 * cols * 2],
-                rows: n,
-                cols,
-            },
-            Matrix::F16 { data, cols, .. } => Matrix::F16 {
-                data: &data[r0 * cols * 2..r1 * cols * 2],
-                rows: n,
-                cols,
-            },
-            Matrix::F32 { data, cols, .. } => Matrix::F32 {
-                data: &data[r0 * cols * 4..r1 * cols * 4],
-                rows: n,
-                cols,
-            },
+            Matrix::Float {
+                dtype, data, cols, ..
+            } => {
+                let row = cols * dtype.bytes();
+                Matrix::Float {
+                    dtype,
+                    data: &data[r0 * row..r1 * row],
+                    rows: n,
+                    cols,
+                }
+            }
         }
     }
 }
@@ -754,9 +747,24 @@ pub fn expert_matrices<'a>(pool: &ExpertPool, blob: &'a [u8]) -> [Matrix<'a>; 3]
             Scheme::Passthrough => {
                 let data = &blob[o..o + w];
                 match pool.dtype {
-                    Dtype::F16 => Matrix::F16 { data, rows, cols },
-                    Dtype::F32 => Matrix::F32 { data, rows, cols },
-                    _ => Matrix::Bf16 { data, rows, cols },
+                    Dtype::F16 => Matrix::Float {
+                        dtype: FloatDtype::F16,
+                        data,
+                        rows,
+                        cols,
+                    },
+                    Dtype::F32 => Matrix::Float {
+                        dtype: FloatDtype::F32,
+                        data,
+                        rows,
+                        cols,
+                    },
+                    _ => Matrix::Float {
+                        dtype: FloatDtype::Bf16,
+                        data,
+                        rows,
+                        cols,
+                    },
                 }
             }
         }

@@ -1,7 +1,7 @@
 //! Portable inner loops: plain Rust over fixed-width arrays, written so the compiler
 //! vectorises them on any target (NEON on Apple silicon, SSE2 on baseline x86-64).
 
-use super::{Matrix, Prepared, bf16_at, quant_row_bytes};
+use super::{FloatDtype, Matrix, Prepared, bf16_at, quant_row_bytes};
 use crate::format::quant::{self, Bits, GROUP, MAX_GROUP, bf16_to_f32};
 
 /// `y = W x` over all rows of `w`.
@@ -36,21 +36,36 @@ pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
                 *o = quant_row(bits, wr, sr, br, &prep.x, &prep.group_sums);
             }
         }
-        Matrix::Bf16 { data, cols, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::Bf16,
+            data,
+            cols,
+            ..
+        } => {
             for (o, r) in y.iter_mut().zip(data.chunks_exact(cols * 2)) {
                 *o = dot_with(r, &prep.x, 2, |b| {
                     bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))
                 });
             }
         }
-        Matrix::F16 { data, cols, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F16,
+            data,
+            cols,
+            ..
+        } => {
             for (o, r) in y.iter_mut().zip(data.chunks_exact(cols * 2)) {
                 *o = dot_with(r, &prep.x, 2, |b| {
                     half::f16::from_le_bytes([b[0], b[1]]).to_f32()
                 });
             }
         }
-        Matrix::F32 { data, cols, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F32,
+            data,
+            cols,
+            ..
+        } => {
             for (o, r) in y.iter_mut().zip(data.chunks_exact(cols * 4)) {
                 *o = dot_with(r, &prep.x, 4, |b| {
                     f32::from_le_bytes([b[0], b[1], b[2], b[3]])
@@ -190,17 +205,29 @@ pub(super) fn row(w: &Matrix, out: &mut [f32]) {
                 }
             }
         }
-        Matrix::Bf16 { data, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::Bf16,
+            data,
+            ..
+        } => {
             for (i, o) in out.iter_mut().enumerate() {
                 *o = bf16_at(data, i);
             }
         }
-        Matrix::F16 { data, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F16,
+            data,
+            ..
+        } => {
             for (o, b) in out.iter_mut().zip(data.chunks_exact(2)) {
                 *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        Matrix::F32 { data, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F32,
+            data,
+            ..
+        } => {
             for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }

@@ -9,27 +9,9 @@
 
 use super::*;
 use crate::format::quant::{Bits, Spec, dequantize_rows, f32_to_bf16, quantize_rows};
+use crate::runtime::testing::Rng;
 
 const TOL: f64 = 1e-5;
-
-/// Xorshift: the same inputs on every run, shared with `conformance`.
-pub(super) struct Rng(pub(super) u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    pub(super) fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    pub(super) fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.unit()).collect()
-    }
-}
 
 /// Bytes placed at an odd offset inside a larger buffer, so loads are unaligned.
 struct Odd(Vec<u8>);
@@ -131,9 +113,24 @@ impl Fixture {
                 rows,
                 cols,
             },
-            "bf16" => Matrix::Bf16 { data, rows, cols },
-            "f16" => Matrix::F16 { data, rows, cols },
-            _ => Matrix::F32 { data, rows, cols },
+            "bf16" => Matrix::Float {
+                dtype: FloatDtype::Bf16,
+                data,
+                rows,
+                cols,
+            },
+            "f16" => Matrix::Float {
+                dtype: FloatDtype::F16,
+                data,
+                rows,
+                cols,
+            },
+            _ => Matrix::Float {
+                dtype: FloatDtype::F32,
+                data,
+                rows,
+                cols,
+            },
         }
     }
 
@@ -330,7 +327,8 @@ fn check_refuses_shapes_the_bytes_do_not_hold() {
         err.to_string(),
         "weights holds 64 bytes; a 2x64 matrix needs 128"
     );
-    let err = Matrix::Bf16 {
+    let err = Matrix::Float {
+        dtype: FloatDtype::Bf16,
         data: &b[..63],
         rows: 4,
         cols: 8,
@@ -341,7 +339,8 @@ fn check_refuses_shapes_the_bytes_do_not_hold() {
         err.to_string(),
         "data holds 63 bytes; a 4x8 matrix needs 64"
     );
-    let f32m = Matrix::F32 {
+    let f32m = Matrix::Float {
+        dtype: FloatDtype::F32,
         data: &b,
         rows: 4,
         cols: 4,
@@ -349,7 +348,8 @@ fn check_refuses_shapes_the_bytes_do_not_hold() {
     assert_eq!(f32m.check(), Ok(()));
     assert_eq!((f32m.rows(), f32m.cols(), f32m.weight_bytes()), (4, 4, 64));
     // Shapes whose byte counts overflow are refused, not wrapped.
-    let huge = Matrix::F32 {
+    let huge = Matrix::Float {
+        dtype: FloatDtype::F32,
         data: &b,
         rows: usize::MAX / 2,
         cols: 2,

@@ -5,7 +5,7 @@
 //! Loads go through [`ld8`]/[`ld32`], which slice first (bounds checked) and then read
 //! unaligned from the slice's own pointer.
 
-use super::{Matrix, Prepared, bf16_at, quant_row_bytes};
+use super::{FloatDtype, Matrix, Prepared, bf16_at, quant_row_bytes};
 use crate::format::quant::GROUP;
 use std::arch::x86_64::*;
 
@@ -141,17 +141,32 @@ fn matvec_avx2(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
                 }
             }
         }
-        Matrix::Bf16 { data, cols, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::Bf16,
+            data,
+            cols,
+            ..
+        } => {
             for (o, r) in y.iter_mut().zip(data.chunks_exact(cols * 2)) {
                 *o = bf16_row(r, &prep.x);
             }
         }
-        Matrix::F16 { data, cols, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F16,
+            data,
+            cols,
+            ..
+        } => {
             for (o, r) in y.iter_mut().zip(data.chunks_exact(cols * 2)) {
                 *o = f16_row(r, &prep.x);
             }
         }
-        Matrix::F32 { data, cols, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F32,
+            data,
+            cols,
+            ..
+        } => {
             for (o, r) in y.iter_mut().zip(data.chunks_exact(cols * 4)) {
                 *o = f32_row(r, &prep.x);
             }
@@ -376,7 +391,11 @@ fn row_prepared_avx2(w: &Matrix, out: &mut [f32]) {
                 dequant_permuted::<8>(weights, scales, biases, out)
             }
         }
-        Matrix::Bf16 { data, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::Bf16,
+            data,
+            ..
+        } => {
             let mut oc = out.chunks_exact_mut(8);
             let mut dc = data.chunks_exact(16);
             for (o, d) in (&mut oc).zip(&mut dc) {
@@ -388,7 +407,11 @@ fn row_prepared_avx2(w: &Matrix, out: &mut [f32]) {
                 *o = bf16_at(tail, i);
             }
         }
-        Matrix::F16 { data, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F16,
+            data,
+            ..
+        } => {
             let mut oc = out.chunks_exact_mut(8);
             let mut dc = data.chunks_exact(16);
             for (o, d) in (&mut oc).zip(&mut dc) {
@@ -402,7 +425,11 @@ fn row_prepared_avx2(w: &Matrix, out: &mut [f32]) {
                 *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        Matrix::F32 { data, .. } => {
+        Matrix::Float {
+            dtype: FloatDtype::F32,
+            data,
+            ..
+        } => {
             for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }

@@ -13,9 +13,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::context::{AdapterSummary, GpuContext, GpuOptions};
-use super::ops::Scratch;
-use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
-use super::{GpuError, Result};
+use super::error::{GpuError, Result};
+use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable, Scratch};
 use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{

@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use wgpu::util::DeviceExt;
 
+use super::error::{GpuError, Result};
 use super::shaders::{Kernel, KernelKey, PARAMS_SLOT, Shader};
-use super::tensor::{DType, GpuTensor};
-use super::{GpuError, Result};
+use super::tuning;
 
 /// The backends wgpu is asked for: Vulkan, Metal, DX12 (not GL, whose compute
 /// support is partial).
@@ -96,30 +96,6 @@ struct Profiler {
     readback: wgpu::Buffer,
     /// Nanoseconds per timestamp tick.
     period: f64,
-}
-
-/// `GTURBO_GPU_TILING=LANESxROWS`: `qmatvec_fast`'s tiling for every product
-/// (benchmarks; unset or malformed: chosen per shape).
-fn env_tiling() -> Option<(u32, u32)> {
-    let v = std::env::var("GTURBO_GPU_TILING").ok()?;
-    let (l, r) = v.trim().split_once('x')?;
-    let (l, r): (u32, u32) = (l.parse().ok()?, r.parse().ok()?);
-    (l.is_power_of_two() && (4..=256).contains(&l) && (1..=4).contains(&r)).then_some((l, r))
-}
-
-/// `GTURBO_GPU_X24_LANES=N`: `qmatvec_x24`'s invocations per 4 rows for every product
-/// (benchmarks; a power of two, 4 to 256).
-fn env_x24_lanes() -> Option<u32> {
-    let l: u32 = std::env::var("GTURBO_GPU_X24_LANES")
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    (l.is_power_of_two() && (4..=256).contains(&l)).then_some(l)
-}
-
-fn env_usize(name: &str) -> Option<usize> {
-    std::env::var(name).ok()?.trim().parse().ok()
 }
 
 /// What wgpu reports about one adapter.
@@ -262,7 +238,7 @@ pub struct GpuContext {
     profiler: Option<Profiler>,
     submit_every: std::sync::atomic::AtomicUsize,
     /// `qmatvec_fast`'s lanes and rows per set when set (benchmarks), else
-    /// [`super::ops::matvec_tiling`].
+    /// [`tuning::matvec_tiling`].
     tiling: Mutex<Option<(u32, u32)>>,
     /// Whether gate/up/SwiGLU of one token run as one dispatch
     /// (`GTURBO_GPU_FUSE=0` turns it off, for before/after figures).
@@ -281,7 +257,7 @@ pub struct GpuContext {
     /// x as `qmatvec_x24` reads it, and which x that is.
     pub(crate) packed_x: Mutex<PackedX>,
     /// `qmatvec_x24`'s lanes per 4 rows when set (`GTURBO_GPU_X24_LANES`, tests),
-    /// else [`super::ops::x24_lanes`].
+    /// else [`tuning::x24_lanes`].
     pub(crate) x24_lanes: Mutex<Option<u32>>,
     /// Profiling (`GTURBO_GPU_STATS`): every dispatch gets a pass of its own, timed.
     time_each_dispatch: bool,
@@ -297,24 +273,6 @@ pub struct GpuContext {
 pub(crate) struct PackedX {
     pub(crate) buf: Option<Arc<wgpu::Buffer>>,
     pub(crate) holds: Option<(wgpu::Buffer, usize)>,
-}
-
-/// Where `qmatvec_x24` starts paying for its pack dispatch on the H200 (docs/GPU.md):
-/// from [4096 × 2048], 8 M codes, even a product that packs its own x is faster than
-/// the f32 kernel (device time 10.1 against 12.7 µs); at [2048²] it is not (9.5
-/// against 8.8).
-const PACKED_X_MIN_CODES: usize = 4096 * 2048;
-
-/// `GTURBO_GPU_PACKED_X`: `0` never, `1` every eligible product (tests, figures),
-/// unset: on Vulkan and DX12 from [`PACKED_X_MIN_CODES`]; not on Metal, where the
-/// packed dot products have no measured speed (naga may emulate them).
-fn packed_x_default(backend: wgpu::Backend) -> Option<usize> {
-    match env_usize("GTURBO_GPU_PACKED_X") {
-        Some(0) => None,
-        Some(_) => Some(0),
-        None => matches!(backend, wgpu::Backend::Vulkan | wgpu::Backend::Dx12)
-            .then_some(PACKED_X_MIN_CODES),
-    }
 }
 
 impl fmt::Debug for GpuContext {
@@ -366,7 +324,7 @@ impl GpuContext {
         // Everything the adapter allows: weights of real models exceed WebGPU's
         // default 128 MiB binding.
         let limits = adapter.limits();
-        let profile = std::env::var_os("GTURBO_GPU_STATS").is_some_and(|v| v != "0");
+        let profile = tuning::profiling();
         // Timestamps only when profiling or asked for, and only where the adapter has
         // them.
         let features = if profile || opts.pass_timestamps {
@@ -422,7 +380,7 @@ impl GpuContext {
                 period: f64::from(queue.get_timestamp_period()),
             }
         });
-        let submit_every = env_usize("GTURBO_GPU_SUBMIT_EVERY")
+        let submit_every = tuning::submit_every()
             .unwrap_or(SUBMIT_EVERY)
             .clamp(1, MAX_BATCH);
         Ok(GpuContext {
@@ -430,14 +388,14 @@ impl GpuContext {
             per_kernel: Mutex::new(HashMap::new()),
             profiler,
             submit_every: std::sync::atomic::AtomicUsize::new(submit_every),
-            tiling: Mutex::new(env_tiling()),
-            fuse_glu: env_usize("GTURBO_GPU_FUSE") != Some(0),
-            fuse_moe: env_usize("GTURBO_GPU_FUSE") != Some(0),
-            attn_split: env_usize("GTURBO_GPU_ATTN_SPLIT") != Some(0),
+            tiling: Mutex::new(tuning::forced_tiling()),
+            fuse_glu: tuning::fuse(),
+            fuse_moe: tuning::fuse(),
+            attn_split: tuning::attn_split(),
             attn_part: Mutex::new(None),
-            packed_x_min: Mutex::new(packed_x_default(adapter.get_info().backend)),
+            packed_x_min: Mutex::new(tuning::packed_x_min(adapter.get_info().backend)),
             packed_x: Mutex::new(PackedX::default()),
-            x24_lanes: Mutex::new(env_x24_lanes()),
+            x24_lanes: Mutex::new(tuning::forced_x24_lanes()),
             time_each_dispatch: profile,
             time_passes: AtomicBool::new(profile),
             device,
@@ -483,7 +441,7 @@ impl GpuContext {
     /// For benchmarks.
     pub fn set_matvec_tiling(&self, tiling: Option<(u32, u32)>) -> Result<()> {
         if let Some((lanes, rows)) = tiling
-            && (!lanes.is_power_of_two() || !(4..=256).contains(&lanes) || !(1..=4).contains(&rows))
+            && !tuning::valid_tiling(lanes, rows)
         {
             return Err(GpuError::Shape {
                 op: "matvec tiling",
@@ -523,18 +481,12 @@ impl GpuContext {
         *lock(&self.packed_x_min)
     }
 
-    /// Whether the decode product of `w` takes the packed 24-bit x kernel.
-    pub fn packed_x_takes(&self, w: &super::tensor::GpuMatrix) -> bool {
-        super::ops::qmatvec_x24_path(w)
-            && lock(&self.packed_x_min).is_some_and(|m| w.rows * w.cols >= m)
-    }
-
     /// Force `qmatvec_x24`'s invocations per 4 rows (a power of two, 4 to 256; other
     /// values are refused); `None` restores the shape-based choice. For tests and
     /// benchmarks.
     pub fn set_x24_lanes(&self, lanes: Option<u32>) -> Result<()> {
         if let Some(l) = lanes
-            && (!l.is_power_of_two() || !(4..=256).contains(&l))
+            && !tuning::valid_x24_lanes(l)
         {
             return Err(GpuError::Shape {
                 op: "x24 lanes",
@@ -547,7 +499,7 @@ impl GpuContext {
 
     /// `qmatvec_x24`'s invocations per 4 rows for `rows` rows of `row_v` code words.
     pub(crate) fn x24_lanes_for(&self, row_v: usize, rows: usize) -> u32 {
-        lock(&self.x24_lanes).unwrap_or_else(|| super::ops::x24_lanes(row_v, rows))
+        lock(&self.x24_lanes).unwrap_or_else(|| tuning::x24_lanes(row_v, rows))
     }
 
     /// Record `f`, something other than a packed-x product: the packed x may no longer
@@ -573,16 +525,10 @@ impl GpuContext {
         Ok(b)
     }
 
-    /// The tiling `qmatvec_fast` takes for `w`.
-    pub(crate) fn tiling(&self, w: &super::tensor::GpuMatrix) -> (u32, u32) {
-        if let Some(t) = *lock(&self.tiling) {
-            return t;
-        }
-        let bits = match w.encoding {
-            super::tensor::Encoding::Affine { bits, .. } => bits as usize,
-            _ => 4,
-        };
-        super::ops::matvec_tiling(w.cols * bits / 128, w.rows)
+    /// `qmatvec_fast`'s tiling when forced ([`GpuContext::set_matvec_tiling`],
+    /// `GTURBO_GPU_TILING`), else `None`: chosen per shape.
+    pub(crate) fn forced_tiling(&self) -> Option<(u32, u32)> {
+        *lock(&self.tiling)
     }
 
     /// What the context has done so far (dispatches, submits, waits, times).
@@ -603,7 +549,7 @@ impl GpuContext {
 
     /// Whether `GTURBO_GPU_STATS` asked for the figures.
     pub fn profiling(&self) -> bool {
-        std::env::var_os("GTURBO_GPU_STATS").is_some_and(|v| v != "0")
+        tuning::profiling()
     }
 
     fn count(&self, f: impl FnOnce(&mut GpuStats)) {
@@ -739,45 +685,6 @@ impl GpuContext {
         })
     }
 
-    /// An f32 tensor holding `data` (`data.len()` must equal the shape's product).
-    pub fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<GpuTensor> {
-        check_len("upload", shape, data.len())?;
-        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(GpuTensor::new(
-            self.upload_bytes("tensor", &bytes)?,
-            shape,
-            DType::F32,
-        ))
-    }
-
-    /// A u32 tensor holding `data`.
-    pub fn upload_u32(&self, shape: &[usize], data: &[u32]) -> Result<GpuTensor> {
-        check_len("upload", shape, data.len())?;
-        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(GpuTensor::new(
-            self.upload_bytes("tensor", &bytes)?,
-            shape,
-            DType::U32,
-        ))
-    }
-
-    /// A zero-filled tensor.
-    pub fn zeros(&self, shape: &[usize], dtype: DType) -> Result<GpuTensor> {
-        let n: usize = shape.iter().product();
-        Ok(GpuTensor::new(
-            self.buffer("tensor", n as u64 * 4)?,
-            shape,
-            dtype,
-        ))
-    }
-
-    /// Overwrite an f32 tensor with `data` (in order with the recorded work).
-    pub fn write_f32(&self, t: &GpuTensor, data: &[f32]) -> Result<()> {
-        check_len("write", t.shape(), data.len())?;
-        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.write_bytes(&t.buf, 0, &bytes)
-    }
-
     /// Submit the recorded work and wait for it; reports any device error raised
     /// since the last flush.
     pub fn flush(&self) -> Result<()> {
@@ -872,8 +779,8 @@ impl GpuContext {
         }
     }
 
-    fn read_back(&self, t: &GpuTensor) -> Result<Vec<u8>> {
-        let bytes = (t.len() * 4) as u64;
+    /// Run the recorded work and read the first `bytes` of `buf` back.
+    pub(crate) fn read_back(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>> {
         if bytes == 0 {
             return Ok(Vec::new());
         }
@@ -883,7 +790,7 @@ impl GpuContext {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        self.copy(&t.buf, 0, &staging, 0, bytes);
+        self.copy(buf, 0, &staging, 0, bytes);
         self.submit()?;
         let (tx, rx) = std::sync::mpsc::channel();
         staging
@@ -904,24 +811,6 @@ impl GpuContext {
             s.readback_bytes += bytes;
         });
         Ok(out)
-    }
-
-    /// Run the recorded work and read an f32 tensor back (for sampling).
-    pub fn download_f32(&self, t: &GpuTensor) -> Result<Vec<f32>> {
-        let bytes = self.read_back(t)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
-    }
-
-    /// Run the recorded work and read a u32 tensor back (expert ids).
-    pub fn download_u32(&self, t: &GpuTensor) -> Result<Vec<u32>> {
-        let bytes = self.read_back(t)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
     }
 
     fn module(&self, shader: Shader) -> Result<Arc<wgpu::ShaderModule>> {
@@ -1113,17 +1002,5 @@ impl GpuContext {
             s.record_ns += ns;
         });
         Ok(())
-    }
-}
-
-fn check_len(op: &'static str, shape: &[usize], len: usize) -> Result<()> {
-    let n: usize = shape.iter().product();
-    if n == len {
-        Ok(())
-    } else {
-        Err(GpuError::Shape {
-            op,
-            message: format!("{len} values for shape {shape:?} ({n} elements)"),
-        })
     }
 }

@@ -34,129 +34,15 @@ use wgpu::util::DeviceExt;
 
 use super::backend::{Gpu, GpuBuf, GpuRope};
 use super::context::GpuContext;
-use super::shaders::{Kernel, Shader, Word, params};
+use super::error::{GpuError, Result};
+use super::shaders::{
+    ConvParams, FlashAttnParams, FlashElementwiseParams, FlashNormParams, FlashShader, GdnParams,
+    IndexerParams, Kernel, Shader,
+};
 use super::tensor::{DType, GpuTensor};
-use super::{GpuError, Result};
-use crate::runtime::flash_next::attention::IndexerDims;
-use crate::runtime::flash_next::gdn::GdnDims;
-use crate::runtime::flash_next::hc::HcDims;
 use crate::runtime::flash_next::norm::GateAct;
-use crate::runtime::flash_next::ops::{Act, FlashOps};
+use crate::runtime::flash_next::seam::{Act, FlashOps, GdnDims, HcDims, IndexerDims};
 use crate::runtime::kernels::backend::{Backend, BackendError, Causal, OpResult};
-
-/// Flash-Next's WGSL sources (one [`Shader`] variant, so the core list stays short).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum FlashShader {
-    Elementwise,
-    Norm,
-    Conv,
-    Gdn,
-    Indexer,
-    Attn,
-}
-
-impl FlashShader {
-    /// Every source, for the shader checks.
-    #[cfg(test)]
-    pub(crate) const ALL: [FlashShader; 6] = [
-        FlashShader::Elementwise,
-        FlashShader::Norm,
-        FlashShader::Conv,
-        FlashShader::Gdn,
-        FlashShader::Indexer,
-        FlashShader::Attn,
-    ];
-
-    pub(crate) fn file(self) -> &'static str {
-        match self {
-            FlashShader::Elementwise => "flash_elementwise.wgsl",
-            FlashShader::Norm => "flash_norm.wgsl",
-            FlashShader::Conv => "flash_conv.wgsl",
-            FlashShader::Gdn => "flash_gdn.wgsl",
-            FlashShader::Indexer => "flash_indexer.wgsl",
-            FlashShader::Attn => "flash_attn.wgsl",
-        }
-    }
-
-    pub(crate) fn source(self) -> &'static str {
-        match self {
-            FlashShader::Elementwise => include_str!("shaders/flash_elementwise.wgsl"),
-            FlashShader::Norm => include_str!("shaders/flash_norm.wgsl"),
-            FlashShader::Conv => include_str!("shaders/flash_conv.wgsl"),
-            FlashShader::Gdn => include_str!("shaders/flash_gdn.wgsl"),
-            FlashShader::Indexer => include_str!("shaders/flash_indexer.wgsl"),
-            FlashShader::Attn => include_str!("shaders/flash_attn.wgsl"),
-        }
-    }
-
-    /// The field names of the shader's `Params`, in order.
-    #[cfg(test)]
-    pub(crate) fn params_fields(self) -> &'static [&'static str] {
-        match self {
-            FlashShader::Elementwise => ElementwiseParams::FIELDS,
-            FlashShader::Norm => NormParams::FIELDS,
-            FlashShader::Conv => ConvParams::FIELDS,
-            FlashShader::Gdn => GdnParams::FIELDS,
-            FlashShader::Indexer => IndexerParams::FIELDS,
-            FlashShader::Attn => AttnParams::FIELDS,
-        }
-    }
-
-    /// Every entry point the host builds (none has override constants).
-    #[cfg(test)]
-    pub(crate) fn variants() -> Vec<Kernel> {
-        use FlashShader as F;
-        [
-            (F::Elementwise, "act"),
-            (F::Elementwise, "sigmoid_mul"),
-            (F::Elementwise, "scale_rows"),
-            (F::Elementwise, "gather_cols"),
-            (F::Elementwise, "hc_expand"),
-            (F::Elementwise, "hc_mix"),
-            (F::Elementwise, "hc_inject"),
-            (F::Norm, "norm_grouped"),
-            (F::Norm, "gated_norm"),
-            (F::Norm, "ple_gate"),
-            (F::Conv, "conv_silu"),
-            (F::Conv, "conv_state"),
-            (F::Gdn, "gdn"),
-            (F::Indexer, "pool"),
-            (F::Indexer, "scores"),
-            (F::Attn, "indexed_attention"),
-        ]
-        .into_iter()
-        .map(|(s, e)| kernel(s, e))
-        .collect()
-    }
-}
-
-params! {
-    /// `flash_elementwise.wgsl`.
-    ElementwiseParams { n: u32, d: u32, s: u32, mode: u32, c: f32 }
-}
-params! {
-    /// `flash_norm.wgsl`.
-    NormParams { n: u32, d: u32, wd: u32, mode: u32, eps: f32, scale: f32 }
-}
-params! {
-    /// `flash_conv.wgsl`.
-    ConvParams { n: u32, ch: u32, taps: u32, dilation: u32, past: u32 }
-}
-params! {
-    /// `flash_gdn.wgsl`.
-    GdnParams { n: u32, nk: u32, dk: u32, nv: u32, dv: u32, scale: f32 }
-}
-params! {
-    /// `flash_indexer.wgsl`.
-    IndexerParams {
-        n: u32, di: u32, ni: u32, cr: u32, first: u32, pos0: u32, nb: u32, half: u32,
-        eps: f32, scale: f32,
-    }
-}
-params! {
-    /// `flash_attn.wgsl`.
-    AttnParams { n: u32, heads: u32, kv_heads: u32, head_dim: u32, pos0: u32, cr: u32, scale: f32 }
-}
 
 /// Invocations per workgroup of the one-thread-per-element kernels.
 const WG_ELEMENTS: usize = 256;
@@ -292,7 +178,7 @@ impl Gpu {
     fn elementwise(
         &self,
         entry: &'static str,
-        p: ElementwiseParams,
+        p: FlashElementwiseParams,
         bufs: &[(u32, &wgpu::Buffer)],
     ) -> Result<()> {
         self.context().dispatch_at(
@@ -306,7 +192,7 @@ impl Gpu {
     fn norm_kernel(
         &self,
         entry: &'static str,
-        p: NormParams,
+        p: FlashNormParams,
         bufs: &[(u32, &wgpu::Buffer)],
     ) -> Result<()> {
         self.context().dispatch_at(
@@ -340,12 +226,12 @@ impl FlashOps for Gpu {
             need(OP, out.len() == x.len(), || {
                 format!("out has {} elements, x {}", out.len(), x.len())
             })?;
-            let p = NormParams {
+            let p = FlashNormParams {
                 n: u32_of(OP, x.len() / group)?,
                 d: u32_of(OP, group)?,
                 wd: u32_of(OP, w.len())?,
                 eps,
-                ..NormParams::default()
+                ..FlashNormParams::default()
             };
             self.norm_kernel(
                 "norm_grouped",
@@ -363,11 +249,11 @@ impl FlashOps for Gpu {
             Act::TwoSigmoidOver(d) => (2, d),
         };
         let run = || -> Result<()> {
-            let p = ElementwiseParams {
+            let p = FlashElementwiseParams {
                 n: u32_of("act", x.len())?,
                 mode,
                 c,
-                ..ElementwiseParams::default()
+                ..FlashElementwiseParams::default()
             };
             self.elementwise("act", p, &[(1, buf(x))])
         };
@@ -380,9 +266,9 @@ impl FlashOps for Gpu {
             need(OP, x.len() == gate.len(), || {
                 format!("lengths differ: {} and {}", x.len(), gate.len())
             })?;
-            let p = ElementwiseParams {
+            let p = FlashElementwiseParams {
                 n: u32_of(OP, x.len())?,
-                ..ElementwiseParams::default()
+                ..FlashElementwiseParams::default()
             };
             self.elementwise("sigmoid_mul", p, &[(1, buf(x)), (2, buf(gate))])
         };
@@ -396,10 +282,10 @@ impl FlashOps for Gpu {
                 return Ok(());
             }
             rows(OP, "x", x.len(), g.len())?;
-            let p = ElementwiseParams {
+            let p = FlashElementwiseParams {
                 n: u32_of(OP, x.len())?,
                 d: u32_of(OP, x.len() / g.len())?,
-                ..ElementwiseParams::default()
+                ..FlashElementwiseParams::default()
             };
             self.elementwise("scale_rows", p, &[(1, buf(x)), (2, buf(g))])
         };
@@ -422,7 +308,7 @@ impl FlashOps for Gpu {
             need(OP, out.len() == n * cols.len(), || {
                 format!("out has {} elements for {n} rows of {cols:?}", out.len())
             })?;
-            let p = ElementwiseParams {
+            let p = FlashElementwiseParams {
                 n: u32_of(OP, out.len())?,
                 d: u32_of(OP, width)?,
                 s: u32_of(OP, cols.len())?,
@@ -445,11 +331,11 @@ impl FlashOps for Gpu {
                     d.width()
                 )
             })?;
-            let p = ElementwiseParams {
+            let p = FlashElementwiseParams {
                 n: u32_of(OP, out.len())?,
                 d: u32_of(OP, d.hidden)?,
                 s: u32_of(OP, d.streams)?,
-                ..ElementwiseParams::default()
+                ..FlashElementwiseParams::default()
             };
             self.elementwise("hc_expand", p, &[(1, buf(out)), (2, buf(e))])
         };
@@ -472,11 +358,11 @@ impl FlashOps for Gpu {
                     )
                 },
             )?;
-            let p = ElementwiseParams {
+            let p = FlashElementwiseParams {
                 n: u32_of(OP, out.len())?,
                 d: u32_of(OP, d.hidden)?,
                 s: u32_of(OP, d.streams)?,
-                ..ElementwiseParams::default()
+                ..FlashElementwiseParams::default()
             };
             self.elementwise("hc_mix", p, &[(1, buf(out)), (2, buf(mix)), (3, buf(xn))])
         };
@@ -492,11 +378,11 @@ impl FlashOps for Gpu {
                 x.len() == n * d.width() && inject.len() == n * d.streams,
                 || format!("x of {}, inject of {} for {n} rows", x.len(), inject.len()),
             )?;
-            let p = ElementwiseParams {
+            let p = FlashElementwiseParams {
                 n: u32_of(OP, x.len())?,
                 d: u32_of(OP, d.hidden)?,
                 s: u32_of(OP, d.streams)?,
-                ..ElementwiseParams::default()
+                ..FlashElementwiseParams::default()
             };
             self.elementwise(
                 "hc_inject",
@@ -670,7 +556,7 @@ impl FlashOps for Gpu {
                     o.len()
                 )
             })?;
-            let p = NormParams {
+            let p = FlashNormParams {
                 n: u32_of(OP, n)?,
                 d: u32_of(OP, w.len())?,
                 wd: u32_of(OP, w.len())?,
@@ -714,7 +600,7 @@ impl FlashOps for Gpu {
                     )
                 },
             )?;
-            let p = NormParams {
+            let p = FlashNormParams {
                 n: u32_of(OP, t * d.streams)?,
                 d: u32_of(OP, d.hidden)?,
                 wd: u32_of(OP, d.streams)?,
@@ -927,7 +813,7 @@ impl FlashOps for Gpu {
             ctx.copy(buf(k), 0, &cache.k.buf, off, bytes);
             ctx.copy(buf(v), 0, &cache.v.buf, off, bytes);
             cache.kv_len = at.pos + n;
-            let p = AttnParams {
+            let p = FlashAttnParams {
                 n: u32_of(OP, n)?,
                 heads: u32_of(OP, at.heads)?,
                 kv_heads: u32_of(OP, nkv)?,
@@ -961,25 +847,9 @@ impl FlashOps for Gpu {
 /// `GTURBO_REQUIRE_GPU=1` or in a strict run (CI).
 #[cfg(test)]
 mod tests {
-    use std::sync::OnceLock;
-
     use super::*;
     use crate::runtime::flash_next::conformance;
-    use crate::runtime::kernels::gpu::GpuOptions;
-
-    static GPU: OnceLock<std::result::Result<Gpu, String>> = OnceLock::new();
-
-    fn gpu(test: &str) -> Option<&'static Gpu> {
-        match GPU.get_or_init(|| Gpu::new(&GpuOptions::default()).map_err(|e| e.to_string())) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                if std::env::var("GTURBO_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                    panic!("{test}: GTURBO_REQUIRE_GPU=1 but no GPU: {e}");
-                }
-                gturbo_testkit::skip::require_or_skip(test, Err(format!("no GPU adapter ({e})")))
-            }
-        }
-    }
+    use crate::runtime::kernels::gpu::tests::gpu_backend as gpu;
 
     macro_rules! flash_checks {
         ($($group:ident),*) => {

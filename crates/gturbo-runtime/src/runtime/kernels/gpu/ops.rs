@@ -7,12 +7,15 @@ use std::sync::Arc;
 use wgpu::util::DeviceExt;
 
 use super::context::GpuContext;
+use super::error::{GpuError, Result};
 use super::shaders::{
     AttnParams, ElementwiseParams, EmbedParams, FmatvecParams, Kernel, NormParams, QmatvecParams,
     QmatvecX24Params, RopeParams, Shader, SoftmaxParams,
 };
-use super::tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
-use super::{GpuError, Result};
+use super::tensor::{
+    DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable, Scratch,
+};
+use super::tuning::{self, split_chunk, use_tiled};
 
 /// Rows one matrix-vector workgroup computes (`ROWS` in the shaders).
 const MATVEC_ROWS: usize = 8;
@@ -23,87 +26,9 @@ const ELEMENTWISE_WG: usize = 256;
 /// Largest head the attention kernel holds in workgroup memory (`MAX_HEAD_DIM`).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 
-/// Whether a product over `n` tokens takes the tiled kernel: one place for the
-/// choice, so tests cover both sides (n = 1 and n > 1).
-pub(crate) fn use_tiled(n: usize) -> bool {
-    n > 1
-}
-
-/// Whether the matrix-vector product of `w` takes the 16-byte-load kernel
-/// (`qmatvec_fast`): a width dividing 16 (2, 4, 8 bits), codes starting on a 16-byte
-/// boundary, and each 16-byte code word inside one group (so a row is a whole number
-/// of them). The one place the choice is made; tests run both sides.
-pub(crate) fn qmatvec_fast_path(w: &GpuMatrix) -> bool {
-    match w.encoding {
-        Encoding::Affine { bits, group } => {
-            matches!(bits, 2 | 4 | 8)
-                && w.w_off.is_multiple_of(4)
-                && group.is_multiple_of(128 / bits)
-                && w.cols.is_multiple_of((128 / bits) as usize)
-        }
-        _ => false,
-    }
-}
-
-/// Whether the matrix-vector product of `w` can take the packed 24-bit x kernel
-/// (`qmatvec_x24`): 4-bit codes from a 16-byte boundary in groups of 32, 64 or 128.
-/// Whether it does also depends on its size ([`GpuContext::packed_x_takes`]).
-pub(crate) fn qmatvec_x24_path(w: &GpuMatrix) -> bool {
-    matches!(w.encoding, Encoding::Affine { bits: 4, group } if group.is_multiple_of(32))
-        && w.w_off.is_multiple_of(4)
-        && w.cols.is_multiple_of(32)
-}
-
 /// Words of packed x per 32 values of x: 8 for each of x24's three bytes, then step
 /// and sum (`qmatvec_x24.wgsl`).
 const PACKED_X_WORDS: usize = 26;
-
-/// Invocations per row and rows per set of `qmatvec_fast` for `rows` rows of `row_v`
-/// 16-byte words each. Lanes: about a quarter of a row's words (each lane takes ~4
-/// steps, so short rows such as SmolLM2's 576 columns or an expert's 256 do not
-/// leave lanes idle), 4 to 64. Rows per set: as many as keep at least
-/// [`MIN_MATVEC_WGS`] workgroups, up to 4 (more rows per lane put more loads in
-/// flight and share each x load; more workgroups fill more of a large GPU).
-pub(crate) fn matvec_tiling(row_v: usize, rows: usize) -> (u32, u32) {
-    let want = (row_v / 4).clamp(4, 64);
-    let lanes = 1u32 << (usize::BITS - 1 - want.leading_zeros());
-    let wgs = |rps: u32| rows.div_ceil((256 / lanes * rps) as usize);
-    let rps = [4, 2]
-        .into_iter()
-        .find(|&r| wgs(r) >= MIN_MATVEC_WGS)
-        .unwrap_or(1);
-    (lanes, rps)
-}
-
-/// `qmatvec_x24`'s invocations per 4 rows for `rows` rows of `row_v` code words: the
-/// power of two that makes about [`MIN_MATVEC_WGS`] workgroups (each has 1024 / lanes
-/// rows), at most `row_v` rounded up (no lane without a word) and 4 to 256. On the H200
-/// each of [4096², 8192², 16384×8192, 8192×4096, 4096×16384] was fastest at 512
-/// workgroups among 32, 64 and 128 lanes (docs/GPU.md).
-pub(crate) fn x24_lanes(row_v: usize, rows: usize) -> u32 {
-    let want = (MIN_MATVEC_WGS * 1024).div_ceil(rows.max(1)).clamp(4, 256);
-    // The power of two nearest `want` (rounding at 1.5×), then capped by the row.
-    let down = 1usize << (usize::BITS - 1 - want.leading_zeros());
-    let near = if want >= down + down / 2 {
-        down * 2
-    } else {
-        down
-    };
-    near.min(row_v.next_power_of_two()).clamp(4, 256) as u32
-}
-
-/// Workgroups a matrix-vector product should have at least: a few per compute unit
-/// of a large GPU (the H200 has 132).
-const MIN_MATVEC_WGS: usize = 512;
-
-/// Positions per workgroup of the split attention for `n` tokens of `heads` heads
-/// whose last token attends to `upto` positions, or `None` for one workgroup per
-/// (token, head): split only when those would be too few to fill a GPU (decode) and
-/// the context spans more than one 64-position block. Chunks are a multiple of 32
-/// positions, at most 32 per (token, head), so the combine stays short.
-pub(crate) fn split_chunk(n: usize, heads: usize, upto: usize) -> Option<usize> {
-    (n * heads < 256 && upto > 64).then(|| upto.div_ceil(32).next_multiple_of(32))
-}
 
 /// The experts a router chose: `[n, k]` ids (best first) and their weights.
 #[derive(Debug, Clone)]
@@ -150,6 +75,22 @@ fn rows_of(op: &'static str, name: &str, len: usize, width: usize) -> Result<usi
 }
 
 impl GpuContext {
+    /// Whether the decode product of `w` takes the packed 24-bit x kernel.
+    pub fn packed_x_takes(&self, w: &GpuMatrix) -> bool {
+        w.x24_path() && self.packed_x_min().is_some_and(|m| w.rows * w.cols >= m)
+    }
+
+    /// The tiling `qmatvec_fast` takes for `w`.
+    fn tiling(&self, w: &GpuMatrix) -> (u32, u32) {
+        self.forced_tiling().unwrap_or_else(|| {
+            let bits = match w.encoding {
+                Encoding::Affine { bits, .. } => bits as usize,
+                _ => 4,
+            };
+            tuning::matvec_tiling(w.cols * bits / 128, w.rows)
+        })
+    }
+
     /// `y = W·x` for each of the `n` rows of `x` (`x` is `[n, cols]`, `y` `[n,
     /// rows]`): the matrix-vector kernel for one token, the tiled one for more.
     pub fn matmul(&self, w: &GpuMatrix, x: &GpuTensor, y: &GpuTensor) -> Result<()> {
@@ -205,7 +146,7 @@ impl GpuContext {
                 };
                 if !tiled && self.packed_x_takes(w) {
                     self.x24_matvec(w, x, y, group)
-                } else if !tiled && qmatvec_fast_path(w) {
+                } else if !tiled && w.fast_path() {
                     let (lanes, rps) = self.tiling(w);
                     self.fast_matvec(w, &p, x, y, lanes, rps, bits, group)
                 } else {
@@ -238,7 +179,7 @@ impl GpuContext {
 
     /// `y = W·x` for one token through `qmatvec_x24`: x packed first, unless the
     /// packed buffer already holds this x (consecutive products of one x, as q, k and
-    /// v are, pack it once). `w` passed [`qmatvec_x24_path`].
+    /// v are, pack it once). `w` passed [`GpuMatrix::x24_path`].
     pub(crate) fn x24_matvec(
         &self,
         w: &GpuMatrix,
@@ -364,8 +305,8 @@ impl GpuContext {
         if !self.fuse_glu
             || gate.encoding != up.encoding
             || (gate.rows, gate.cols) != (up.rows, up.cols)
-            || !qmatvec_fast_path(gate)
-            || !qmatvec_fast_path(up)
+            || !gate.fast_path()
+            || !up.fast_path()
         {
             return Ok(false);
         }
@@ -735,7 +676,7 @@ impl GpuContext {
         const OP: &str = "moe";
         let [gate, up, down] = pool.matrices(0)?;
         let experts = router.rows;
-        let fast = [&gate, &up, &down].iter().all(|m| qmatvec_fast_path(m));
+        let fast = [&gate, &up, &down].iter().all(|m| m.fast_path());
         let stride_words = pool.slot_bytes / 4;
         if !fast
             || gate.encoding != up.encoding
@@ -1004,14 +945,4 @@ impl GpuContext {
             groups,
         )
     }
-}
-
-/// Device scratch for [`GpuContext::expert_ffn`] over up to `tokens` rows.
-#[derive(Debug, Clone)]
-pub(crate) struct Scratch {
-    pub(crate) tokens: usize,
-    pub(crate) xs: Arc<wgpu::Buffer>,
-    pub(crate) g: Arc<wgpu::Buffer>,
-    pub(crate) u: Arc<wgpu::Buffer>,
-    pub(crate) d: Arc<wgpu::Buffer>,
 }

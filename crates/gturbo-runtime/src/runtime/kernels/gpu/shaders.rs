@@ -1,9 +1,24 @@
 //! The WGSL sources, their parameter blocks and the kernel variants the host builds.
 //!
+//! A source that reduces over its workgroup is compiled with
+//! `shaders/common/reduce.wgsl` (the tree max and sum) in front of it (`with_reduce!`),
+//! so the reductions are written once.
+//!
 //! Each shader file declares one `struct Params` of 4-byte scalars, bound as the
 //! uniform at `@group(0) @binding(0)`. Its host twin is declared once here with
 //! [`params!`], which records the field names; the shader check in `tests.rs` reads
 //! the WGSL struct with naga and fails unless names, order and offsets agree.
+
+/// The source `file` (under `shaders/`) with the workgroup reductions in front of it.
+macro_rules! with_reduce {
+    ($file:literal) => {
+        concat!(
+            include_str!("shaders/common/reduce.wgsl"),
+            "\n",
+            include_str!(concat!("shaders/", $file))
+        )
+    };
+}
 
 /// One WGSL source file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -18,8 +33,8 @@ pub(crate) enum Shader {
     Softmax,
     Elementwise,
     Embed,
-    /// Flash-Next's kernels (`flash.rs`).
-    Flash(super::flash::FlashShader),
+    /// Flash-Next's kernels.
+    Flash(FlashShader),
 }
 
 impl Shader {
@@ -34,12 +49,12 @@ impl Shader {
         Shader::Softmax,
         Shader::Elementwise,
         Shader::Embed,
-        Shader::Flash(super::flash::FlashShader::ALL[0]),
-        Shader::Flash(super::flash::FlashShader::ALL[1]),
-        Shader::Flash(super::flash::FlashShader::ALL[2]),
-        Shader::Flash(super::flash::FlashShader::ALL[3]),
-        Shader::Flash(super::flash::FlashShader::ALL[4]),
-        Shader::Flash(super::flash::FlashShader::ALL[5]),
+        Shader::Flash(FlashShader::ALL[0]),
+        Shader::Flash(FlashShader::ALL[1]),
+        Shader::Flash(FlashShader::ALL[2]),
+        Shader::Flash(FlashShader::ALL[3]),
+        Shader::Flash(FlashShader::ALL[4]),
+        Shader::Flash(FlashShader::ALL[5]),
     ];
 
     pub(crate) fn file(self) -> &'static str {
@@ -64,8 +79,8 @@ impl Shader {
             Shader::Fmatvec => include_str!("shaders/fmatvec.wgsl"),
             Shader::Norm => include_str!("shaders/norm.wgsl"),
             Shader::Rope => include_str!("shaders/rope.wgsl"),
-            Shader::Attn => include_str!("shaders/attn.wgsl"),
-            Shader::Softmax => include_str!("shaders/softmax.wgsl"),
+            Shader::Attn => with_reduce!("attn.wgsl"),
+            Shader::Softmax => with_reduce!("softmax.wgsl"),
             Shader::Elementwise => include_str!("shaders/elementwise.wgsl"),
             Shader::Embed => include_str!("shaders/embed.wgsl"),
             Shader::Flash(f) => f.source(),
@@ -244,7 +259,7 @@ impl Kernel {
         for e in ["swiglu", "add", "gather_rows", "scatter_add"] {
             v.push(Kernel::plain(Shader::Elementwise, e));
         }
-        v.extend(super::flash::FlashShader::variants());
+        v.extend(FlashShader::variants());
         v
     }
 }
@@ -291,7 +306,6 @@ macro_rules! params {
         }
     };
 }
-pub(crate) use params;
 
 params! {
     /// `qmatvec.wgsl`: offsets are words (`w_off`, `w2_off`), half-words (`s_off`,
@@ -331,4 +345,119 @@ params! {
 params! {
     /// `embed.wgsl`.
     EmbedParams { n: u32, cols: u32, w_off: u32, s_off: u32, b_off: u32, out_off: u32 }
+}
+
+/// Flash-Next's WGSL sources (one [`Shader`] variant, so the core list stays short;
+/// their host side is `flash.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum FlashShader {
+    Elementwise,
+    Norm,
+    Conv,
+    Gdn,
+    Indexer,
+    Attn,
+}
+
+impl FlashShader {
+    /// Every source, for the shader checks.
+    #[cfg(test)]
+    pub(crate) const ALL: [FlashShader; 6] = [
+        FlashShader::Elementwise,
+        FlashShader::Norm,
+        FlashShader::Conv,
+        FlashShader::Gdn,
+        FlashShader::Indexer,
+        FlashShader::Attn,
+    ];
+
+    pub(crate) fn file(self) -> &'static str {
+        match self {
+            FlashShader::Elementwise => "flash_elementwise.wgsl",
+            FlashShader::Norm => "flash_norm.wgsl",
+            FlashShader::Conv => "flash_conv.wgsl",
+            FlashShader::Gdn => "flash_gdn.wgsl",
+            FlashShader::Indexer => "flash_indexer.wgsl",
+            FlashShader::Attn => "flash_attn.wgsl",
+        }
+    }
+
+    pub(crate) fn source(self) -> &'static str {
+        match self {
+            FlashShader::Elementwise => include_str!("shaders/flash_elementwise.wgsl"),
+            FlashShader::Norm => with_reduce!("flash_norm.wgsl"),
+            FlashShader::Conv => include_str!("shaders/flash_conv.wgsl"),
+            FlashShader::Gdn => with_reduce!("flash_gdn.wgsl"),
+            FlashShader::Indexer => include_str!("shaders/flash_indexer.wgsl"),
+            FlashShader::Attn => with_reduce!("flash_attn.wgsl"),
+        }
+    }
+
+    /// The field names of the shader's `Params`, in order.
+    #[cfg(test)]
+    pub(crate) fn params_fields(self) -> &'static [&'static str] {
+        match self {
+            FlashShader::Elementwise => FlashElementwiseParams::FIELDS,
+            FlashShader::Norm => FlashNormParams::FIELDS,
+            FlashShader::Conv => ConvParams::FIELDS,
+            FlashShader::Gdn => GdnParams::FIELDS,
+            FlashShader::Indexer => IndexerParams::FIELDS,
+            FlashShader::Attn => FlashAttnParams::FIELDS,
+        }
+    }
+
+    /// Every entry point the host builds (none has override constants).
+    #[cfg(test)]
+    pub(crate) fn variants() -> Vec<Kernel> {
+        use FlashShader as F;
+        [
+            (F::Elementwise, "act"),
+            (F::Elementwise, "sigmoid_mul"),
+            (F::Elementwise, "scale_rows"),
+            (F::Elementwise, "gather_cols"),
+            (F::Elementwise, "hc_expand"),
+            (F::Elementwise, "hc_mix"),
+            (F::Elementwise, "hc_inject"),
+            (F::Norm, "norm_grouped"),
+            (F::Norm, "gated_norm"),
+            (F::Norm, "ple_gate"),
+            (F::Conv, "conv_silu"),
+            (F::Conv, "conv_state"),
+            (F::Gdn, "gdn"),
+            (F::Indexer, "pool"),
+            (F::Indexer, "scores"),
+            (F::Attn, "indexed_attention"),
+        ]
+        .into_iter()
+        .map(|(s, e)| Kernel::plain(Shader::Flash(s), e))
+        .collect()
+    }
+}
+
+params! {
+    /// `flash_elementwise.wgsl`.
+    FlashElementwiseParams { n: u32, d: u32, s: u32, mode: u32, c: f32 }
+}
+params! {
+    /// `flash_norm.wgsl`.
+    FlashNormParams { n: u32, d: u32, wd: u32, mode: u32, eps: f32, scale: f32 }
+}
+params! {
+    /// `flash_conv.wgsl`.
+    ConvParams { n: u32, ch: u32, taps: u32, dilation: u32, past: u32 }
+}
+params! {
+    /// `flash_gdn.wgsl`.
+    GdnParams { n: u32, nk: u32, dk: u32, nv: u32, dv: u32, scale: f32 }
+}
+params! {
+    /// `flash_indexer.wgsl`.
+    IndexerParams {
+        n: u32, di: u32, ni: u32, cr: u32, first: u32, pos0: u32, nb: u32, half: u32,
+        eps: f32, scale: f32,
+    }
+}
+params! {
+    /// `flash_attn.wgsl`.
+    FlashAttnParams { n: u32, heads: u32, kv_heads: u32, head_dim: u32, pos0: u32, cr: u32, scale: f32 }
 }

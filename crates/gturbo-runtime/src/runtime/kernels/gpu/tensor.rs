@@ -4,12 +4,12 @@
 use std::sync::{Arc, Mutex};
 
 use super::context::GpuContext;
-use super::ops::Scratch;
-use super::{GpuError, Result};
+use super::error::{GpuError, Result};
+use super::tuning;
 use crate::format::dtype::Dtype;
 use crate::format::pools::ExpertPool;
 use crate::format::quant::GROUP;
-use crate::runtime::kernels::Matrix;
+use crate::runtime::kernels::{FloatDtype, Matrix};
 
 /// Element type of a [`GpuTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +63,106 @@ impl GpuTensor {
     }
 }
 
+/// An element type a [`GpuTensor`] holds on the device: 4 little-endian bytes.
+pub(crate) trait Element: Copy {
+    /// The tensor's [`DType`].
+    const DTYPE: DType;
+    fn to_le(self) -> [u8; 4];
+    fn from_le(b: [u8; 4]) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_le(self) -> [u8; 4] {
+        self.to_le_bytes()
+    }
+    fn from_le(b: [u8; 4]) -> f32 {
+        f32::from_le_bytes(b)
+    }
+}
+
+impl Element for u32 {
+    const DTYPE: DType = DType::U32;
+    fn to_le(self) -> [u8; 4] {
+        self.to_le_bytes()
+    }
+    fn from_le(b: [u8; 4]) -> u32 {
+        u32::from_le_bytes(b)
+    }
+}
+
+fn le_bytes<T: Element>(data: &[T]) -> Vec<u8> {
+    data.iter().flat_map(|v| v.to_le()).collect()
+}
+
+fn check_len(op: &'static str, shape: &[usize], len: usize) -> Result<()> {
+    let n: usize = shape.iter().product();
+    if n == len {
+        Ok(())
+    } else {
+        Err(GpuError::Shape {
+            op,
+            message: format!("{len} values for shape {shape:?} ({n} elements)"),
+        })
+    }
+}
+
+/// Tensors made from host data and read back: the context moves bytes, these give
+/// them a shape and an element type.
+impl GpuContext {
+    /// A tensor of `T` holding `data` (`data.len()` must equal the shape's product).
+    fn upload<T: Element>(&self, shape: &[usize], data: &[T]) -> Result<GpuTensor> {
+        check_len("upload", shape, data.len())?;
+        let buf = self.upload_bytes("tensor", &le_bytes(data))?;
+        Ok(GpuTensor::new(buf, shape, T::DTYPE))
+    }
+
+    /// An f32 tensor holding `data` (`data.len()` must equal the shape's product).
+    pub fn upload_f32(&self, shape: &[usize], data: &[f32]) -> Result<GpuTensor> {
+        self.upload(shape, data)
+    }
+
+    /// A u32 tensor holding `data`.
+    pub fn upload_u32(&self, shape: &[usize], data: &[u32]) -> Result<GpuTensor> {
+        self.upload(shape, data)
+    }
+
+    /// A zero-filled tensor.
+    pub fn zeros(&self, shape: &[usize], dtype: DType) -> Result<GpuTensor> {
+        let n: usize = shape.iter().product();
+        Ok(GpuTensor::new(
+            self.buffer("tensor", n as u64 * 4)?,
+            shape,
+            dtype,
+        ))
+    }
+
+    /// Overwrite an f32 tensor with `data` (in order with the recorded work).
+    pub fn write_f32(&self, t: &GpuTensor, data: &[f32]) -> Result<()> {
+        check_len("write", t.shape(), data.len())?;
+        self.write_bytes(&t.buf, 0, &le_bytes(data))
+    }
+
+    /// Run the recorded work and read a tensor of `T` back.
+    fn download<T: Element>(&self, t: &GpuTensor) -> Result<Vec<T>> {
+        let bytes = self.read_back(&t.buf, (t.len() * 4) as u64)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| T::from_le([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// Run the recorded work and read an f32 tensor back (for sampling).
+    pub fn download_f32(&self, t: &GpuTensor) -> Result<Vec<f32>> {
+        self.download(t)
+    }
+
+    /// Run the recorded work and read a u32 tensor back (expert ids).
+    pub fn download_u32(&self, t: &GpuTensor) -> Result<Vec<u32>> {
+        self.download(t)
+    }
+}
+
 /// How a [`GpuMatrix`] stores its elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Encoding {
@@ -82,6 +182,15 @@ pub enum Encoding {
 }
 
 impl Encoding {
+    /// The encoding of a float matrix of `dtype`.
+    pub(crate) fn float(dtype: FloatDtype) -> Encoding {
+        match dtype {
+            FloatDtype::Bf16 => Encoding::Bf16,
+            FloatDtype::F16 => Encoding::F16,
+            FloatDtype::F32 => Encoding::F32,
+        }
+    }
+
     /// The code the float kernels take as `DTYPE` (f32 0, BF16 1, F16 2), or 3 for
     /// affine (the embed kernel's `ENCODING`).
     pub(crate) fn code(self) -> u32 {
@@ -124,6 +233,28 @@ impl GpuMatrix {
     /// The storage encoding.
     pub fn encoding(&self) -> Encoding {
         self.encoding
+    }
+
+    /// Whether its matrix-vector product takes the 16-byte-load kernel
+    /// ([`tuning::qmatvec_fast_path`]).
+    pub(crate) fn fast_path(&self) -> bool {
+        match self.encoding {
+            Encoding::Affine { bits, group } => {
+                tuning::qmatvec_fast_path(bits, group, self.w_off, self.cols)
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether its matrix-vector product can take the packed 24-bit x kernel
+    /// ([`tuning::qmatvec_x24_path`]).
+    pub(crate) fn x24_path(&self) -> bool {
+        match self.encoding {
+            Encoding::Affine { bits, group } => {
+                tuning::qmatvec_x24_path(bits, group, self.w_off, self.cols)
+            }
+            _ => false,
+        }
     }
 
     /// Bytes a product reads (codes, scales, biases, or elements).
@@ -172,9 +303,7 @@ impl GpuMatrix {
                     vec![weights, scales, biases],
                 )
             }
-            Matrix::Bf16 { data, .. } => (Encoding::Bf16, vec![data]),
-            Matrix::F16 { data, .. } => (Encoding::F16, vec![data]),
-            Matrix::F32 { data, .. } => (Encoding::F32, vec![data]),
+            Matrix::Float { dtype, data, .. } => (Encoding::float(dtype), vec![data]),
         };
         // One buffer: codes (a whole number of words, since cols is a multiple of the
         // group and 32 codes of any width fill whole words),
@@ -543,4 +672,14 @@ impl ExpertSlots {
             view(&self.parts[2])?,
         ])
     }
+}
+
+/// Device scratch for [`GpuContext::expert_ffn`] over up to `tokens` rows.
+#[derive(Debug, Clone)]
+pub(crate) struct Scratch {
+    pub(crate) tokens: usize,
+    pub(crate) xs: Arc<wgpu::Buffer>,
+    pub(crate) g: Arc<wgpu::Buffer>,
+    pub(crate) u: Arc<wgpu::Buffer>,
+    pub(crate) d: Arc<wgpu::Buffer>,
 }

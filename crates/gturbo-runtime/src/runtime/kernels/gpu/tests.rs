@@ -16,7 +16,10 @@ use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
 use crate::format::quant::{Bits, Group, Spec, f32_to_bf16, quantize_rows};
 use crate::format::{PAGE, Scheme, align_up};
 use crate::runtime::kernels::expert_matrices;
-use crate::runtime::kernels::{Cpu, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace};
+use crate::runtime::kernels::{
+    Cpu, FloatDtype, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace,
+};
+use crate::runtime::testing::Rng;
 
 // ---------------------------------------------------------------- shader check
 
@@ -202,23 +205,6 @@ seam_checks!(
     experts
 );
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.unit()).collect()
-    }
-}
-
 /// A matrix's bytes as the install stores them, plus what the tolerance needs: per
 /// element `|s·q| + |b|` (quantized) or `|w|` (float).
 struct Fixture {
@@ -315,9 +301,24 @@ impl Fixture {
                 rows,
                 cols,
             },
-            "bf16" => Matrix::Bf16 { data, rows, cols },
-            "f16" => Matrix::F16 { data, rows, cols },
-            _ => Matrix::F32 { data, rows, cols },
+            "bf16" => Matrix::Float {
+                dtype: FloatDtype::Bf16,
+                data,
+                rows,
+                cols,
+            },
+            "f16" => Matrix::Float {
+                dtype: FloatDtype::F16,
+                data,
+                rows,
+                cols,
+            },
+            _ => Matrix::Float {
+                dtype: FloatDtype::F32,
+                data,
+                rows,
+                cols,
+            },
         }
     }
 
@@ -381,7 +382,11 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
         },
         f.rows,
         f.cols,
-        if ops::use_tiled(n) { "tiled" } else { "matvec" }
+        if tuning::use_tiled(n) {
+            "tiled"
+        } else {
+            "matvec"
+        }
     );
     let m = f.matrix();
     let w = GpuMatrix::upload(ctx, &m, "test").unwrap();
@@ -390,20 +395,15 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     let mut want = vec![0f32; n * f.rows];
     Cpu::new(1).matmul(&m, &xs, n, &mut want);
     let bound = f.bound(&xs);
-    let path = if n == 1 && ops::qmatvec_fast_path(&w) {
-        " fast"
-    } else {
-        ""
-    };
+    let path = if n == 1 && w.fast_path() { " fast" } else { "" };
     assert_close(&format!("{what}{path}"), &got, &want, |i| {
         2e-5 * bound[i] + 1e-30
     });
     // The fast kernel at tilings the shape-based choice may not take: one lane per
     // few words to a whole workgroup per row, 1 to 4 rows per set.
-    if let (true, Encoding::Affine { bits, group }) = (
-        n == 1 && ops::qmatvec_fast_path(&w) && f.rows <= 2048,
-        w.encoding,
-    ) {
+    if let (true, Encoding::Affine { bits, group }) =
+        (n == 1 && w.fast_path() && f.rows <= 2048, w.encoding)
+    {
         for (lanes, rps) in [(4, 1), (8, 3), (32, 4), (64, 2), (256, 4)] {
             let x = ctx.upload_f32(&[1, f.cols], &xs).unwrap();
             let mut init = vec![0f32; f.rows + GUARDS];
@@ -433,7 +433,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
     if f.kind == "quant" {
         let fast = matches!(f.bits, 2 | 4 | 8) && f.group.is_multiple_of(128 / f.bits as usize);
         assert_eq!(
-            ops::qmatvec_fast_path(&w),
+            w.fast_path(),
             fast,
             "{what}: fast path expected for 2/4/8 bits whose 16-byte words stay in a group"
         );
@@ -451,7 +451,7 @@ fn check_product(ctx: &GpuContext, f: &Fixture, n: usize, rng: &mut Rng) {
             b_off: ((4 + wl + sl) / 2) as u32,
             ..w.clone()
         };
-        assert!(!ops::qmatvec_fast_path(&shifted));
+        assert!(!shifted.fast_path());
         let got = gpu_matmul(ctx, &shifted, &xs, n, &what);
         assert_close(&format!("{what} at a word offset"), &got, &want, |i| {
             2e-5 * bound[i] + 1e-30
@@ -565,10 +565,7 @@ fn packed_x_products_match_cpu() {
         let f = Fixture::quant_g(Bits::Four, group, rows, cols, &mut rng);
         let what = format!("x24 4_g{} [{rows}x{cols}]", group.size());
         let w = GpuMatrix::upload(ctx, &f.matrix(), "test").unwrap();
-        assert!(
-            ops::qmatvec_x24_path(&w),
-            "{what}: takes the packed-x kernel"
-        );
+        assert!(w.x24_path(), "{what}: takes the packed-x kernel");
         let xs = rng.vec(cols);
         let got = gpu_matmul(ctx, &w, &xs, 1, &what);
         let want = cpu(&f, &xs);
@@ -709,7 +706,7 @@ fn packed_x_tiling_aims_at_512_workgroups() {
         (512, 1 << 20, 4),
     ] {
         assert_eq!(
-            ops::x24_lanes(row_v, rows),
+            tuning::x24_lanes(row_v, rows),
             lanes,
             "{rows} rows of {row_v} words"
         );
@@ -969,7 +966,7 @@ fn attention_matches_cpu_prefill_then_decode() {
     // A long context: decode splits it into chunks of 96 positions (more than one
     // 64-key block each, the last one partial), combined across 22 workgroups.
     let (heads, kv_heads, hd, pos) = (2, 1, 64, 2100);
-    assert_eq!(ops::split_chunk(1, heads, pos + 1), Some(96));
+    assert_eq!(tuning::split_chunk(1, heads, pos + 1), Some(96));
     let cache = KvCache::new(ctx, pos + 1, kv_heads, hd).unwrap();
     let k = rng.vec((pos + 1) * hd);
     let v = rng.vec((pos + 1) * hd);

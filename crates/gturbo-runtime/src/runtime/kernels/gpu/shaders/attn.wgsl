@@ -42,30 +42,6 @@ var<workgroup> qs: array<f32, 256>;
 var<workgroup> pr: array<f32, 64>;
 var<workgroup> red: array<f32, 64>;
 
-fn reduce_max(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] = max(red[li], red[li + s]); }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] += red[li + s]; }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
 // One workgroup's online softmax over positions lo .. hi of token `tok`'s head `h`
 // (`qs` must hold the query): running max, sum and the unnormalised output for
 // dimensions li + t·WG.

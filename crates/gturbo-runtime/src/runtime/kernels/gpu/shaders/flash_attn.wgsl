@@ -37,30 +37,6 @@ var<workgroup> pr: array<f32, 64>;
 var<workgroup> kpos: array<u32, 64>;
 var<workgroup> red: array<f32, 64>;
 
-fn reduce_max(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] = max(red[li], red[li + s]); }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] += red[li + s]; }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
 @compute @workgroup_size(64)
 fn indexed_attention(@builtin(workgroup_id) wid: vec3<u32>,
                      @builtin(num_workgroups) nwg: vec3<u32>,

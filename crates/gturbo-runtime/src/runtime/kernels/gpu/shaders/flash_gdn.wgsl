@@ -35,18 +35,6 @@ var<workgroup> qs: array<f32, 256>;
 var<workgroup> ks: array<f32, 256>;
 var<workgroup> red: array<f32, 64>;
 
-fn tree_sum(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] += red[li + s]; }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
 fn sigmoid(x: f32) -> f32 {
     if (x >= 0.0) {
         return 1.0 / (1.0 + exp(-x));
@@ -89,8 +77,8 @@ fn gdn(@builtin(workgroup_id) wid: vec3<u32>,
             sq += qv * qv;
             sk += kv * kv;
         }
-        let inv_q = 1.0 / sqrt(tree_sum(li, sq) + 1e-6);
-        let inv_k = 1.0 / sqrt(tree_sum(li, sk) + 1e-6);
+        let inv_q = 1.0 / sqrt(reduce_sum(li, sq) + 1e-6);
+        let inv_k = 1.0 / sqrt(reduce_sum(li, sk) + 1e-6);
         for (var i = li; i < p.dk; i += WG) {
             qs[i] = qs[i] * inv_q / p.scale;
             ks[i] = ks[i] * inv_k;

@@ -40,16 +40,6 @@ fn sigmoid(v: f32) -> f32 {
     return e / (1.0 + e);
 }
 
-fn tree_sum(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] += red[li + s]; }
-        workgroupBarrier();
-    }
-    return red[0];
-}
-
 fn piece(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.x + wid.y * nwg.x;
 }
@@ -61,7 +51,7 @@ fn inv_rms(li: u32, base: u32) -> f32 {
         let v = x[base + i];
         acc += v * v;
     }
-    return 1.0 / sqrt(tree_sum(li, acc) / f32(p.d) + p.eps);
+    return 1.0 / sqrt(reduce_sum(li, acc) / f32(p.d) + p.eps);
 }
 
 @compute @workgroup_size(256)
@@ -105,7 +95,7 @@ fn ple_gate(@builtin(workgroup_id) wid: vec3<u32>,
     for (var i = li; i < p.d; i += WG) {
         acc += x[base + i] * z[base + i];
     }
-    let g = tree_sum(li, acc) / p.scale;
+    let g = reduce_sum(li, acc) / p.scale;
     let mag = sqrt(max(abs(g), 1e-6));
     // sign(0) = 0, as torch.sign.
     var sg = 0.0;

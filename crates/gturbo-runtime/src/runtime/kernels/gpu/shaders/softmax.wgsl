@@ -25,38 +25,12 @@ const NEG_BIG: f32 = -3.0e38;
 var<workgroup> red: array<f32, 256>;
 var<workgroup> rid: array<u32, 256>;
 
-fn reduce_max(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] = max(red[li], red[li + s]); }
-        workgroupBarrier();
-    }
-    // A uniform value: the caller branches on it around barriers.
-    let r = workgroupUniformLoad(&red[0]);
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) { red[li] += red[li + s]; }
-        workgroupBarrier();
-    }
-    // A uniform value: the caller branches on it around barriers.
-    let r = workgroupUniformLoad(&red[0]);
-    workgroupBarrier();
-    return r;
-}
-
 // Softmax of row `row` in place; false when every entry is masked (row untouched).
 fn softmax_row(row: u32, li: u32) -> bool {
     let base = p.off + row * p.d;
     var mx = NEG_BIG;
     for (var i = li; i < p.d; i += WG) { mx = max(mx, x[base + i]); }
-    mx = reduce_max(li, mx);
+    mx = reduce_max_uniform(li, mx);
     if (mx <= NEG_BIG) { return false; }
     var sum = 0.0;
     for (var i = li; i < p.d; i += WG) {
@@ -65,7 +39,7 @@ fn softmax_row(row: u32, li: u32) -> bool {
         x[base + i] = e;
         sum += e;
     }
-    let inv = 1.0 / reduce_sum(li, sum);
+    let inv = 1.0 / reduce_sum_uniform(li, sum);
     for (var i = li; i < p.d; i += WG) { x[base + i] *= inv; }
     return true;
 }
