@@ -26,6 +26,7 @@ use super::ple::{PleState, PleTables, PleWeights, ple_forward};
 use super::rope::inv_freq;
 use super::seam::FlashOps;
 use crate::format::manifest;
+use crate::format::pools::ExpertPool;
 use crate::runtime::RunError;
 use crate::runtime::error::InputError;
 use crate::runtime::experts::ExpertMode;
@@ -298,36 +299,157 @@ pub fn load_ple_tables(
     })
 }
 
+/// The install and the backend its tensors are bound on.
+struct Bind<'a, 'b, B: FlashOps> {
+    inst: &'a FlashInstall,
+    b: &'b B,
+}
+
+impl<'a, B: FlashOps> Bind<'a, '_, B> {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weights<'a>, RunError> {
+        Ok(self.b.weights(self.inst.matrix(name, rows, cols)?)?)
+    }
+
+    fn floats(&self, name: &str, shape: &[usize]) -> Result<B::Buf, RunError> {
+        Ok(self.b.upload(&self.inst.floats(name, shape)?)?)
+    }
+
+    /// The PLE block of layer `l`, the `rank`-th layer with PLE rows.
+    fn ple(&self, cfg: &FlashConfig, l: usize, rank: usize) -> Result<PleWeights<'a, B>, RunError> {
+        let t = |n: &str| format!("{LM}layers.{l}.{n}");
+        let (h, w) = (cfg.hidden, cfg.hc.width());
+        let e = cfg.ple_embed_dim;
+        let k = cfg.ple.conv_kernel;
+        Ok(PleWeights {
+            key: self.matrix(&t("ple.key_proj.weight"), w, e)?,
+            value: self.matrix(&t("ple.value_proj.weight"), h, e)?,
+            norm_key: self.floats(&t("ple.norm_key.weight"), &[w])?,
+            norm_query: self.floats(&t("ple.norm_query.weight"), &[w])?,
+            norm_conv: self.floats(&t("ple.norm_conv.weight"), &[w])?,
+            conv: self.floats(&t("ple.conv1d.weight"), &[w, 1, k])?,
+            tables: load_ple_tables(self.inst, cfg, l, rank)?,
+        })
+    }
+
+    /// Layer `l`'s GDN or attention weights.
+    fn mixer(
+        &self,
+        cfg: &FlashConfig,
+        l: usize,
+        kind: LayerKind,
+    ) -> Result<Mixer<'a, B>, RunError> {
+        let p = format!("{LM}layers.{l}.");
+        let h = cfg.hidden;
+        Ok(match kind {
+            LayerKind::Linear => {
+                let g = &cfg.gdn;
+                let (vd, ch) = (g.value_heads * g.value_dim, g.channels());
+                let q = |n: &str| format!("{p}linear_attn.{n}");
+                Mixer::Gdn(GdnWeights {
+                    qkv: self.matrix(&q("in_proj_qkv.weight"), ch, h)?,
+                    z: self.matrix(&q("in_proj_z.weight"), vd, h)?,
+                    b: self.matrix(&q("in_proj_b.weight"), g.value_heads, h)?,
+                    a: self.matrix(&q("in_proj_a.weight"), g.value_heads, h)?,
+                    conv: self.floats(&q("conv1d.weight"), &[ch, 1, g.conv_kernel])?,
+                    a_log: self.floats(&q("A_log"), &[g.value_heads])?,
+                    dt_bias: self.floats(&q("dt_bias"), &[g.value_heads])?,
+                    norm: self.floats(&q("norm.weight"), &[g.value_dim])?,
+                    out: self.matrix(&q("out_proj.weight"), h, vd)?,
+                })
+            }
+            LayerKind::Indexed => {
+                let a = &cfg.attn;
+                let (qw, kvw) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+                let ix = &a.indexer;
+                let q = |n: &str| format!("{p}self_attn.{n}");
+                Mixer::Attn(AttnWeights {
+                    q: self.matrix(&q("q_proj.weight"), 2 * qw, h)?,
+                    k: self.matrix(&q("k_proj.weight"), kvw, h)?,
+                    v: self.matrix(&q("v_proj.weight"), kvw, h)?,
+                    o: self.matrix(&q("o_proj.weight"), h, qw)?,
+                    q_norm: self.floats(&q("q_norm.weight"), &[a.head_dim])?,
+                    k_norm: self.floats(&q("k_norm.weight"), &[a.head_dim])?,
+                    indexer: IndexerWeights {
+                        qk: self.matrix(
+                            &q("indexer.index_qk_proj.weight"),
+                            (ix.heads + 1) * ix.head_dim,
+                            h,
+                        )?,
+                        q_norm: self.floats(&q("indexer.q_layernorm.weight"), &[ix.head_dim])?,
+                        k_norm: self.floats(&q("indexer.k_layernorm.weight"), &[ix.head_dim])?,
+                    },
+                })
+            }
+        })
+    }
+
+    /// Layer `l`'s MoE resident weights (router and shared expert).
+    fn moe(&self, cfg: &FlashConfig, l: usize) -> Result<MoeWeights<'a, B>, RunError> {
+        let t = |n: &str| format!("{LM}layers.{l}.{n}");
+        let (h, si) = (cfg.hidden, cfg.shared_intermediate);
+        Ok(MoeWeights {
+            router: self.matrix(&t("mlp.gate.weight"), cfg.moe.experts, h)?,
+            shared_gate: self.matrix(&t("mlp.shared_expert_gate.weight"), 1, h)?,
+            shared_w_gate: self.matrix(&t("mlp.shared_expert.gate_proj.weight"), si, h)?,
+            shared_w_up: self.matrix(&t("mlp.shared_expert.up_proj.weight"), si, h)?,
+            shared_w_down: self.matrix(&t("mlp.shared_expert.down_proj.weight"), h, si)?,
+        })
+    }
+}
+
+/// The layers with PLE row pools, in order; each below the layer count.
+fn ple_layer_ids(inst: &FlashInstall, cfg: &FlashConfig) -> Result<Vec<usize>, RunError> {
+    let mut ple_layers: Vec<usize> = inst.rows.iter().map(|(l, _)| *l).collect();
+    ple_layers.sort_unstable();
+    for &l in &ple_layers {
+        if l >= cfg.layers {
+            return Err(RunError::invalid(
+                manifest::FILE_NAME,
+                format!("a row pool for layer {l}, past the {} layers", cfg.layers),
+            ));
+        }
+    }
+    Ok(ple_layers)
+}
+
+/// Layer `l`'s expert pool, checked against the config's count and shapes.
+fn expert_pool<'a>(
+    inst: &'a FlashInstall,
+    cfg: &FlashConfig,
+    l: usize,
+) -> Result<&'a ExpertPool, RunError> {
+    let pool = inst.experts.pool(l).ok_or_else(|| {
+        RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
+    })?;
+    let (i, hh) = (cfg.moe_intermediate as u64, cfg.hidden as u64);
+    let shapes: Vec<(u64, u64)> = pool.parts.iter().map(|b| (b.rows, b.cols)).collect();
+    let want = [(i, hh), (i, hh), (hh, i)];
+    if pool.experts != cfg.moe.experts as u64 || shapes != want {
+        return Err(RunError::invalid(
+            &pool.file,
+            format!(
+                "{} experts of shapes {shapes:?}, the config implies {} of {want:?}",
+                pool.experts, cfg.moe.experts
+            ),
+        ));
+    }
+    Ok(pool)
+}
+
 impl<'a, B: FlashOps> FlashModel<'a, B> {
     /// Bind the install's tensors on `backend`, checking every shape against the
     /// config and the PLE tables against what the config implies.
     pub fn new(install: &'a FlashInstall, backend: &'a B) -> Result<FlashModel<'a, B>, RunError> {
         let cfg = FlashConfig::from_manifest(&install.manifest)?;
         let (inst, b) = (install, backend);
+        let bind = Bind { inst, b };
         let h = cfg.hidden;
-        let w = cfg.hc.width();
-        let matrix = |name: &str, rows, cols| -> Result<B::Weights<'a>, RunError> {
-            Ok(b.weights(inst.matrix(name, rows, cols)?)?)
-        };
-        let floats = |name: &str, shape: &[usize]| -> Result<B::Buf, RunError> {
-            Ok(b.upload(&inst.floats(name, shape)?)?)
-        };
-        let mut ple_layers: Vec<usize> = inst.rows.iter().map(|(l, _)| *l).collect();
-        ple_layers.sort_unstable();
-        for &l in &ple_layers {
-            if l >= cfg.layers {
-                return Err(RunError::invalid(
-                    manifest::FILE_NAME,
-                    format!("a row pool for layer {l}, past the {} layers", cfg.layers),
-                ));
-            }
-        }
+        let ple_layers = ple_layer_ids(inst, &cfg)?;
         let mut kinds = Vec::with_capacity(cfg.layers);
         let mut layers = Vec::with_capacity(cfg.layers);
         let mut pools = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
-            let p = format!("{LM}layers.{l}.");
-            let t = |n: &str| format!("{p}{n}");
+            let t = |n: &str| format!("{LM}layers.{l}.{n}");
             let kind = layer_kind(inst, l)?;
             let ple = if let Some(rank) = ple_layers.iter().position(|&p| p == l) {
                 if kind != LayerKind::Linear {
@@ -336,90 +458,18 @@ impl<'a, B: FlashOps> FlashModel<'a, B> {
                         format!("layer {l} has PLE rows but is not a linear_attention layer"),
                     ));
                 }
-                let e = cfg.ple_embed_dim;
-                let k = cfg.ple.conv_kernel;
-                Some(PleWeights {
-                    key: matrix(&t("ple.key_proj.weight"), w, e)?,
-                    value: matrix(&t("ple.value_proj.weight"), h, e)?,
-                    norm_key: floats(&t("ple.norm_key.weight"), &[w])?,
-                    norm_query: floats(&t("ple.norm_query.weight"), &[w])?,
-                    norm_conv: floats(&t("ple.norm_conv.weight"), &[w])?,
-                    conv: floats(&t("ple.conv1d.weight"), &[w, 1, k])?,
-                    tables: load_ple_tables(inst, &cfg, l, rank)?,
-                })
+                Some(bind.ple(&cfg, l, rank)?)
             } else {
                 None
             };
-            let mixer = match kind {
-                LayerKind::Linear => {
-                    let g = &cfg.gdn;
-                    let (vd, ch) = (g.value_heads * g.value_dim, g.channels());
-                    let q = |n: &str| format!("{p}linear_attn.{n}");
-                    Mixer::Gdn(GdnWeights {
-                        qkv: matrix(&q("in_proj_qkv.weight"), ch, h)?,
-                        z: matrix(&q("in_proj_z.weight"), vd, h)?,
-                        b: matrix(&q("in_proj_b.weight"), g.value_heads, h)?,
-                        a: matrix(&q("in_proj_a.weight"), g.value_heads, h)?,
-                        conv: floats(&q("conv1d.weight"), &[ch, 1, g.conv_kernel])?,
-                        a_log: floats(&q("A_log"), &[g.value_heads])?,
-                        dt_bias: floats(&q("dt_bias"), &[g.value_heads])?,
-                        norm: floats(&q("norm.weight"), &[g.value_dim])?,
-                        out: matrix(&q("out_proj.weight"), h, vd)?,
-                    })
-                }
-                LayerKind::Indexed => {
-                    let a = &cfg.attn;
-                    let (qw, kvw) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-                    let ix = &a.indexer;
-                    let q = |n: &str| format!("{p}self_attn.{n}");
-                    Mixer::Attn(AttnWeights {
-                        q: matrix(&q("q_proj.weight"), 2 * qw, h)?,
-                        k: matrix(&q("k_proj.weight"), kvw, h)?,
-                        v: matrix(&q("v_proj.weight"), kvw, h)?,
-                        o: matrix(&q("o_proj.weight"), h, qw)?,
-                        q_norm: floats(&q("q_norm.weight"), &[a.head_dim])?,
-                        k_norm: floats(&q("k_norm.weight"), &[a.head_dim])?,
-                        indexer: IndexerWeights {
-                            qk: matrix(
-                                &q("indexer.index_qk_proj.weight"),
-                                (ix.heads + 1) * ix.head_dim,
-                                h,
-                            )?,
-                            q_norm: floats(&q("indexer.q_layernorm.weight"), &[ix.head_dim])?,
-                            k_norm: floats(&q("indexer.k_layernorm.weight"), &[ix.head_dim])?,
-                        },
-                    })
-                }
-            };
-            let pool = inst.experts.pool(l).ok_or_else(|| {
-                RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
-            })?;
-            let (i, hh) = (cfg.moe_intermediate as u64, h as u64);
-            let shapes: Vec<(u64, u64)> = pool.parts.iter().map(|b| (b.rows, b.cols)).collect();
-            let want = [(i, hh), (i, hh), (hh, i)];
-            if pool.experts != cfg.moe.experts as u64 || shapes != want {
-                return Err(RunError::invalid(
-                    &pool.file,
-                    format!(
-                        "{} experts of shapes {shapes:?}, the config implies {} of {want:?}",
-                        pool.experts, cfg.moe.experts
-                    ),
-                ));
-            }
-            pools.push(pool);
-            let si = cfg.shared_intermediate;
+            let mixer = bind.mixer(&cfg, l, kind)?;
+            pools.push(expert_pool(inst, &cfg, l)?);
             layers.push(FlashLayer {
                 ple,
                 attn_hc: hc(b, inst, &cfg, &t("attn_hyper_connection."), true)?,
                 mixer,
                 mlp_hc: hc(b, inst, &cfg, &t("mlp_hyper_connection."), true)?,
-                moe: MoeWeights {
-                    router: matrix(&t("mlp.gate.weight"), cfg.moe.experts, h)?,
-                    shared_gate: matrix(&t("mlp.shared_expert_gate.weight"), 1, h)?,
-                    shared_w_gate: matrix(&t("mlp.shared_expert.gate_proj.weight"), si, h)?,
-                    shared_w_up: matrix(&t("mlp.shared_expert.up_proj.weight"), si, h)?,
-                    shared_w_down: matrix(&t("mlp.shared_expert.down_proj.weight"), h, si)?,
-                },
+                moe: bind.moe(&cfg, l)?,
             });
             kinds.push(kind);
         }
@@ -428,8 +478,8 @@ impl<'a, B: FlashOps> FlashModel<'a, B> {
             ExpertMode::Resident => None,
         };
         Ok(FlashModel {
-            embed: matrix(&format!("{LM}embed_tokens.weight"), cfg.vocab, h)?,
-            head: matrix("lm_head.weight", cfg.vocab, h)?,
+            embed: bind.matrix(&format!("{LM}embed_tokens.weight"), cfg.vocab, h)?,
+            head: bind.matrix("lm_head.weight", cfg.vocab, h)?,
             mixer: hc(
                 b,
                 inst,
@@ -561,20 +611,7 @@ impl<'a, B: FlashOps> FlashModel<'a, B> {
         if t == 0 {
             return Ok(Vec::new());
         }
-        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
-            return Err(InputError::TokenOutsideVocabulary {
-                token: bad,
-                vocab: c.vocab,
-            }
-            .into());
-        }
-        if s.pos + t > c.max_positions {
-            return Err(InputError::SequenceTooLong {
-                tokens: s.pos + t,
-                max: c.max_positions,
-            }
-            .into());
-        }
+        self.check_input(s, tokens)?;
         self.init_session(s)?;
         let (h, w) = (c.hidden, c.hc.width());
         let ids: Vec<i64> = tokens.iter().map(|&id| i64::from(id)).collect();
@@ -586,85 +623,12 @@ impl<'a, B: FlashOps> FlashModel<'a, B> {
             tr.put(b, "embed".into(), &e)?;
         }
         for (l, layer) in self.layers.iter().enumerate() {
-            let p = format!("layers.{l}");
             if let Some(tr) = trace.as_deref_mut() {
-                tr.put(b, format!("{p}.in"), &x)?;
+                tr.put(b, format!("layers.{l}.in"), &x)?;
             }
-            if let (Some(pw), Some(ps)) = (&layer.ple, s.ple[l].as_mut()) {
-                let rows = self.install.row_cache(l).ok_or_else(|| {
-                    RunError::invalid(manifest::FILE_NAME, format!("no row pool for layer {l}"))
-                })?;
-                let o = ple_forward(b, pw, &c.ple, rows, ps, &x, &ids)?;
-                b.add(&mut x, &o.out)?;
-                if let Some(tr) = trace.as_deref_mut() {
-                    tr.put_ints(format!("{p}.ple.ids"), o.ids.iter().map(|&i| i as i64));
-                    tr.put(b, format!("{p}.ple.emb"), &o.emb)?;
-                    tr.put(b, format!("{p}.ple.out"), &o.out)?;
-                }
-            }
-            let r = hc_read(b, &layer.attn_hc, c.hc, &x, t)?;
-            let y = match (&layer.mixer, &mut s.mixers[l]) {
-                (Mixer::Gdn(gw), MixerState::Gdn(gs)) => {
-                    let o = gdn_forward(b, gw, &c.gdn, gs, &r.mixed, t)?;
-                    if let Some(tr) = trace.as_deref_mut() {
-                        tr.put(b, format!("{p}.gdn.qkv"), &o.qkv)?;
-                        tr.put(b, format!("{p}.gdn.core"), &o.core)?;
-                        tr.put(b, format!("{p}.gdn.gated"), &o.gated)?;
-                        tr.put(b, format!("{p}.gdn.out"), &o.out)?;
-                    }
-                    o.out
-                }
-                (Mixer::Attn(aw), MixerState::Attn(ac)) => {
-                    let o = attention_forward(b, aw, &c.attn, &self.rope, ac, s.pos, &r.mixed, t)?;
-                    if let Some(tr) = trace.as_deref_mut() {
-                        tr.put(b, format!("{p}.attn.gated"), &o.gated)?;
-                        tr.put(b, format!("{p}.attn.out"), &o.out)?;
-                        tr.blocks.entry(p.clone()).or_default().extend(o.blocks);
-                        tr.scores.entry(p.clone()).or_default().extend(o.scores);
-                    }
-                    o.out
-                }
-                _ => unreachable!("init_session made layer {l}'s state for its kind"),
-            };
-            if let Some(tr) = trace.as_deref_mut() {
-                tr.put_hc(b, &format!("{p}.attn_hc"), &r)?;
-            }
-            b.hc_inject(&mut x, &r.inject, &y, c.hc)?;
-            if let Some(tr) = trace.as_deref_mut() {
-                tr.put(b, format!("{p}.after_attn"), &x)?;
-            }
-            let r = hc_read(b, &layer.mlp_hc, c.hc, &x, t)?;
-            let o = moe_forward(
-                b,
-                &layer.moe,
-                &c.moe,
-                &self.install.experts,
-                &self.slots,
-                l,
-                &r.mixed,
-                t,
-                trace.is_some(),
-            )?;
-            b.hc_inject(&mut x, &r.inject, &o.out, c.hc)?;
-            if let Some(tr) = trace.as_deref_mut() {
-                tr.put_hc(b, &format!("{p}.mlp_hc"), &r)?;
-                if let Some(rl) = &o.router_logits {
-                    tr.put(b, format!("{p}.moe.router_logits"), rl)?;
-                }
-                for rt in &o.routes {
-                    tr.put_ints(
-                        format!("{p}.moe.topk_idx"),
-                        rt.experts.iter().map(|&e| e as i64),
-                    );
-                    tr.f32s
-                        .entry(format!("{p}.moe.topk_w"))
-                        .or_default()
-                        .extend_from_slice(&rt.weights);
-                }
-                tr.put(b, format!("{p}.moe.shared"), &o.shared)?;
-                tr.put(b, format!("{p}.moe.out"), &o.out)?;
-                tr.put(b, format!("{p}.out"), &x)?;
-            }
+            self.ple_step(l, layer, s, &mut x, &ids, trace.as_deref_mut())?;
+            self.mixer_step(l, layer, s, &mut x, t, trace.as_deref_mut())?;
+            self.moe_step(l, layer, &mut x, t, trace.as_deref_mut())?;
         }
         let r = hc_read(b, &self.mixer, c.hc, &x, t)?;
         let (rows, m) = if all {
@@ -680,6 +644,147 @@ impl<'a, B: FlashOps> FlashModel<'a, B> {
         }
         s.pos += t;
         Ok(b.read_owned(logits)?)
+    }
+
+    /// Refuse a token outside the vocabulary or a sequence past
+    /// `max_position_embeddings`, before anything changes.
+    fn check_input(&self, s: &FlashSession<B>, tokens: &[u32]) -> Result<(), RunError> {
+        let c = &self.cfg;
+        let t = tokens.len();
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
+            return Err(InputError::TokenOutsideVocabulary {
+                token: bad,
+                vocab: c.vocab,
+            }
+            .into());
+        }
+        if s.pos + t > c.max_positions {
+            return Err(InputError::SequenceTooLong {
+                tokens: s.pos + t,
+                max: c.max_positions,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s PLE block, on the layers that have one: `x += ple(x, ids)`.
+    fn ple_step(
+        &self,
+        l: usize,
+        layer: &FlashLayer<'a, B>,
+        s: &mut FlashSession<B>,
+        x: &mut B::Buf,
+        ids: &[i64],
+        trace: Option<&mut Trace>,
+    ) -> Result<(), RunError> {
+        let (c, b) = (&self.cfg, self.backend);
+        let p = format!("layers.{l}");
+        if let (Some(pw), Some(ps)) = (&layer.ple, s.ple[l].as_mut()) {
+            let rows = self.install.row_cache(l).ok_or_else(|| {
+                RunError::invalid(manifest::FILE_NAME, format!("no row pool for layer {l}"))
+            })?;
+            let o = ple_forward(b, pw, &c.ple, rows, ps, x, ids)?;
+            b.add(x, &o.out)?;
+            if let Some(tr) = trace {
+                tr.put_ints(format!("{p}.ple.ids"), o.ids.iter().map(|&i| i as i64));
+                tr.put(b, format!("{p}.ple.emb"), &o.emb)?;
+                tr.put(b, format!("{p}.ple.out"), &o.out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s token mixer: `u, inj = attn_hc(x); x += inj ⊗ (GDN or attention)(u)`.
+    fn mixer_step(
+        &self,
+        l: usize,
+        layer: &FlashLayer<'a, B>,
+        s: &mut FlashSession<B>,
+        x: &mut B::Buf,
+        t: usize,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<(), RunError> {
+        let (c, b) = (&self.cfg, self.backend);
+        let p = format!("layers.{l}");
+        let r = hc_read(b, &layer.attn_hc, c.hc, x, t)?;
+        let y = match (&layer.mixer, &mut s.mixers[l]) {
+            (Mixer::Gdn(gw), MixerState::Gdn(gs)) => {
+                let o = gdn_forward(b, gw, &c.gdn, gs, &r.mixed, t)?;
+                if let Some(tr) = trace.as_deref_mut() {
+                    tr.put(b, format!("{p}.gdn.qkv"), &o.qkv)?;
+                    tr.put(b, format!("{p}.gdn.core"), &o.core)?;
+                    tr.put(b, format!("{p}.gdn.gated"), &o.gated)?;
+                    tr.put(b, format!("{p}.gdn.out"), &o.out)?;
+                }
+                o.out
+            }
+            (Mixer::Attn(aw), MixerState::Attn(ac)) => {
+                let o = attention_forward(b, aw, &c.attn, &self.rope, ac, s.pos, &r.mixed, t)?;
+                if let Some(tr) = trace.as_deref_mut() {
+                    tr.put(b, format!("{p}.attn.gated"), &o.gated)?;
+                    tr.put(b, format!("{p}.attn.out"), &o.out)?;
+                    tr.blocks.entry(p.clone()).or_default().extend(o.blocks);
+                    tr.scores.entry(p.clone()).or_default().extend(o.scores);
+                }
+                o.out
+            }
+            _ => unreachable!("init_session made layer {l}'s state for its kind"),
+        };
+        if let Some(tr) = trace.as_deref_mut() {
+            tr.put_hc(b, &format!("{p}.attn_hc"), &r)?;
+        }
+        b.hc_inject(x, &r.inject, &y, c.hc)?;
+        if let Some(tr) = trace {
+            tr.put(b, format!("{p}.after_attn"), x)?;
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s MoE: `u, inj = mlp_hc(x); x += inj ⊗ MoE(u)`.
+    fn moe_step(
+        &self,
+        l: usize,
+        layer: &FlashLayer<'a, B>,
+        x: &mut B::Buf,
+        t: usize,
+        trace: Option<&mut Trace>,
+    ) -> Result<(), RunError> {
+        let (c, b) = (&self.cfg, self.backend);
+        let p = format!("layers.{l}");
+        let r = hc_read(b, &layer.mlp_hc, c.hc, x, t)?;
+        let o = moe_forward(
+            b,
+            &layer.moe,
+            &c.moe,
+            &self.install.experts,
+            &self.slots,
+            l,
+            &r.mixed,
+            t,
+            trace.is_some(),
+        )?;
+        b.hc_inject(x, &r.inject, &o.out, c.hc)?;
+        if let Some(tr) = trace {
+            tr.put_hc(b, &format!("{p}.mlp_hc"), &r)?;
+            if let Some(rl) = &o.router_logits {
+                tr.put(b, format!("{p}.moe.router_logits"), rl)?;
+            }
+            for rt in &o.routes {
+                tr.put_ints(
+                    format!("{p}.moe.topk_idx"),
+                    rt.experts.iter().map(|&e| e as i64),
+                );
+                tr.f32s
+                    .entry(format!("{p}.moe.topk_w"))
+                    .or_default()
+                    .extend_from_slice(&rt.weights);
+            }
+            tr.put(b, format!("{p}.moe.shared"), &o.shared)?;
+            tr.put(b, format!("{p}.moe.out"), &o.out)?;
+            tr.put(b, format!("{p}.out"), x)?;
+        }
+        Ok(())
     }
 }
 
