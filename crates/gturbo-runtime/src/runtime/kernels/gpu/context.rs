@@ -287,6 +287,105 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The index of the adapter `opts.adapter` names (an index or part of a name;
+/// the first when it names none).
+fn pick_adapter(all: &[wgpu::Adapter], opts: &GpuOptions) -> Result<usize> {
+    let Some(want) = &opts.adapter else {
+        return Ok(0);
+    };
+    let by_index = want.parse::<usize>().ok().filter(|&i| i < all.len());
+    let lower = want.to_lowercase();
+    by_index
+        .or_else(|| {
+            all.iter()
+                .position(|a| a.get_info().name.to_lowercase().contains(&lower))
+        })
+        .ok_or_else(|| GpuError::AdapterNotFound {
+            wanted: want.clone(),
+            available: all
+                .iter()
+                .enumerate()
+                .map(|(i, a)| {
+                    let info = a.get_info();
+                    format!("{i}: {} ({:?})", info.name, info.backend)
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+        })
+}
+
+/// The device with everything the adapter allows (weights of real models exceed
+/// WebGPU's default 128 MiB binding), and timestamps only when `timestamps` and
+/// only where the adapter has them.
+fn open_device(
+    adapter: &wgpu::Adapter,
+    summary: &AdapterSummary,
+    limits: &wgpu::Limits,
+    timestamps: bool,
+) -> Result<(wgpu::Device, wgpu::Queue, wgpu::Features)> {
+    let features = if timestamps {
+        adapter.features() & wgpu::Features::TIMESTAMP_QUERY
+    } else {
+        wgpu::Features::empty()
+    };
+    let desc = wgpu::DeviceDescriptor {
+        label: Some("gturbo"),
+        required_features: features,
+        required_limits: limits.clone(),
+        experimental_features: wgpu::ExperimentalFeatures::disabled(),
+        memory_hints: wgpu::MemoryHints::Performance,
+        trace: wgpu::Trace::Off,
+    };
+    let (device, queue) =
+        pollster::block_on(adapter.request_device(&desc)).map_err(|e| GpuError::Device {
+            adapter: summary.name.clone(),
+            message: e.to_string(),
+        })?;
+    Ok((device, queue, features))
+}
+
+/// The slot the device's first uncaptured error is kept in.
+fn error_sink(device: &wgpu::Device) -> Arc<Mutex<Option<String>>> {
+    let error: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+    let sink = error.clone();
+    device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+        let mut slot = lock(&sink);
+        if slot.is_none() {
+            *slot = Some(e.to_string());
+        }
+    }));
+    error
+}
+
+/// The pass-timestamp query set and its buffers, where the device has timestamps.
+fn profiler(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    features: wgpu::Features,
+) -> Option<Profiler> {
+    features.contains(wgpu::Features::TIMESTAMP_QUERY).then(|| {
+        let bytes = u64::from(MAX_QUERIES) * 8;
+        let buf = |usage| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("timestamps"),
+                size: bytes,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        Profiler {
+            queries: device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("pass timestamps"),
+                ty: wgpu::QueryType::Timestamp,
+                count: MAX_QUERIES,
+            }),
+            resolve: buf(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
+            readback: buf(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
+            period: f64::from(queue.get_timestamp_period()),
+        }
+    })
+}
+
 impl GpuContext {
     /// Open the adapter `opts` picks. Errors name what was found.
     pub fn new(opts: &GpuOptions) -> Result<GpuContext> {
@@ -295,91 +394,21 @@ impl GpuContext {
         if all.is_empty() {
             return Err(GpuError::NoAdapter);
         }
-        let index = match &opts.adapter {
-            None => 0,
-            Some(want) => {
-                let by_index = want.parse::<usize>().ok().filter(|&i| i < all.len());
-                let lower = want.to_lowercase();
-                by_index
-                    .or_else(|| {
-                        all.iter()
-                            .position(|a| a.get_info().name.to_lowercase().contains(&lower))
-                    })
-                    .ok_or_else(|| GpuError::AdapterNotFound {
-                        wanted: want.clone(),
-                        available: all
-                            .iter()
-                            .enumerate()
-                            .map(|(i, a)| {
-                                let info = a.get_info();
-                                format!("{i}: {} ({:?})", info.name, info.backend)
-                            })
-                            .collect::<Vec<_>>()
-                            .join("; "),
-                    })?
-            }
-        };
+        let index = pick_adapter(&all, opts)?;
         let adapter = &all[index];
         let summary = summary(index, adapter);
-        // Everything the adapter allows: weights of real models exceed WebGPU's
-        // default 128 MiB binding.
         let limits = adapter.limits();
         let profile = tuning::profiling();
-        // Timestamps only when profiling or asked for, and only where the adapter has
-        // them.
-        let features = if profile || opts.pass_timestamps {
-            adapter.features() & wgpu::Features::TIMESTAMP_QUERY
-        } else {
-            wgpu::Features::empty()
-        };
-        let desc = wgpu::DeviceDescriptor {
-            label: Some("gturbo"),
-            required_features: features,
-            required_limits: limits.clone(),
-            experimental_features: wgpu::ExperimentalFeatures::disabled(),
-            memory_hints: wgpu::MemoryHints::Performance,
-            trace: wgpu::Trace::Off,
-        };
-        let (device, queue) =
-            pollster::block_on(adapter.request_device(&desc)).map_err(|e| GpuError::Device {
-                adapter: summary.name.clone(),
-                message: e.to_string(),
-            })?;
-        let error: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
-        let sink = error.clone();
-        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            let mut slot = lock(&sink);
-            if slot.is_none() {
-                *slot = Some(e.to_string());
-            }
-        }));
+        let (device, queue, features) =
+            open_device(adapter, &summary, &limits, profile || opts.pass_timestamps)?;
+        let error = error_sink(&device);
         let params_buf = Arc::new(device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("params"),
             size: (MAX_BATCH * PARAMS_SLOT) as u64,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         }));
-        let profiler = features.contains(wgpu::Features::TIMESTAMP_QUERY).then(|| {
-            let bytes = u64::from(MAX_QUERIES) * 8;
-            let buf = |usage| {
-                device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("timestamps"),
-                    size: bytes,
-                    usage,
-                    mapped_at_creation: false,
-                })
-            };
-            Profiler {
-                queries: device.create_query_set(&wgpu::QuerySetDescriptor {
-                    label: Some("pass timestamps"),
-                    ty: wgpu::QueryType::Timestamp,
-                    count: MAX_QUERIES,
-                }),
-                resolve: buf(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC),
-                readback: buf(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST),
-                period: f64::from(queue.get_timestamp_period()),
-            }
-        });
+        let profiler = profiler(&device, &queue, features);
         let submit_every = tuning::submit_every()
             .unwrap_or(SUBMIT_EVERY)
             .clamp(1, MAX_BATCH);
