@@ -186,65 +186,125 @@ fn id_list(v: Option<&Value>, field: &str, path: &Path) -> Result<Vec<u32>, Text
     }
 }
 
+/// `tokenizer/tokenizer.json`, bounded and parsed.
+fn read_tokenizer(dir: &Path) -> Result<(tokenizers::Tokenizer, PathBuf), TextError> {
+    let tokenizer_path = dir.join(tokenizer_bounds::FILE_NAME);
+    let bytes =
+        read_optional_capped(&tokenizer_path, tokenizer_bounds::MAX_BYTES)?.ok_or_else(|| {
+            TextError::File {
+                path: tokenizer_path.clone(),
+                why: "missing (the runtime needs a tokenizers-format tokenizer.json)".into(),
+            }
+        })?;
+    // What loading it may cost is bounded before the tokenizers crate sees it: a
+    // 10 MB pattern took 3.1 GiB and 16 s there.
+    if let Err(e) = tokenizer_bounds::check_bounds(&bytes) {
+        return Err(TextError::Field {
+            path: tokenizer_path,
+            field: e.field,
+            why: e.detail,
+        });
+    }
+    // The tokenizers crate is not written for hostile input; a panic while parsing
+    // is turned into an error naming the file.
+    let parsed = catch_unwind(AssertUnwindSafe(|| {
+        tokenizers::Tokenizer::from_bytes(&bytes)
+    }));
+    match parsed {
+        Ok(Ok(t)) => Ok((t, tokenizer_path)),
+        Ok(Err(e)) => Err(TextError::Tokenizer {
+            path: tokenizer_path,
+            why: format!("not a valid tokenizer: {e}"),
+        }),
+        Err(_) => Err(TextError::Tokenizer {
+            path: tokenizer_path,
+            why: "the tokenizer library panicked while reading it".into(),
+        }),
+    }
+}
+
+/// `tokenizer_config.json` (an empty object when absent) and its `add_bos_token`.
+fn read_tokenizer_config(cfg_path: &Path) -> Result<(Value, bool), TextError> {
+    let cfg = read_json(cfg_path)?.unwrap_or(Value::Object(Default::default()));
+    if !cfg.is_object() {
+        return Err(TextError::File {
+            path: cfg_path.to_path_buf(),
+            why: "expected a JSON object".into(),
+        });
+    }
+    let add_bos = match cfg.get("add_bos_token") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(TextError::Field {
+                path: cfg_path.to_path_buf(),
+                field: "add_bos_token".into(),
+                why: "expected true or false".into(),
+            });
+        }
+    };
+    Ok((cfg, add_bos))
+}
+
+/// The id of the special token `field` names, when the config sets one.
+fn special_id(
+    tokenizer: &tokenizers::Tokenizer,
+    special: Option<&str>,
+    field: &str,
+    cfg_path: &Path,
+) -> Result<Option<u32>, TextError> {
+    match special {
+        None => Ok(None),
+        Some(s) => Ok(Some(tokenizer.token_to_id(s).ok_or_else(|| {
+            TextError::Field {
+                path: cfg_path.to_path_buf(),
+                field: field.into(),
+                why: format!("{s:?} is not a token of tokenizer.json"),
+            }
+        })?)),
+    }
+}
+
+/// Stop tokens: every EOS the generation config, the model config and the
+/// tokenizer config name (instruct models often list several), without repeats.
+fn stop_ids(
+    dir: &Path,
+    tokenizer: &tokenizers::Tokenizer,
+    eos: Option<&str>,
+    cfg_path: &Path,
+) -> Result<Vec<u32>, TextError> {
+    let mut stop_ids = Vec::new();
+    for (file, field) in [
+        ("generation_config.json", "eos_token_id"),
+        ("config.json", "eos_token_id"),
+    ] {
+        let path = dir.join(file);
+        if let Some(v) = read_json(&path)? {
+            stop_ids.extend(id_list(v.get(field), field, &path)?);
+        }
+    }
+    if let Some(id) = special_id(tokenizer, eos, "eos_token", cfg_path)? {
+        stop_ids.push(id);
+    }
+    let mut seen = BTreeSet::new();
+    stop_ids.retain(|id| seen.insert(*id));
+    if stop_ids.is_empty() {
+        return Err(TextError::Field {
+            path: dir.join("generation_config.json"),
+            field: "eos_token_id".into(),
+            why: "no end-of-sequence token in generation_config.json, config.json or tokenizer_config.json".into(),
+        });
+    }
+    Ok(stop_ids)
+}
+
 impl TextCodec {
     /// Load the text side of the install at `install_dir` (files under `tokenizer/`).
     pub fn load(install_dir: &Path) -> Result<TextCodec, TextError> {
         let dir = install_dir.join(TOKENIZER_DIR);
-        let tokenizer_path = dir.join(tokenizer_bounds::FILE_NAME);
-        let bytes = read_optional_capped(&tokenizer_path, tokenizer_bounds::MAX_BYTES)?
-            .ok_or_else(|| TextError::File {
-                path: tokenizer_path.clone(),
-                why: "missing (the runtime needs a tokenizers-format tokenizer.json)".into(),
-            })?;
-        // What loading it may cost is bounded before the tokenizers crate sees it: a
-        // 10 MB pattern took 3.1 GiB and 16 s there.
-        if let Err(e) = tokenizer_bounds::check_bounds(&bytes) {
-            return Err(TextError::Field {
-                path: tokenizer_path,
-                field: e.field,
-                why: e.detail,
-            });
-        }
-        // The tokenizers crate is not written for hostile input; a panic while parsing
-        // is turned into an error naming the file.
-        let parsed = catch_unwind(AssertUnwindSafe(|| {
-            tokenizers::Tokenizer::from_bytes(&bytes)
-        }));
-        let tokenizer = match parsed {
-            Ok(Ok(t)) => t,
-            Ok(Err(e)) => {
-                return Err(TextError::Tokenizer {
-                    path: tokenizer_path,
-                    why: format!("not a valid tokenizer: {e}"),
-                });
-            }
-            Err(_) => {
-                return Err(TextError::Tokenizer {
-                    path: tokenizer_path,
-                    why: "the tokenizer library panicked while reading it".into(),
-                });
-            }
-        };
-
+        let (tokenizer, tokenizer_path) = read_tokenizer(&dir)?;
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg = read_json(&cfg_path)?.unwrap_or(Value::Object(Default::default()));
-        if !cfg.is_object() {
-            return Err(TextError::File {
-                path: cfg_path,
-                why: "expected a JSON object".into(),
-            });
-        }
-        let add_bos = match cfg.get("add_bos_token") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => {
-                return Err(TextError::Field {
-                    path: cfg_path,
-                    field: "add_bos_token".into(),
-                    why: "expected true or false".into(),
-                });
-            }
-        };
+        let (cfg, add_bos) = read_tokenizer_config(&cfg_path)?;
         let mut special_strings = Vec::new();
         for field in ["bos_token", "eos_token", "unk_token", "pad_token"] {
             if let Some(s) = token_string(&cfg, field, &cfg_path)? {
@@ -257,14 +317,7 @@ impl TextCodec {
                 .find(|(f, _)| *f == name)
                 .map(|(_, s)| s.as_str())
         };
-        let bos_id = match special("bos_token") {
-            None => None,
-            Some(s) => Some(tokenizer.token_to_id(s).ok_or_else(|| TextError::Field {
-                path: cfg_path.clone(),
-                field: "bos_token".into(),
-                why: format!("{s:?} is not a token of tokenizer.json"),
-            })?),
-        };
+        let bos_id = special_id(&tokenizer, special("bos_token"), "bos_token", &cfg_path)?;
         if add_bos && bos_id.is_none() {
             return Err(TextError::Field {
                 path: cfg_path,
@@ -273,36 +326,7 @@ impl TextCodec {
             });
         }
         let chat_template = Self::find_template(&dir, &cfg, &cfg_path)?;
-
-        // Stop tokens: every EOS the generation config, the model config and the
-        // tokenizer config name (instruct models often list several).
-        let mut stop_ids = Vec::new();
-        for (file, field) in [
-            ("generation_config.json", "eos_token_id"),
-            ("config.json", "eos_token_id"),
-        ] {
-            let path = dir.join(file);
-            if let Some(v) = read_json(&path)? {
-                stop_ids.extend(id_list(v.get(field), field, &path)?);
-            }
-        }
-        if let Some(eos) = special("eos_token") {
-            let id = tokenizer.token_to_id(eos).ok_or_else(|| TextError::Field {
-                path: cfg_path.clone(),
-                field: "eos_token".into(),
-                why: format!("{eos:?} is not a token of tokenizer.json"),
-            })?;
-            stop_ids.push(id);
-        }
-        let mut seen = BTreeSet::new();
-        stop_ids.retain(|id| seen.insert(*id));
-        if stop_ids.is_empty() {
-            return Err(TextError::Field {
-                path: dir.join("generation_config.json"),
-                field: "eos_token_id".into(),
-                why: "no end-of-sequence token in generation_config.json, config.json or tokenizer_config.json".into(),
-            });
-        }
+        let stop_ids = stop_ids(&dir, &tokenizer, special("eos_token"), &cfg_path)?;
         Ok(TextCodec {
             tokenizer,
             tokenizer_path,
