@@ -20,6 +20,7 @@ use super::gate::{QK_NORM, ROUTED_MOE};
 use super::kernels::{Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain};
 use super::load::Install;
 use crate::format::manifest::{self, Manifest};
+use crate::format::pools::ExpertPool;
 
 /// Architecture numbers read from the manifest's `arch.axes`.
 #[derive(Debug, Clone, PartialEq)]
@@ -178,6 +179,117 @@ pub struct Session<B: Backend> {
     pub pos: usize,
 }
 
+/// The install and the backend its tensors are bound on.
+struct Bind<'a, 'b, B: Backend> {
+    install: &'a Install,
+    b: &'b B,
+}
+
+impl<'a, B: Backend> Bind<'a, '_, B> {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weights<'a>, RunError> {
+        Ok(self.b.weights(self.install.matrix(name, rows, cols)?)?)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<B::Buf, RunError> {
+        Ok(self.b.upload(&self.install.vector(name, len)?)?)
+    }
+
+    /// Layer `l`'s weights; its expert pool (checked against the config) goes to
+    /// `pools`.
+    fn layer(
+        &self,
+        cfg: &Config,
+        l: usize,
+        pools: &mut Vec<&'a ExpertPool>,
+    ) -> Result<Layer<'a, B>, RunError> {
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let p = format!("model.layers.{l}.");
+        let t = |n: &str| format!("{p}{n}");
+        let mlp = match &cfg.moe {
+            Some(moe) => {
+                pools.push(expert_pool(self.install, moe, h, l)?);
+                Mlp::Moe {
+                    router: self.matrix(&t("mlp.gate.weight"), moe.experts, h)?,
+                }
+            }
+            None => Mlp::Dense {
+                gate: self.matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
+                up: self.matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
+                down: self.matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
+            },
+        };
+        Ok(Layer {
+            input_norm: self.vector(&t("input_layernorm.weight"), h)?,
+            post_norm: self.vector(&t("post_attention_layernorm.weight"), h)?,
+            q: self.matrix(&t("self_attn.q_proj.weight"), cfg.heads * hd, h)?,
+            k: self.matrix(&t("self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
+            v: self.matrix(&t("self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
+            o: self.matrix(&t("self_attn.o_proj.weight"), h, cfg.heads * hd)?,
+            q_norm: cfg
+                .qk_norm
+                .then(|| self.vector(&t("self_attn.q_norm.weight"), hd))
+                .transpose()?,
+            k_norm: cfg
+                .qk_norm
+                .then(|| self.vector(&t("self_attn.k_norm.weight"), hd))
+                .transpose()?,
+            mlp,
+        })
+    }
+}
+
+/// Layer `l`'s expert pool, checked against the config's count and shapes.
+fn expert_pool<'a>(
+    install: &'a Install,
+    moe: &MoeConfig,
+    h: usize,
+    l: usize,
+) -> Result<&'a ExpertPool, RunError> {
+    let pool = install.experts.pool(l).ok_or_else(|| {
+        RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
+    })?;
+    let i = moe.intermediate as u64;
+    let want = [(i, h as u64), (i, h as u64), (h as u64, i)];
+    let got: Vec<(u64, u64)> = pool.parts.iter().map(|b| (b.rows, b.cols)).collect();
+    if pool.experts != moe.experts as u64 || got != want {
+        return Err(RunError::invalid(
+            &pool.file,
+            format!(
+                "{} experts of shapes {got:?}, the config implies {} of {want:?}",
+                pool.experts, moe.experts
+            ),
+        ));
+    }
+    Ok(pool)
+}
+
+/// The `num_layers` axis against the tensors present (a layer past the last is a
+/// manifest that lies about its depth), and room for that many layers.
+fn layer_vec<T>(install: &Install, cfg: &Config) -> Result<Vec<T>, RunError> {
+    if install.has(&format!(
+        "model.layers.{}.input_layernorm.weight",
+        cfg.layers
+    )) {
+        return Err(axis_err(
+            &install.manifest,
+            "num_layers",
+            &format!(
+                "{}, but the install holds tensors of layer {}",
+                cfg.layers, cfg.layers
+            ),
+        ));
+    }
+    let mut layers = Vec::new();
+    layers.try_reserve_exact(cfg.layers).map_err(|_| {
+        axis_err(
+            &install.manifest,
+            "num_layers",
+            &format!("{} layers do not fit in memory", cfg.layers),
+        )
+    })?;
+    Ok(layers)
+}
+
 impl<'a, B: Backend> Model<'a, B> {
     /// Bind the install's tensors (no weight bytes are read here beyond norms; a
     /// device backend uploads them).
@@ -185,95 +297,18 @@ impl<'a, B: Backend> Model<'a, B> {
         let cfg = Config::from_manifest(&install.manifest)?;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let b = backend;
-        let matrix = |name: &str, rows, cols| -> Result<B::Weights<'a>, RunError> {
-            Ok(b.weights(install.matrix(name, rows, cols)?)?)
-        };
-        let vector = |name: &str, len| -> Result<B::Buf, RunError> {
-            Ok(b.upload(&install.vector(name, len)?)?)
-        };
-        let embed = matrix("model.embed_tokens.weight", cfg.vocab, h)?;
+        let bind = Bind { install, b };
+        let embed = bind.matrix("model.embed_tokens.weight", cfg.vocab, h)?;
         // A checkpoint without `lm_head.weight` ties the head to the embedding.
         let head = if install.has("lm_head.weight") {
-            Some(matrix("lm_head.weight", cfg.vocab, h)?)
+            Some(bind.matrix("lm_head.weight", cfg.vocab, h)?)
         } else {
             None
         };
-        // The axis against the tensors present: a layer past the last is a manifest
-        // that lies about its depth.
-        if install.has(&format!(
-            "model.layers.{}.input_layernorm.weight",
-            cfg.layers
-        )) {
-            return Err(axis_err(
-                &install.manifest,
-                "num_layers",
-                &format!(
-                    "{}, but the install holds tensors of layer {}",
-                    cfg.layers, cfg.layers
-                ),
-            ));
-        }
-        let mut layers = Vec::new();
-        layers.try_reserve_exact(cfg.layers).map_err(|_| {
-            axis_err(
-                &install.manifest,
-                "num_layers",
-                &format!("{} layers do not fit in memory", cfg.layers),
-            )
-        })?;
+        let mut layers = layer_vec(install, &cfg)?;
         let mut pools = Vec::new();
         for l in 0..cfg.layers {
-            let p = format!("model.layers.{l}.");
-            let t = |n: &str| format!("{p}{n}");
-            let mlp = match &cfg.moe {
-                Some(moe) => {
-                    let pool = install.experts.pool(l).ok_or_else(|| {
-                        RunError::invalid(
-                            manifest::FILE_NAME,
-                            format!("no expert pool for layer {l}"),
-                        )
-                    })?;
-                    let i = moe.intermediate as u64;
-                    let want = [(i, h as u64), (i, h as u64), (h as u64, i)];
-                    let got: Vec<(u64, u64)> =
-                        pool.parts.iter().map(|b| (b.rows, b.cols)).collect();
-                    if pool.experts != moe.experts as u64 || got != want {
-                        return Err(RunError::invalid(
-                            &pool.file,
-                            format!(
-                                "{} experts of shapes {got:?}, the config implies {} of {want:?}",
-                                pool.experts, moe.experts
-                            ),
-                        ));
-                    }
-                    pools.push(pool);
-                    Mlp::Moe {
-                        router: matrix(&t("mlp.gate.weight"), moe.experts, h)?,
-                    }
-                }
-                None => Mlp::Dense {
-                    gate: matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
-                    up: matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
-                    down: matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
-                },
-            };
-            layers.push(Layer {
-                input_norm: vector(&t("input_layernorm.weight"), h)?,
-                post_norm: vector(&t("post_attention_layernorm.weight"), h)?,
-                q: matrix(&t("self_attn.q_proj.weight"), cfg.heads * hd, h)?,
-                k: matrix(&t("self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
-                v: matrix(&t("self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
-                o: matrix(&t("self_attn.o_proj.weight"), h, cfg.heads * hd)?,
-                q_norm: cfg
-                    .qk_norm
-                    .then(|| vector(&t("self_attn.q_norm.weight"), hd))
-                    .transpose()?,
-                k_norm: cfg
-                    .qk_norm
-                    .then(|| vector(&t("self_attn.k_norm.weight"), hd))
-                    .transpose()?,
-                mlp,
-            });
+            layers.push(bind.layer(&cfg, l, &mut pools)?);
         }
         let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
@@ -295,7 +330,7 @@ impl<'a, B: Backend> Model<'a, B> {
             }
         }
         Ok(Model {
-            final_norm: vector("model.norm.weight", h)?,
+            final_norm: bind.vector("model.norm.weight", h)?,
             rope: b.rope_table(&inv_freq, cfg.max_positions)?,
             slots: expert_slots,
             cfg,
