@@ -74,6 +74,56 @@ fn rows_of(op: &'static str, name: &str, len: usize, width: usize) -> Result<usi
     Ok(len / width)
 }
 
+/// The op name [`GpuContext::moe_resident`]'s shape errors carry.
+const MOE_OP: &str = "moe";
+
+/// What every expert pass of [`GpuContext::moe_resident`] shares.
+struct MoeBufs<'a> {
+    /// The layer's whole pool.
+    pool: &'a wgpu::Buffer,
+    /// The chosen experts' ids.
+    ids: &'a wgpu::Buffer,
+    /// Words from one expert to the next.
+    e_stride: u32,
+    /// `k`, as the kernel takes it.
+    moe_k: u32,
+    /// Experts per token.
+    k: usize,
+}
+
+/// One expert pass: the matrix (and `up`, in the gate/up pass) with its affine
+/// layout, and the pass's output rows and input columns.
+struct MoePass<'a> {
+    m: &'a GpuMatrix,
+    up: Option<&'a GpuMatrix>,
+    bits: u32,
+    group: u32,
+    rows: usize,
+    cols: usize,
+}
+
+/// Whether the pool's matrices, `x`, `k` and `out` take the fast kernel.
+fn moe_takes_fast(
+    pool: &ExpertSlots,
+    router: &GpuMatrix,
+    x: &GpuTensor,
+    k: usize,
+    out: &GpuTensor,
+    [gate, up, down]: [&GpuMatrix; 3],
+) -> bool {
+    let experts = router.rows;
+    let fast = [gate, up, down].iter().all(|m| m.fast_path());
+    let stride_words = pool.slot_bytes / 4;
+    fast && gate.encoding == up.encoding
+        && stride_words.is_multiple_of(4)
+        && x.len() == router.cols
+        && x.len() == gate.cols
+        && out.len() == x.len()
+        && pool.slots() == experts
+        && k != 0
+        && k <= experts
+}
+
 impl GpuContext {
     /// Whether the decode product of `w` takes the packed 24-bit x kernel.
     pub fn packed_x_takes(&self, w: &GpuMatrix) -> bool {
@@ -673,36 +723,12 @@ impl GpuContext {
         out: &GpuTensor,
         scratch: &mut dyn FnMut(usize) -> Result<Arc<wgpu::Buffer>>,
     ) -> Result<bool> {
-        const OP: &str = "moe";
         let [gate, up, down] = pool.matrices(0)?;
-        let experts = router.rows;
-        let fast = [&gate, &up, &down].iter().all(|m| m.fast_path());
-        let stride_words = pool.slot_bytes / 4;
-        if !fast
-            || gate.encoding != up.encoding
-            || !stride_words.is_multiple_of(4)
-            || x.len() != router.cols
-            || x.len() != gate.cols
-            || out.len() != x.len()
-            || pool.slots() != experts
-            || k == 0
-            || k > experts
-        {
+        if !moe_takes_fast(pool, router, x, k, out, [&gate, &up, &down]) {
             return Ok(false);
         }
         let (h, inter) = (gate.cols, gate.rows);
-        let logits = scratch(experts)?;
-        self.matmul_raw(router, &x.buf, &logits, 1)?;
-        let ids = scratch(k)?;
-        let wts = scratch(k)?;
-        let sp = SoftmaxParams {
-            n: 1,
-            d: u32_of(OP, experts)?,
-            off: 0,
-            k: u32_of(OP, k)?,
-            renorm: u32::from(renorm),
-        };
-        self.router_topk_raw(&sp, &logits, &ids, &wts)?;
+        let (ids, wts) = self.moe_route(router, x, k, renorm, scratch)?;
         let hbuf = scratch(k * inter)?;
         let dbuf = scratch(k * h)?;
         let (
@@ -715,66 +741,35 @@ impl GpuContext {
         else {
             return Ok(false);
         };
-        let e_stride = u32_of(OP, stride_words)?;
-        let moe_k = u32_of(OP, k)?;
-        let (lanes, _) = self.tiling(&gate);
-        let p = QmatvecParams {
-            rows: u32_of(OP, inter)?,
-            cols: u32_of(OP, h)?,
-            n: moe_k,
-            w_off: gate.w_off,
-            s_off: gate.s_off,
-            b_off: gate.b_off,
-            w2_off: up.w_off,
-            s2_off: up.s_off,
-            b2_off: up.b_off,
-            moe_k,
+        let e_stride = u32_of(MOE_OP, pool.slot_bytes / 4)?;
+        let moe_k = u32_of(MOE_OP, k)?;
+        let bufs = MoeBufs {
+            pool: &pool.buf,
+            ids: &ids,
             e_stride,
-            ..Default::default()
-        };
-        let b = &pool.buf;
-        self.dispatch_at(
-            &Kernel::qmat_moe(bits, group, lanes, 2, true, 1),
-            &p.bytes(),
-            &[
-                (1, b),
-                (3, &hbuf),
-                (4, b),
-                (5, &x.buf),
-                (6, b),
-                (7, b),
-                (8, &ids),
-            ],
-            inter.div_ceil((256 / lanes) as usize) * k,
-        )?;
-        let (lanes, rps) = self.tiling(&down);
-        let p = QmatvecParams {
-            rows: u32_of(OP, h)?,
-            cols: u32_of(OP, inter)?,
-            n: moe_k,
-            w_off: down.w_off,
-            s_off: down.s_off,
-            b_off: down.b_off,
             moe_k,
-            e_stride,
-            ..Default::default()
+            k,
         };
-        self.dispatch_at(
-            &Kernel::qmat_moe(dbits, dgroup, lanes, rps, false, 2),
-            &p.bytes(),
-            &[
-                (1, b),
-                (3, &dbuf),
-                (4, b),
-                (5, &hbuf),
-                (6, b),
-                (7, b),
-                (8, &ids),
-            ],
-            h.div_ceil((256 / lanes * rps) as usize) * k,
-        )?;
+        let glu = MoePass {
+            m: &gate,
+            up: Some(&up),
+            bits,
+            group,
+            rows: inter,
+            cols: h,
+        };
+        self.moe_experts(&bufs, &glu, &x.buf, &hbuf)?;
+        let down = MoePass {
+            m: &down,
+            up: None,
+            bits: dbits,
+            group: dgroup,
+            rows: h,
+            cols: inter,
+        };
+        self.moe_experts(&bufs, &down, &hbuf, &dbuf)?;
         let p = QmatvecParams {
-            rows: u32_of(OP, h)?,
+            rows: u32_of(MOE_OP, h)?,
             n: 1,
             moe_k,
             ..Default::default()
@@ -786,6 +781,83 @@ impl GpuContext {
             h.div_ceil(ELEMENTWISE_WG),
         )?;
         Ok(true)
+    }
+
+    /// Route one token: the router's logits into `experts` scratch words, then the
+    /// top `k` ids and their weights.
+    fn moe_route(
+        &self,
+        router: &GpuMatrix,
+        x: &GpuTensor,
+        k: usize,
+        renorm: bool,
+        scratch: &mut dyn FnMut(usize) -> Result<Arc<wgpu::Buffer>>,
+    ) -> Result<(Arc<wgpu::Buffer>, Arc<wgpu::Buffer>)> {
+        let experts = router.rows;
+        let logits = scratch(experts)?;
+        self.matmul_raw(router, &x.buf, &logits, 1)?;
+        let ids = scratch(k)?;
+        let wts = scratch(k)?;
+        let sp = SoftmaxParams {
+            n: 1,
+            d: u32_of(MOE_OP, experts)?,
+            off: 0,
+            k: u32_of(MOE_OP, k)?,
+            renorm: u32::from(renorm),
+        };
+        self.router_topk_raw(&sp, &logits, &ids, &wts)?;
+        Ok((ids, wts))
+    }
+
+    /// One pass over the `k` chosen experts of the pool, `src` to `dst`: with
+    /// `up`, `silu(m_j src) · up_j src` (two rows a lane group); without, `m_j src`
+    /// (the tiling's rows).
+    fn moe_experts(
+        &self,
+        bufs: &MoeBufs,
+        pass: &MoePass,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+    ) -> Result<()> {
+        let m = pass.m;
+        let (lanes, rps) = self.tiling(m);
+        let mut p = QmatvecParams {
+            rows: u32_of(MOE_OP, pass.rows)?,
+            cols: u32_of(MOE_OP, pass.cols)?,
+            n: bufs.moe_k,
+            w_off: m.w_off,
+            s_off: m.s_off,
+            b_off: m.b_off,
+            moe_k: bufs.moe_k,
+            e_stride: bufs.e_stride,
+            ..Default::default()
+        };
+        let (kernel, per_group) = match pass.up {
+            Some(up) => {
+                (p.w2_off, p.s2_off, p.b2_off) = (up.w_off, up.s_off, up.b_off);
+                let k = Kernel::qmat_moe(pass.bits, pass.group, lanes, 2, true, 1);
+                (k, 256 / lanes)
+            }
+            None => {
+                let k = Kernel::qmat_moe(pass.bits, pass.group, lanes, rps, false, 2);
+                (k, 256 / lanes * rps)
+            }
+        };
+        let b = bufs.pool;
+        self.dispatch_at(
+            &kernel,
+            &p.bytes(),
+            &[
+                (1, b),
+                (3, dst),
+                (4, b),
+                (5, src),
+                (6, b),
+                (7, b),
+                (8, bufs.ids),
+            ],
+            pass.rows.div_ceil(per_group as usize) * bufs.k,
+        )
     }
 
     /// A small read-only storage buffer made from `data` (routing lists, token ids).
