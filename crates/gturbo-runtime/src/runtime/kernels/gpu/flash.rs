@@ -167,6 +167,69 @@ impl GpuAttnCache {
         *self = grown;
         Ok(())
     }
+
+    /// Pool the blocks up to `nb` not pooled yet, with `p`'s indexer geometry.
+    fn pool_blocks(
+        &mut self,
+        ctx: &GpuContext,
+        p: &mut IndexerParams,
+        k_norm: &GpuBuf,
+        table: &wgpu::Buffer,
+        nb: usize,
+    ) -> Result<()> {
+        const OP: &str = "indexer_scores";
+        if nb > self.pooled {
+            p.n = u32_of(OP, nb - self.pooled)?;
+            p.first = u32_of(OP, self.pooled)?;
+            ctx.dispatch_at(
+                &kernel(FlashShader::Indexer, "pool"),
+                &p.bytes(),
+                &[
+                    (1, &*self.raw.buf),
+                    (2, buf(k_norm)),
+                    (3, table),
+                    (4, &*self.blocks.buf),
+                ],
+                nb - self.pooled,
+            )?;
+            self.pooled = nb;
+        }
+        Ok(())
+    }
+}
+
+/// The tokens of an `indexer_scores` call (`raw`'s rows), its inputs checked
+/// against the cache's indexer geometry, the cached length and the rotary table
+/// (`rot` wide, `positions` long).
+fn indexer_tokens(
+    cache: &GpuAttnCache,
+    iq: &GpuBuf,
+    raw: &GpuBuf,
+    k_norm: &GpuBuf,
+    (rot, positions): (usize, usize),
+    pos: usize,
+) -> Result<usize> {
+    const OP: &str = "indexer_scores";
+    let ix = cache.indexer;
+    let (di, ni) = (ix.head_dim, ix.heads);
+    let t = rows(OP, "raw", raw.len(), di)?;
+    need(OP, iq.len() == t * ni * di && k_norm.len() == di, || {
+        format!(
+            "iq of {}, k_norm of {} for {t} tokens of {ni} heads of {di}",
+            iq.len(),
+            k_norm.len()
+        )
+    })?;
+    need(OP, pos <= cache.raw_len, || {
+        format!("position {pos} past the {} cached", cache.raw_len)
+    })?;
+    need(OP, rot <= di && pos + t <= positions, || {
+        format!(
+            "rotary width {rot} on heads of {di}, positions up to {} of {positions}",
+            pos + t,
+        )
+    })?;
+    Ok(t)
 }
 
 impl Gpu {
@@ -660,29 +723,8 @@ impl FlashOps for Gpu {
             let ix = cache.indexer;
             let (di, cr, ni) = (ix.head_dim, ix.compress, ix.heads);
             let table = rope.table();
-            let t = rows(OP, "raw", raw.len(), di)?;
-            need(OP, iq.len() == t * ni * di && k_norm.len() == di, || {
-                format!(
-                    "iq of {}, k_norm of {} for {t} tokens of {ni} heads of {di}",
-                    iq.len(),
-                    k_norm.len()
-                )
-            })?;
-            need(OP, pos <= cache.raw_len, || {
-                format!("position {pos} past the {} cached", cache.raw_len)
-            })?;
-            need(
-                OP,
-                table.rot() <= di && pos + t <= table.positions(),
-                || {
-                    format!(
-                        "rotary width {} on heads of {di}, positions up to {} of {}",
-                        table.rot(),
-                        pos + t,
-                        table.positions()
-                    )
-                },
-            )?;
+            let (rot, positions) = (table.rot(), table.positions());
+            let t = indexer_tokens(cache, iq, raw, k_norm, (rot, positions), pos)?;
             // Forget what was cached after `pos` (a failed pass leaves a clean state).
             cache.raw_len = pos;
             cache.pooled = cache.pooled.min(pos / cr);
@@ -708,22 +750,7 @@ impl FlashOps for Gpu {
                 scale: (di as f32).sqrt(),
                 ..IndexerParams::default()
             };
-            if nb > cache.pooled {
-                p.n = u32_of(OP, nb - cache.pooled)?;
-                p.first = u32_of(OP, cache.pooled)?;
-                ctx.dispatch_at(
-                    &kernel(FlashShader::Indexer, "pool"),
-                    &p.bytes(),
-                    &[
-                        (1, &*cache.raw.buf),
-                        (2, buf(k_norm)),
-                        (3, &*table.table.buf),
-                        (4, &*cache.blocks.buf),
-                    ],
-                    nb - cache.pooled,
-                )?;
-                cache.pooled = nb;
-            }
+            cache.pool_blocks(ctx, &mut p, k_norm, &table.table.buf, nb)?;
             if nb == 0 {
                 return Ok(vec![Vec::new(); t]);
             }
