@@ -32,6 +32,43 @@ pub fn git_blob_sha1(bytes: &[u8]) -> String {
     ::hex::encode(h.finalize())
 }
 
+/// Which hash a source published for a whole file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Published {
+    /// The git blob id ([`git_blob_sha1`]): a file not in LFS.
+    GitBlob,
+    /// The SHA-256 ([`sha256_hex`]): a file in LFS.
+    Sha256,
+}
+
+/// The published hashes of a whole file that `bytes` do not match, the git blob id
+/// first: (which, published, computed). The installer refuses a copy on the first;
+/// `verify-install` reports each.
+pub fn mismatches<'a>(
+    git_oid: Option<&'a str>,
+    sha256: Option<&'a str>,
+    bytes: &[u8],
+) -> Vec<(Published, &'a str, String)> {
+    [(Published::GitBlob, git_oid), (Published::Sha256, sha256)]
+        .into_iter()
+        .filter_map(|(which, want)| {
+            let want = want?;
+            let got = which.of(bytes);
+            (got != want).then_some((which, want, got))
+        })
+        .collect()
+}
+
+impl Published {
+    /// This hash of `bytes`, lowercase hex.
+    pub fn of(self, bytes: &[u8]) -> String {
+        match self {
+            Published::GitBlob => git_blob_sha1(bytes),
+            Published::Sha256 => sha256_hex(bytes),
+        }
+    }
+}
+
 /// Whether `s` is `len` hex digits, either case.
 pub fn is_hex(s: &str, len: usize) -> bool {
     s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())

@@ -9,7 +9,7 @@
 //! folder, a mirror that drops them) leaves the file unverified: the install says so per
 //! file and the receipt records it, and `--require-source-hash` refuses it.
 
-use crate::format::digest::{git_blob_sha1, sha256_hex};
+use crate::format::digest::{self, mismatches};
 use crate::format::receipt::ReceiptCopied;
 use crate::source::{RangeSource, ResolvedRepo};
 
@@ -47,27 +47,21 @@ impl Published {
     /// Check `bytes` (the whole of `file`, a path in the repo) against every hash
     /// published.
     pub fn check(&self, file: &str, bytes: &[u8]) -> Result<(), InstallError> {
-        let mismatch = |what, expected: &String, computed: String| {
-            Err(InstallError::CopiedHashMismatch {
+        let first = mismatches(self.git_oid.as_deref(), self.sha256.as_deref(), bytes)
+            .into_iter()
+            .next();
+        match first {
+            None => Ok(()),
+            Some((which, expected, computed)) => Err(InstallError::CopiedHashMismatch {
                 file: file.to_string(),
-                what,
-                expected: expected.clone(),
+                what: match which {
+                    digest::Published::GitBlob => "git blob id",
+                    digest::Published::Sha256 => "SHA-256",
+                },
+                expected: expected.to_string(),
                 computed,
-            })
-        };
-        if let Some(want) = &self.git_oid {
-            let got = git_blob_sha1(bytes);
-            if got != *want {
-                return mismatch("git blob id", want, got);
-            }
+            }),
         }
-        if let Some(want) = &self.sha256 {
-            let got = sha256_hex(bytes);
-            if got != *want {
-                return mismatch("SHA-256", want, got);
-            }
-        }
-        Ok(())
     }
 
     /// The receipt's record of `path`, copied to `file`, after [`Published::check`]
@@ -102,6 +96,7 @@ pub fn unpublished(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::digest::{git_blob_sha1, sha256_hex};
 
     #[test]
     fn a_copy_is_checked_against_every_published_hash() {

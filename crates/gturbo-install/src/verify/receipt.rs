@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::format::check::{VerifyFailure, open_inside, read_capped, read_manifest};
 use crate::format::check_relative_path;
-use crate::format::digest::{git_blob_sha1, sha256_hex};
+use crate::format::digest::{self, mismatches, sha256_hex};
 use crate::format::manifest::{MAX_MANIFEST_BYTES, Manifest};
 use crate::format::receipt::{self, Prover, Receipt, ReceiptCopied, ReceiptFile};
 
@@ -177,28 +177,19 @@ pub(super) fn check_copied(
                 continue;
             }
         };
-        let checks = [
-            (
-                "source git blob id",
-                &c.git_oid,
-                git_blob_sha1 as fn(&[u8]) -> String,
-            ),
-            ("source sha256", &c.sha256, sha256_hex),
-        ];
-        for (at, want, hash) in checks {
-            if let Some(want) = want {
-                let got = hash(&bytes);
-                if got != *want {
-                    out.push(VerifyFailure::new(
-                        &c.file,
-                        at,
-                        format!(
-                            "{got} on disk, the source ({}) published {want}, as {rname} records",
-                            c.path
-                        ),
-                    ));
-                }
-            }
+        for (which, want, got) in mismatches(c.git_oid.as_deref(), c.sha256.as_deref(), &bytes) {
+            let at = match which {
+                digest::Published::GitBlob => "source git blob id",
+                digest::Published::Sha256 => "source sha256",
+            };
+            out.push(VerifyFailure::new(
+                &c.file,
+                at,
+                format!(
+                    "{got} on disk, the source ({}) published {want}, as {rname} records",
+                    c.path
+                ),
+            ));
         }
     }
     out
