@@ -163,10 +163,7 @@ impl Staging {
 /// checked too (`--from x.partial --out x` would have it removed).
 fn apart_from_source(out: &Path, from: &Path) -> Result<(), InstallError> {
     let from = std::fs::canonicalize(from).map_err(|e| io_err(from, e))?;
-    for (path, given) in [
-        (out.to_path_buf(), out),
-        (with_suffix(out, ".partial"), out),
-    ] {
+    for path in [out.to_path_buf(), with_suffix(out, ".partial")] {
         let at = resolved(&path).map_err(|e| io_err(&path, e))?;
         let (how, harm) = if at == from {
             ("is", "replace the source with the install")
@@ -178,7 +175,7 @@ fn apart_from_source(out: &Path, from: &Path) -> Result<(), InstallError> {
             continue;
         };
         return Err(InstallError::OutputOverlapsSource {
-            out: given.display().to_string(),
+            out: out.display().to_string(),
             how,
             from: from.display().to_string(),
             harm,
