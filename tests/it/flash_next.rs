@@ -206,6 +206,11 @@ impl Worst {
         *e = e.max(d);
     }
 
+    /// `got` against the golden tensor `name`, its difference noted under `op`.
+    fn close(&mut self, g: &Golden, op: &'static str, name: &str, got: &[f32]) {
+        self.note(op, assert_close(name, got, g.f32(name)));
+    }
+
     fn print(self) {
         let mut worst: Vec<_> = self.0.into_iter().collect();
         worst.sort_by(|a, b| a.0.cmp(b.0));
@@ -238,22 +243,8 @@ fn ple_matches_the_reference_on_its_own_inputs() {
                 want,
                 "{p}.ple.ids"
             );
-            worst.note(
-                "ple.emb",
-                assert_close(
-                    &format!("{p}.ple.emb"),
-                    &o.emb,
-                    g.f32(&format!("{p}.ple.emb")),
-                ),
-            );
-            worst.note(
-                "ple.out",
-                assert_close(
-                    &format!("{p}.ple.out"),
-                    &o.out,
-                    g.f32(&format!("{p}.ple.out")),
-                ),
-            );
+            worst.close(&g, "ple.emb", &format!("{p}.ple.emb"), &o.emb);
+            worst.close(&g, "ple.out", &format!("{p}.ple.out"), &o.out);
         }
     }
     worst.print();
@@ -278,63 +269,18 @@ fn hyper_connections_match_the_reference_on_their_own_inputs() {
             }
         }
         let r = hc_read(&be, &layer.attn_hc, cfg.hc, &x, t).unwrap();
-        worst.note(
-            "hc.mix",
-            assert_close(
-                &format!("{p}.attn_hc.mix"),
-                &r.mix,
-                g.f32(&format!("{p}.attn_hc.mix")),
-            ),
-        );
-        worst.note(
-            "hc.mixed",
-            assert_close(
-                &format!("{p}.attn_hc.mixed"),
-                &r.mixed,
-                g.f32(&format!("{p}.attn_hc.mixed")),
-            ),
-        );
-        worst.note(
-            "hc.inject",
-            assert_close(
-                &format!("{p}.attn_hc.inject"),
-                &r.inject,
-                g.f32(&format!("{p}.attn_hc.inject")),
-            ),
-        );
+        worst.close(&g, "hc.mix", &format!("{p}.attn_hc.mix"), &r.mix);
+        worst.close(&g, "hc.mixed", &format!("{p}.attn_hc.mixed"), &r.mixed);
+        worst.close(&g, "hc.inject", &format!("{p}.attn_hc.inject"), &r.inject);
         let xa = g.f32(&format!("{p}.after_attn")).to_vec();
         let r = hc_read(&be, &layer.mlp_hc, cfg.hc, &xa, t).unwrap();
-        worst.note(
-            "hc.mix",
-            assert_close(
-                &format!("{p}.mlp_hc.mix"),
-                &r.mix,
-                g.f32(&format!("{p}.mlp_hc.mix")),
-            ),
-        );
-        worst.note(
-            "hc.mixed",
-            assert_close(
-                &format!("{p}.mlp_hc.mixed"),
-                &r.mixed,
-                g.f32(&format!("{p}.mlp_hc.mixed")),
-            ),
-        );
-        worst.note(
-            "hc.inject",
-            assert_close(
-                &format!("{p}.mlp_hc.inject"),
-                &r.inject,
-                g.f32(&format!("{p}.mlp_hc.inject")),
-            ),
-        );
+        worst.close(&g, "hc.mix", &format!("{p}.mlp_hc.mix"), &r.mix);
+        worst.close(&g, "hc.mixed", &format!("{p}.mlp_hc.mixed"), &r.mixed);
+        worst.close(&g, "hc.inject", &format!("{p}.mlp_hc.inject"), &r.inject);
     }
     let last = g.f32(&format!("layers.{}.out", cfg.layers - 1)).to_vec();
     let r = hc_read(&be, model.mixer(), cfg.hc, &last, t).unwrap();
-    worst.note(
-        "mixer.out",
-        assert_close("mixer.out", &r.mixed, g.f32("mixer.out")),
-    );
+    worst.close(&g, "mixer.out", "mixer.out", &r.mixed);
     worst.print();
 }
 
@@ -355,38 +301,10 @@ fn gated_delta_net_matches_the_reference_on_its_own_inputs() {
         let u = g.f32(&format!("{p}.attn_hc.mixed")).to_vec();
         let mut st = GdnState::new(&be, &cfg.gdn).unwrap();
         let o = gdn_forward(&be, gw, &cfg.gdn, &mut st, &u, t).unwrap();
-        worst.note(
-            "gdn.qkv",
-            assert_close(
-                &format!("{p}.gdn.qkv"),
-                &o.qkv,
-                g.f32(&format!("{p}.gdn.qkv")),
-            ),
-        );
-        worst.note(
-            "gdn.core",
-            assert_close(
-                &format!("{p}.gdn.core"),
-                &o.core,
-                g.f32(&format!("{p}.gdn.core")),
-            ),
-        );
-        worst.note(
-            "gdn.gated",
-            assert_close(
-                &format!("{p}.gdn.gated"),
-                &o.gated,
-                g.f32(&format!("{p}.gdn.gated")),
-            ),
-        );
-        worst.note(
-            "gdn.out",
-            assert_close(
-                &format!("{p}.gdn.out"),
-                &o.out,
-                g.f32(&format!("{p}.gdn.out")),
-            ),
-        );
+        worst.close(&g, "gdn.qkv", &format!("{p}.gdn.qkv"), &o.qkv);
+        worst.close(&g, "gdn.core", &format!("{p}.gdn.core"), &o.core);
+        worst.close(&g, "gdn.gated", &format!("{p}.gdn.gated"), &o.gated);
+        worst.close(&g, "gdn.out", &format!("{p}.gdn.out"), &o.out);
     }
     worst.print();
 }
@@ -409,22 +327,8 @@ fn attention_and_its_indexer_scores_match_the_reference_on_their_own_inputs() {
         let a = &cfg.attn;
         let mut cache = be.attn_cache(a.kv_heads, a.head_dim, a.indexer).unwrap();
         let o = attention_forward(&be, aw, a, model.rope(), &mut cache, 0, &u, t).unwrap();
-        worst.note(
-            "attn.gated",
-            assert_close(
-                &format!("{p}.attn.gated"),
-                &o.gated,
-                g.f32(&format!("{p}.attn.gated")),
-            ),
-        );
-        worst.note(
-            "attn.out",
-            assert_close(
-                &format!("{p}.attn.out"),
-                &o.out,
-                g.f32(&format!("{p}.attn.out")),
-            ),
-        );
+        worst.close(&g, "attn.gated", &format!("{p}.attn.gated"), &o.gated);
+        worst.close(&g, "attn.out", &format!("{p}.attn.out"), &o.out);
         let want = g.f32(&format!("{p}.indexer.scores"));
         let nb = want.len() / t;
         let mut got = vec![f32::NAN; t * nb];
@@ -472,13 +376,11 @@ fn moe_routing_and_experts_match_the_reference_on_their_own_inputs() {
             true,
         )
         .unwrap();
-        worst.note(
+        worst.close(
+            &g,
             "moe.router_logits",
-            assert_close(
-                &format!("{p}.moe.router_logits"),
-                o.router_logits.as_ref().unwrap(),
-                g.f32(&format!("{p}.moe.router_logits")),
-            ),
+            &format!("{p}.moe.router_logits"),
+            o.router_logits.as_ref().unwrap(),
         );
         let idx: Vec<i64> = o
             .routes
@@ -491,30 +393,9 @@ fn moe_routing_and_experts_match_the_reference_on_their_own_inputs() {
             "{p}.moe.topk_idx (torch order)"
         );
         let wts: Vec<f32> = o.routes.iter().flat_map(|r| r.weights.clone()).collect();
-        worst.note(
-            "moe.topk_w",
-            assert_close(
-                &format!("{p}.moe.topk_w"),
-                &wts,
-                g.f32(&format!("{p}.moe.topk_w")),
-            ),
-        );
-        worst.note(
-            "moe.shared",
-            assert_close(
-                &format!("{p}.moe.shared"),
-                &o.shared,
-                g.f32(&format!("{p}.moe.shared")),
-            ),
-        );
-        worst.note(
-            "moe.out",
-            assert_close(
-                &format!("{p}.moe.out"),
-                &o.out,
-                g.f32(&format!("{p}.moe.out")),
-            ),
-        );
+        worst.close(&g, "moe.topk_w", &format!("{p}.moe.topk_w"), &wts);
+        worst.close(&g, "moe.shared", &format!("{p}.moe.shared"), &o.shared);
+        worst.close(&g, "moe.out", &format!("{p}.moe.out"), &o.out);
     }
     worst.print();
 }
