@@ -27,7 +27,7 @@
 # VARIANTS (extra GPU rows, resident experts, each under its own environment;
 # ';'-separated, e.g. "GTURBO_GPU_ATTN_SPLIT=0; GTURBO_GPU_TILING=32x2").
 set -euo pipefail
-HERE="$(cd "$(dirname "$0")" && pwd)"
+HERE="$(cd "$(dirname "$(readlink -f "$0")")" && pwd)"
 cd "$HERE/../.."
 PROMPT="${PROMPT:-128}"
 TOKENS="${TOKENS:-64}"

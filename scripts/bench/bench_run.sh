@@ -11,7 +11,7 @@
 # Environment: TOKENS (default 32), RUNS (3), THREADS (nproc), PEERS ("gturbo mlx llama"),
 # BENCH_PROMPT (the prompt text).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$(readlink -f "$0")")/../.."
 TOKENS="${TOKENS:-32}"
 RUNS="${RUNS:-3}"
 THREADS="${THREADS:-$(nproc)}"

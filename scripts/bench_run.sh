@@ -1,0 +1,1 @@
+bench/bench_run.sh
