@@ -13,8 +13,8 @@ pub struct ExecuteOptions {
     /// Connections (sub-range requests in flight): fixed, or grown while throughput rises.
     pub jobs: Jobs,
     /// Bytes per sub-range request: the unit of the reorder window (see
-    /// [`super::stream::Links`]); `None` sizes it to the connections
-    /// ([`super::stream::auto_sub_range`]).
+    /// [`super::window::Links`]); `None` sizes it to the connections
+    /// ([`super::window::auto_sub_range`]).
     pub sub_range_bytes: Option<u64>,
     /// Source bytes per transform tile (rounded to whole rows, at least one row).
     pub tile_bytes: usize,
