@@ -3,10 +3,10 @@
 //! then hash, write the manifest last, and publish by an atomic rename.
 //!
 //! [`execute`] runs these steps, each in its own module: *stage* (claim the output,
-//! lay out the staging files: [`super::stage`]), *journal* (open or start the resume
-//! journal: [`super::journal`]), *resume* (keep the journaled reads still intact:
-//! [`super::resume`]), *stream* (fetch, transform, write, journal: [`super::stream`]),
-//! then *copy*, *finalize* and *publish* ([`super::publish`]).
+//! lay out the staging files: `stage`), *journal* (open or start the resume
+//! journal: `journal`), *resume* (keep the journaled reads still intact:
+//! `resume`), *stream* (fetch, transform, write, journal: `stream`),
+//! then *copy*, *finalize* and *publish* (`publish`).
 //!
 //! # Memory
 //! Each job holds one tile of source rows and its transformed output (`tile_bytes`

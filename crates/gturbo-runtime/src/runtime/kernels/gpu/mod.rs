@@ -111,5 +111,6 @@ pub use backend::{Gpu, GpuBuf, GpuExpert, GpuKv, GpuRope, GpuSlots};
 pub use context::{AdapterSummary, GpuContext, GpuOptions, GpuStats, list_adapters};
 pub use error::{GpuError, Result};
 pub use flash::GpuAttnCache;
-pub use ops::RouterOutput;
+pub use ops::{PACKED_X_WORDS, RouterOutput};
 pub use tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
+pub use tuning::x24_lanes;
