@@ -16,7 +16,7 @@
 //! says so per file, and `--require-source-hash` refuses them).
 //!
 //! The directory is walked once, in [`LocalSource::open`]; each file's resolved location
-//! is kept, and later reads open it without following a link ([`open_listed`]): a
+//! is kept, and later reads open it without following a link (`open_listed`): a
 //! link swapped in after the walk cannot redirect a read. Reads are positional and
 //! exact.
 
