@@ -11,7 +11,7 @@ use gturbo::runtime::generate::argmax;
 use gturbo::runtime::kernels::gpu::{Gpu, GpuOptions};
 use gturbo::runtime::kernels::{Backend, Cpu};
 use gturbo::runtime::load::{self, LoadOptions};
-use gturbo::runtime::model::Model;
+use gturbo::runtime::models::decoder::Model;
 use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
 
@@ -40,7 +40,14 @@ fn greedy<B: Backend>(
     prompt: &[u32],
     steps: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let install = load::open(dir, LoadOptions { experts }).unwrap();
+    let install = load::open(
+        dir,
+        LoadOptions {
+            experts,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let model = Model::new(&install, b).unwrap();
     let mut s = model.session();
     rollout(model.cfg.vocab, prompt, steps, |ids, prefill| {

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use gturbo::runtime::experts::ExpertMode;
-use gturbo::runtime::flash_next::install::{self, DEFAULT_ROW_CACHE_ROWS, FlashOptions};
-use gturbo::runtime::flash_next::model::FlashModel;
-use gturbo::runtime::flash_next::ops::FlashOps;
+use gturbo::runtime::kernels::Ops;
 use gturbo::runtime::kernels::{Backend, Cpu};
+use gturbo::runtime::models::flash_next::install::{self, DEFAULT_ROW_CACHE_ROWS, FlashOptions};
+use gturbo::runtime::models::flash_next::model::FlashModel;
 use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
@@ -43,7 +43,7 @@ fn prompt(vocab: usize) -> Vec<u32> {
 
 /// Greedy decoding of `steps` tokens after `prompt`, with the logits of every
 /// position (the prompt's, then each decode step's).
-fn greedy<B: FlashOps>(
+fn greedy<B: Ops>(
     dir: &Path,
     experts: ExpertMode,
     b: &B,

@@ -35,8 +35,8 @@
 //! Operations only one runner needs (Flash-Next's gated-delta-net step, its
 //! hyper-connection mix and inject, the PLE gather and conv, the indexer's block scores)
 //! go in an extension trait of that runner (Flash-Next's is
-//! [`FlashOps`](crate::runtime::flash_next::seam::FlashOps), which its runner requires:
-//! `FlashModel<'a, B: FlashOps>`), so the core trait does not grow per runner. The CPU
+//! [`Ops`](crate::runtime::models::flash_next::seam::Ops), which its runner requires:
+//! `FlashModel<'a, B: Ops>`), so the core trait does not grow per runner. The CPU
 //! implements such a trait over the runner's pure slice functions (its `Buf` is a
 //! `Vec<f32>`, its weights [`Matrix`] views), the GPU with kernels of its own
 //! (`gpu/flash.rs`).
@@ -182,6 +182,8 @@ pub trait Backend {
     fn zero(&self, x: &mut Self::Buf) -> OpResult;
     /// Rows `rows` of the `width`-wide `x`, copied into a new tensor.
     fn copy_rows(&self, x: &Self::Buf, width: usize, rows: Range<usize>) -> OpResult<Self::Buf>;
+    /// A copy of `x` (a session snapshot's states).
+    fn copy(&self, x: &Self::Buf) -> OpResult<Self::Buf>;
     /// The elements of `x`, copied to the host (tests, diagnostics).
     fn read(&self, x: &Self::Buf) -> OpResult<Vec<f32>>;
     /// `x` handed to the host: the logits for sampling (no copy on the CPU).
@@ -249,6 +251,8 @@ pub trait Backend {
         head_dim: usize,
         max_positions: usize,
     ) -> OpResult<Self::Kv>;
+    /// A copy of `kv` holding the same positions (a session snapshot).
+    fn copy_kv(&self, kv: &Self::Kv) -> OpResult<Self::Kv>;
     /// Store `k` and `v` (`[n, kv_heads·head_dim]`) at positions `at.pos..at.pos + n`
     /// of `kv`, forgetting any positions after them (so a session whose last forward
     /// pass failed halfway continues cleanly), then causal attention of `q`

@@ -348,6 +348,10 @@ impl Backend for Gpu {
         Ok(out)
     }
 
+    fn copy(&self, x: &GpuBuf) -> OpResult<GpuBuf> {
+        self.copy_rows(x, x.len(), 0..1)
+    }
+
     fn read(&self, x: &GpuBuf) -> OpResult<Vec<f32>> {
         self.ctx.download_f32(&x.t).map_err(|e| self.err("read", e))
     }
@@ -439,6 +443,22 @@ impl Backend for Gpu {
             cache,
             max: max_positions.max(1),
             len: 0,
+        })
+    }
+
+    fn copy_kv(&self, kv: &GpuKv) -> OpResult<GpuKv> {
+        let c = &kv.cache;
+        let cache = KvCache::new(&self.ctx, c.capacity(), c.kv_heads, c.head_dim)
+            .map_err(|e| self.err("copy_kv", e))?;
+        let bytes = (kv.len * c.kv_heads * c.head_dim * 4) as u64;
+        if bytes > 0 {
+            self.ctx.copy(&c.k.buf, 0, &cache.k.buf, 0, bytes);
+            self.ctx.copy(&c.v.buf, 0, &cache.v.buf, 0, bytes);
+        }
+        Ok(GpuKv {
+            cache,
+            max: kv.max,
+            len: kv.len,
         })
     }
 

@@ -31,10 +31,10 @@
 //! The conv state is the last `(K−1)·D` columns of `norm_conv(gv)` (zeros before the
 //! prompt).
 
-use super::rows::RowCache;
-use super::seam::{FlashOps, HcDims};
 use crate::runtime::RunError;
 use crate::runtime::kernels::Backend;
+use crate::runtime::kernels::ops::{HcDims, Ops};
+use crate::runtime::rows::RowCache;
 
 /// The I64 tables of one PLE layer, as installed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,7 +193,7 @@ pub struct PleOut<B: Backend> {
 /// Run `T` tokens through one PLE layer: `x` is the residual entering the layer
 /// (`[T, S·H]`), `tokens` their ids. The rows are read on the host (the row cache)
 /// and uploaded; everything else is backend ops. Advances `state`.
-pub fn ple_forward<B: FlashOps>(
+pub fn ple_forward<B: Ops>(
     b: &B,
     w: &PleWeights<'_, B>,
     d: &PleDims,

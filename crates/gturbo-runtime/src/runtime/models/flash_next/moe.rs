@@ -11,9 +11,9 @@
 //! install's expert store (slot cache or resident map); the installer has split the
 //! fused `gate_up_proj` into the blob's gate and up parts, gate first.
 
-use super::seam::FlashOps;
 use crate::runtime::RunError;
 use crate::runtime::experts::ExpertStore;
+use crate::runtime::kernels::ops::Ops;
 use crate::runtime::kernels::{Backend, BackendError, ExpertRef, Routing};
 
 /// One MoE layer's resident weights (the routed experts live in the expert store).
@@ -72,7 +72,7 @@ pub struct MoeOut<B: Backend> {
 /// chosen expert is fetched once per call and run over the tokens that chose it, in
 /// ascending expert id as the reference's `index_add_`; then the shared expert.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_forward<B: FlashOps>(
+pub fn moe_forward<B: Ops>(
     b: &B,
     w: &MoeWeights<'_, B>,
     d: &MoeDims,

@@ -1,5 +1,5 @@
-//! The [`FlashOps`] contract as a test: every op of a backend against the CPU's
-//! [`FlashOps`] (the implementation the goldens check, `tests/it/flash_next.rs`) on
+//! The [`Ops`] contract as a test: every op of a backend against the CPU's
+//! [`Ops`] (the implementation the goldens check, `tests/it/flash_next.rs`) on
 //! random inputs at awkward shapes: widths no workgroup divides, one row, several
 //! streams and heads that are not powers of two, grouped heads, the conv's state
 //! shifting by fewer rows than it holds and replaced by more, the real model's widths
@@ -31,11 +31,11 @@
 //!   negative scores 0 on both), so the top-k boundary falls inside ties.
 //! - `indexed_attention`: `1e-5` of the largest `|v|` (the core attention bound).
 
-use super::attention::select_blocks;
-use super::norm::GateAct;
-use super::ops::CpuAttnCache;
-use super::rope::inv_freq;
-use super::seam::{Act, FlashOps, GdnDims, HcDims, IndexerDims};
+use crate::runtime::kernels::CpuAttnCache;
+use crate::runtime::kernels::ops::GateAct;
+use crate::runtime::kernels::ops::{Act, GdnDims, HcDims, IndexerDims, Ops};
+use crate::runtime::kernels::rope::inv_freq;
+use crate::runtime::kernels::topk::select_blocks;
 use crate::runtime::kernels::{Backend, Causal, Cpu};
 use crate::runtime::testing::Rng;
 
@@ -73,7 +73,7 @@ fn max_abs(x: &[f32]) -> f32 {
 }
 
 /// The activations, gates, gathers and the hyper-connection's expand, mix and inject.
-pub(crate) fn elementwise<B: FlashOps>(b: &B) {
+pub(crate) fn elementwise<B: Ops>(b: &B) {
     let c = cpu();
     let mut rng = Rng(0x5eed_0001);
     // 1001 elements: no workgroup divides them; values to ±14 reach both sides of the
@@ -172,7 +172,7 @@ pub(crate) fn elementwise<B: FlashOps>(b: &B) {
 }
 
 /// The grouped offset norm, the GDN's gated norm and the PLE gate.
-pub(crate) fn norms<B: FlashOps>(b: &B) {
+pub(crate) fn norms<B: Ops>(b: &B) {
     let c = cpu();
     let mut rng = Rng(0x5eed_0002);
     // (rows, weight length, group): per-stream pieces of 72, the real 4 × 2560
@@ -259,7 +259,7 @@ pub(crate) fn norms<B: FlashOps>(b: &B) {
 
 /// The depthwise causal conv with its state: the GDN's (dilation 1) and the PLE's
 /// (dilation 3), through calls of more, as many and fewer rows than the state holds.
-pub(crate) fn conv<B: FlashOps>(b: &B) {
+pub(crate) fn conv<B: Ops>(b: &B) {
     let c = cpu();
     let mut rng = Rng(0x5eed_0003);
     for (ch, taps, dilation, steps) in [
@@ -301,7 +301,7 @@ pub(crate) fn conv<B: FlashOps>(b: &B) {
 }
 
 /// The gated delta rule, its state carried through several calls.
-pub(crate) fn gdn<B: FlashOps>(b: &B) {
+pub(crate) fn gdn<B: Ops>(b: &B) {
     let c = cpu();
     let mut rng = Rng(0x5eed_0004);
     let dims = |nk, dk, nv, dv| GdnDims {
@@ -379,7 +379,7 @@ struct AttnCase {
 /// The indexer's scores (and the host's selection from them) and the attention over
 /// that selection, through a prefill, decode steps and a rewind that forgets cached
 /// positions.
-pub(crate) fn indexer<B: FlashOps>(b: &B) {
+pub(crate) fn indexer<B: Ops>(b: &B) {
     let c = cpu();
     let mut rng = Rng(0x5eed_0005);
     let cases = [

@@ -3,8 +3,8 @@
 //! (`arch.axes.NAME (family F): what is wrong`). Each runner says its own integer
 //! bound and how it words a missing axis.
 
-use super::error::RunError;
 use crate::format::manifest::{self, Manifest};
+use crate::runtime::error::RunError;
 
 /// The error for `axis` of `m`: `msg` after the axis and the family.
 pub(crate) fn axis_err(m: &Manifest, axis: &str, msg: &str) -> RunError {

@@ -14,7 +14,7 @@
 //! x_j ← x_j + inj_j · block(u)                     (into the un-normalised streams)
 //! ```
 
-use super::seam::{Act, FlashOps, HcDims};
+use crate::runtime::kernels::ops::{Act, HcDims, Ops};
 use crate::runtime::kernels::{Backend, OpResult};
 
 /// One hyper-connection's weights, as backend tensors.
@@ -40,7 +40,7 @@ pub struct HcRead<B: Backend> {
 }
 
 /// Read `T` tokens of the residual `x` (`[T, S·H]`) through `hc`.
-pub fn hc_read<B: FlashOps>(
+pub fn hc_read<B: Ops>(
     b: &B,
     hc: &HyperConnection<'_, B>,
     d: HcDims,

@@ -1,10 +1,11 @@
-//! The norms and activations of the qwen4_exp forward pass, in f32 as the reference
+//! The norms and activations of the operation families (qwen4_exp first needed them), in f32 as the reference
 //! computes them (it upcasts to f32 before every norm).
 //!
 //! Every function panics on slice lengths other than the documented ones, like the
 //! kernels: callers size their buffers from the validated config.
 
 use crate::runtime::kernels::dot;
+use crate::runtime::kernels::ops::GateAct;
 
 /// `1 / sqrt(mean(x²) + eps)` of one group.
 #[inline]
@@ -35,21 +36,6 @@ pub fn offset_rms_norm(x: &[f32], w: &[f32], group: usize, eps: f32, out: &mut [
             }
         }
     }
-}
-
-/// [`offset_rms_norm`] in place.
-pub fn offset_rms_norm_inplace(x: &mut [f32], w: &[f32], group: usize, eps: f32) {
-    let src = x.to_vec();
-    offset_rms_norm(&src, w, group, eps, x);
-}
-
-/// The activation of the GDN output gate (`output_gate_type`, else `hidden_act`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GateAct {
-    /// `sigmoid(z)`: the real and toy configs.
-    Sigmoid,
-    /// `silu(z)`: the reference's default when `output_gate_type` is unset.
-    Silu,
 }
 
 /// `Qwen4ExpTextRMSNormGated` over `w.len()`-wide heads: `rms(o) · w · act(z)` with a

@@ -12,7 +12,7 @@
 //! The same call runs a prompt and a cached decode step: every op continues from the
 //! session's state (KV cache and block keys, GDN conv and recurrent state, PLE
 //! history and conv state), so decoding token by token equals re-running the prefix.
-//! It is generic over the backend (`B: FlashOps`) and never names one.
+//! It is generic over the backend (`B: Ops`) and never names one.
 
 use std::collections::BTreeMap;
 
@@ -23,20 +23,21 @@ use super::hc::{HcRead, HyperConnection, hc_read};
 use super::install::FlashInstall;
 use super::moe::{MoeWeights, moe_forward};
 use super::ple::{PleState, PleTables, PleWeights, ple_forward};
-use super::rope::inv_freq;
-use super::seam::FlashOps;
 use crate::format::manifest;
 use crate::format::pools::ExpertPool;
 use crate::runtime::RunError;
 use crate::runtime::error::InputError;
-use crate::runtime::experts::ExpertMode;
+use crate::runtime::experts::{CacheStats, ExpertMode};
+use crate::runtime::generate::{LanguageModel, Stat};
+use crate::runtime::kernels::ops::Ops;
+use crate::runtime::kernels::rope::inv_freq;
 use crate::runtime::kernels::{Backend, OpResult};
 
 /// Prefix of the text model's tensors.
 const LM: &str = "model.language_model.";
 
 /// A layer's token mixer.
-pub enum Mixer<'a, B: FlashOps> {
+pub enum Mixer<'a, B: Ops> {
     /// Gated DeltaNet.
     Gdn(GdnWeights<'a, B>),
     /// Gated attention with the indexer.
@@ -44,7 +45,7 @@ pub enum Mixer<'a, B: FlashOps> {
 }
 
 /// One decoder layer's weights.
-pub struct FlashLayer<'a, B: FlashOps> {
+pub struct FlashLayer<'a, B: Ops> {
     /// The PLE block, on the layers that have one.
     pub ple: Option<PleWeights<'a, B>>,
     /// The hyper-connection around the mixer.
@@ -58,7 +59,7 @@ pub struct FlashLayer<'a, B: FlashOps> {
 }
 
 /// The loaded model, computing on `B`.
-pub struct FlashModel<'a, B: FlashOps> {
+pub struct FlashModel<'a, B: Ops> {
     /// The numbers.
     pub cfg: FlashConfig,
     /// Per layer: its kind.
@@ -74,7 +75,7 @@ pub struct FlashModel<'a, B: FlashOps> {
 }
 
 /// One layer's mixer state.
-pub enum MixerState<B: FlashOps> {
+pub enum MixerState<B: Ops> {
     /// GDN conv and recurrent state.
     Gdn(GdnState<B>),
     /// KV cache, raw indexer keys and block keys.
@@ -82,7 +83,7 @@ pub enum MixerState<B: FlashOps> {
 }
 
 /// Per-sequence state; the backend's buffers are made by the first forward pass.
-pub struct FlashSession<B: FlashOps> {
+pub struct FlashSession<B: Ops> {
     /// Per layer: the mixer's state (empty until the first forward pass).
     pub mixers: Vec<MixerState<B>>,
     /// Per layer: the PLE state, on PLE layers.
@@ -124,7 +125,7 @@ impl Trace {
     }
 }
 
-fn hc<'a, B: FlashOps>(
+fn hc<'a, B: Ops>(
     b: &B,
     inst: &'a FlashInstall,
     cfg: &FlashConfig,
@@ -300,12 +301,12 @@ pub fn load_ple_tables(
 }
 
 /// The install and the backend its tensors are bound on.
-struct Bind<'a, 'b, B: FlashOps> {
+struct Bind<'a, 'b, B: Ops> {
     inst: &'a FlashInstall,
     b: &'b B,
 }
 
-impl<'a, B: FlashOps> Bind<'a, '_, B> {
+impl<'a, B: Ops> Bind<'a, '_, B> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weights<'a>, RunError> {
         Ok(self.b.weights(self.inst.matrix(name, rows, cols)?)?)
     }
@@ -436,7 +437,7 @@ fn expert_pool<'a>(
     Ok(pool)
 }
 
-impl<'a, B: FlashOps> FlashModel<'a, B> {
+impl<'a, B: Ops> FlashModel<'a, B> {
     /// Bind the install's tensors on `backend`, checking every shape against the
     /// config and the PLE tables against what the config implies.
     pub fn new(install: &'a FlashInstall, backend: &'a B) -> Result<FlashModel<'a, B>, RunError> {
@@ -788,7 +789,78 @@ impl<'a, B: FlashOps> FlashModel<'a, B> {
     }
 }
 
-impl<B: FlashOps> crate::runtime::generate::LanguageModel for FlashModel<'_, B> {
+impl<B: Ops> FlashModel<'_, B> {
+    /// A copy of `s` that continues independently (every layer's state copied on the
+    /// backend).
+    pub fn copy_session(&self, s: &FlashSession<B>) -> Result<FlashSession<B>, RunError> {
+        let b = self.backend;
+        let mixers = s
+            .mixers
+            .iter()
+            .map(|m| {
+                Ok(match m {
+                    MixerState::Gdn(g) => MixerState::Gdn(GdnState {
+                        conv: b.copy(&g.conv)?,
+                        recurrent: b.copy(&g.recurrent)?,
+                    }),
+                    MixerState::Attn(c) => MixerState::Attn(b.copy_cache(c)?),
+                })
+            })
+            .collect::<OpResult<Vec<_>>>()?;
+        let ple = s
+            .ple
+            .iter()
+            .map(|p| {
+                p.as_ref()
+                    .map(|p| {
+                        Ok(PleState {
+                            history: p.history.clone(),
+                            conv: b.copy(&p.conv)?,
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<OpResult<Vec<_>>>()?;
+        Ok(FlashSession {
+            mixers,
+            ple,
+            pos: s.pos,
+        })
+    }
+
+    /// The footer's figures: the PLE row caches and the per-sequence state.
+    fn footer_stats(&self, positions: usize) -> Vec<Stat> {
+        let mut rows = CacheStats::default();
+        let mut cap = 0u64;
+        for (_, r) in &self.install.rows {
+            let s = r.stats();
+            rows.hits += s.hits;
+            rows.misses += s.misses;
+            cap += r.capacity_bytes();
+        }
+        let state = self.state_bytes(positions);
+        vec![
+            Stat {
+                text: format!("row cache {}", rows.text()),
+                key: "row_cache",
+                value: serde_json::json!({
+                    "hits": rows.hits, "misses": rows.misses, "hit_rate": rows.hit_rate(),
+                    "capacity_bytes": cap,
+                }),
+            },
+            Stat {
+                text: format!(
+                    "KV cache + GDN/PLE state {:.1} KiB at {positions} positions",
+                    state as f64 / 1024.0
+                ),
+                key: "state_bytes",
+                value: serde_json::json!(state),
+            },
+        ]
+    }
+}
+
+impl<B: Ops> LanguageModel for FlashModel<'_, B> {
     type Session = FlashSession<B>;
     fn new_session(&self) -> FlashSession<B> {
         self.session()
@@ -801,7 +873,19 @@ impl<B: FlashOps> crate::runtime::generate::LanguageModel for FlashModel<'_, B> 
     ) -> Result<Vec<f32>, RunError> {
         self.forward(s, tokens, all)
     }
+    fn copy_session(&self, s: &FlashSession<B>) -> Result<FlashSession<B>, RunError> {
+        FlashModel::copy_session(self, s)
+    }
     fn vocab(&self) -> usize {
         self.cfg.vocab
+    }
+    fn backend_name(&self) -> String {
+        self.backend.name().to_string()
+    }
+    fn device_memory_bytes(&self) -> Option<u64> {
+        self.backend.device_memory_bytes()
+    }
+    fn stats(&self, positions: usize) -> Vec<Stat> {
+        self.footer_stats(positions)
     }
 }

@@ -12,12 +12,12 @@
 
 use super::attention::AttnDims;
 use super::moe::MoeDims;
-use super::norm::GateAct;
 use super::ple::PleDims;
-use super::seam::{GdnDims, HcDims, IndexerDims};
 use crate::format::manifest::Manifest;
 use crate::runtime::RunError;
-use crate::runtime::axes::Axes;
+use crate::runtime::kernels::ops::GateAct;
+use crate::runtime::kernels::ops::{GdnDims, HcDims, IndexerDims};
+use crate::runtime::layers::axes::Axes;
 
 /// What kind of token mixer a layer has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -25,9 +25,9 @@
 //! A block's key depends only on its `cr` raw keys, so it is computed once, when the
 //! block completes, and cached with the KV cache.
 
-use super::seam::{FlashOps, IndexerDims};
-use super::topk::torch_topk;
-use crate::runtime::kernels::{Backend, Causal, NormGain, OpResult, dot};
+use crate::runtime::kernels::ops::{IndexerDims, Ops};
+use crate::runtime::kernels::topk::select_blocks;
+use crate::runtime::kernels::{Backend, Causal, NormGain, OpResult};
 
 /// The indexer's weights.
 pub struct IndexerWeights<'a, B: Backend> {
@@ -97,45 +97,10 @@ pub struct AttnOut<B: Backend> {
     pub blocks: Vec<Vec<usize>>,
 }
 
-/// Relu-sum scores of one query's heads (`[n_i, d_i]`, normed and rotated) against
-/// block keys (`[n, d_i]`): `s_b = Σ_h relu(q_h · key_b) / √d_i`.
-pub fn block_scores(q: &[f32], keys: &[f32], head_dim: usize) -> Vec<f32> {
-    let scale = (head_dim as f32).sqrt();
-    keys.chunks_exact(head_dim)
-        .map(|kb| {
-            let s: f32 = q
-                .chunks_exact(head_dim)
-                .map(|qh| dot(qh, kb).max(0.0))
-                .sum();
-            s / scale
-        })
-        .collect()
-}
-
-/// The blocks a query attends to: torch's top-`min(kb, n)` of its scores, as an
-/// ascending set.
-pub fn select_blocks(scores: &[f32], block_topk: usize) -> Vec<usize> {
-    let mut sel = torch_topk(scores, block_topk.min(scores.len()));
-    sel.sort_unstable();
-    sel
-}
-
-/// The key positions a query at `pos` may read, ascending: the tokens of `blocks`
-/// and the tail `n·cr ..= pos`.
-pub fn allowed_positions(blocks: &[usize], compress: usize, pos: usize) -> Vec<usize> {
-    let n = (pos + 1) / compress;
-    let mut out: Vec<usize> = blocks
-        .iter()
-        .flat_map(|&b| b * compress..(b + 1) * compress)
-        .collect();
-    out.extend(n * compress..=pos);
-    out
-}
-
 /// Run `T` tokens of the block input `u` (`[T, H]`) at positions `pos ..` through one
 /// attention layer, appending to `cache`.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward<B: FlashOps>(
+pub fn attention_forward<B: Ops>(
     b: &B,
     w: &AttnWeights<'_, B>,
     d: &AttnDims,

@@ -2,6 +2,17 @@
 //! checked here, before anything is recorded, so a mismatch is an error and never an
 //! out-of-bounds access on the device.
 
+mod elementwise;
+#[cfg(test)]
+mod families_tests;
+mod hyper;
+mod launch;
+mod linear_attention;
+mod ngram;
+mod sparse_attention;
+
+pub use sparse_attention::GpuAttnCache;
+
 use std::sync::Arc;
 
 use wgpu::util::DeviceExt;

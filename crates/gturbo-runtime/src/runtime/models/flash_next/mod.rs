@@ -1,6 +1,6 @@
 //! The qwen4_exp (Flash-Next) text forward pass, written once against the runtime's
 //! [`Backend`](crate::runtime::kernels::Backend) seam plus its extension trait
-//! [`seam::FlashOps`] (the operations only this runner needs), one module per
+//! [`seam::Ops`] (the operations only this runner needs), one module per
 //! operation of the reference (transformers 5.24
 //! `models/qwen4_exp/modeling_qwen4_exp.py`; `tests/data/flashnext_toy/REFERENCE_NOTES.md`
 //! gives its math):
@@ -16,12 +16,12 @@
 //!   dilated conv) over [`rows`], the bounded `pread` row cache;
 //! - [`moe`]: routing (f32 softmax, top-k, renormalise) and the sigmoid-gated shared
 //!   expert over the install's expert store;
-//! - [`seam`]: [`seam::FlashOps`], the geometry its ops take, and [`seam::Act`];
-//! - [`ops`]: the CPU's [`seam::FlashOps`] (the GPU's is `kernels::gpu::flash`;
+//! - [`seam`]: [`seam::Ops`], the geometry its ops take, and [`seam::Act`];
+//! - [`ops`]: the CPU's [`seam::Ops`] (the GPU's is `kernels::gpu::flash`;
 //!   `conformance`, a test module, holds a backend's ops to the CPU's);
 //! - [`config`], [`install`], [`model`]: the numbers from the manifest, the install
 //!   with its row caches, and the forward pass (prefill and cached decode) as a
-//!   sequence of op calls, generic over the backend (`FlashModel<'a, B: FlashOps>`).
+//!   sequence of op calls, generic over the backend (`FlashModel<'a, B: Ops>`).
 //!
 //! MTP (`mtp.*`) is not part of generation: the install carries it as a sidecar and
 //! nothing here reads it (so the family does not list `multiTokenPrediction` among the
@@ -29,17 +29,9 @@
 
 pub mod attention;
 pub mod config;
-#[cfg(all(test, feature = "gpu"))]
-pub(crate) mod conformance;
 pub mod gdn;
 pub mod hc;
 pub mod install;
 pub mod model;
 pub mod moe;
-pub mod norm;
-pub mod ops;
 pub mod ple;
-pub mod rope;
-pub mod rows;
-pub mod seam;
-pub mod topk;

@@ -13,14 +13,15 @@
 //! input checks, the expert store (blobs pinned in the slot cache while an expert
 //! runs) and the logits handed back for sampling.
 
-use super::axes::{Axes, axis_err};
-use super::error::{InputError, RunError};
-use super::experts::ExpertMode;
-use super::gate::{QK_NORM, ROUTED_MOE};
-use super::kernels::{Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain};
-use super::load::Install;
 use crate::format::manifest::{self, Manifest};
 use crate::format::pools::ExpertPool;
+use crate::runtime::error::{InputError, RunError};
+use crate::runtime::experts::ExpertMode;
+use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
+use crate::runtime::generate::LanguageModel;
+use crate::runtime::kernels::{Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain};
+use crate::runtime::layers::axes::{Axes, axis_err};
+use crate::runtime::load::Install;
 
 /// Architecture numbers read from the manifest's `arch.axes`.
 #[derive(Debug, Clone, PartialEq)]
@@ -356,6 +357,16 @@ impl<'a, B: Backend> Model<'a, B> {
         self.backend
     }
 
+    /// A copy of `s` that continues independently (its KV caches copied on the
+    /// backend).
+    pub fn copy_session(&self, s: &Session<B>) -> Result<Session<B>, RunError> {
+        let kv =
+            s.kv.iter()
+                .map(|kv| self.backend.copy_kv(kv))
+                .collect::<Result<Vec<_>, _>>()?;
+        Ok(Session { kv, pos: s.pos })
+    }
+
     /// Run `tokens` (appended after the session's cache) through the model. Returns
     /// the logits of every position (`tokens.len() × vocab`) when `all` is true, else
     /// those of the last position only.
@@ -520,5 +531,27 @@ impl<'a, B: Backend> Model<'a, B> {
             b.expert_ffn(&expert, xn, routes, out)?;
         }
         Ok(())
+    }
+}
+
+impl<B: Backend> LanguageModel for Model<'_, B> {
+    type Session = Session<B>;
+    fn new_session(&self) -> Session<B> {
+        self.session()
+    }
+    fn run(&self, s: &mut Session<B>, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError> {
+        self.forward(s, tokens, all)
+    }
+    fn copy_session(&self, s: &Session<B>) -> Result<Session<B>, RunError> {
+        self.copy_session(s)
+    }
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+    fn backend_name(&self) -> String {
+        self.backend().name().to_string()
+    }
+    fn device_memory_bytes(&self) -> Option<u64> {
+        self.backend().device_memory_bytes()
     }
 }

@@ -9,6 +9,16 @@ use super::backend::{Backend, Causal, ExpertRef, NormGain, OpResult, Routing};
 use super::{Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace};
 use crate::format::pools::ExpertPool;
 
+mod elementwise;
+mod hyper;
+mod linear_attention;
+pub(crate) mod math;
+mod ngram;
+mod sparse_attention;
+
+pub use linear_attention::{causal_conv_silu, delta_rule_step, gdn_recurrence};
+pub use sparse_attention::{CpuAttnCache, allowed_positions, block_scores};
+
 /// RoPE frequencies; the angles are computed per position as they are used.
 #[derive(Debug, Clone)]
 pub struct CpuRope {
@@ -33,7 +43,7 @@ impl CpuKv {
 }
 
 /// Rows of `x` for a `width`-wide tensor, panicking when the length is not a multiple.
-fn rows_of(op: &str, len: usize, width: usize) -> usize {
+pub(super) fn rows_of(op: &str, len: usize, width: usize) -> usize {
     assert!(
         width > 0 && len.is_multiple_of(width),
         "{op}: {len} elements are not rows of {width}"
@@ -80,6 +90,10 @@ impl Backend for Cpu {
 
     fn copy_rows(&self, x: &Vec<f32>, width: usize, rows: Range<usize>) -> OpResult<Vec<f32>> {
         Ok(x[rows.start * width..rows.end * width].to_vec())
+    }
+
+    fn copy(&self, x: &Vec<f32>) -> OpResult<Vec<f32>> {
+        Ok(x.clone())
     }
 
     fn read(&self, x: &Vec<f32>) -> OpResult<Vec<f32>> {
@@ -198,6 +212,10 @@ impl Backend for Cpu {
             kv_heads,
             head_dim,
         })
+    }
+
+    fn copy_kv(&self, kv: &CpuKv) -> OpResult<CpuKv> {
+        Ok(kv.clone())
     }
 
     fn attention(

@@ -228,6 +228,14 @@ pub fn torch_topk(values: &[f32], k: usize) -> Vec<usize> {
     q[..k].iter().map(|p| p.index).collect()
 }
 
+/// The blocks a query attends to: torch's top-`min(kb, n)` of its scores, as an
+/// ascending set.
+pub fn select_blocks(scores: &[f32], block_topk: usize) -> Vec<usize> {
+    let mut sel = torch_topk(scores, block_topk.min(scores.len()));
+    sel.sort_unstable();
+    sel
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
