@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::generate::argmax;
 use gturbo::runtime::kernels::Cpu;
-use gturbo::runtime::kernels::Ops;
+use gturbo::runtime::kernels::ops::SparseAttentionOps;
 use gturbo::runtime::models::flash_next::attention::attention_forward;
 use gturbo::runtime::models::flash_next::gdn::{GdnState, gdn_forward};
 use gturbo::runtime::models::flash_next::hc::hc_read;

@@ -120,6 +120,22 @@ pub struct TensorRule {
     /// Why a tensor is excluded.
     #[serde(default)]
     pub why: Option<String>,
+    /// Expert part names of this checkpoint mapped to the pool's parts
+    /// ([`EXPERT_PARTS`]): Mixtral's `{"w1": "gate_proj", "w3": "up_proj", "w2":
+    /// "down_proj"}`. A part not listed keeps its own name.
+    #[serde(default)]
+    pub parts: BTreeMap<String, String>,
+}
+
+/// The expert part names the planner knows: one expert's `gate_proj`, `up_proj` and
+/// `down_proj` (or stacked over the experts of a layer), or the fused `gate_up_proj`.
+pub const EXPERT_PARTS: [&str; 4] = ["gate_proj", "up_proj", "down_proj", "gate_up_proj"];
+
+impl TensorRule {
+    /// The pool part a captured `{part:…}` name stands for.
+    pub fn part<'a>(&'a self, captured: &'a str) -> &'a str {
+        self.parts.get(captured).map_or(captured, String::as_str)
+    }
 }
 
 /// Quantization policy.
@@ -376,6 +392,16 @@ impl Family {
                         format!("role {:?} needs a `{n}…` capture", rule.role),
                     ));
                 }
+            }
+            if let Some((from, to)) = rule
+                .parts
+                .iter()
+                .find(|(_, to)| !EXPERT_PARTS.contains(&to.as_str()))
+            {
+                return Err(invalid(
+                    &format!("tensors[{i}].parts.{from}"),
+                    format!("{to:?} is not an expert part (one of {})", EXPERT_PARTS.join(", ")),
+                ));
             }
             if let Some(s) = &rule.sidecar
                 && !file.sidecars.contains_key(s)

@@ -43,6 +43,8 @@ pub enum Arch {
     Decoder,
     /// `models::flash_next`: Qwen3.8-Flash-Next.
     FlashNext,
+    /// `models::mixtral`: the decoder with Mixtral's names and routing.
+    Mixtral,
 }
 
 /// A runner: the families it reads, the axes it implements and the model it builds.
@@ -69,7 +71,8 @@ impl Runner {
 pub const FLASH_NEXT: &str = "flash-next";
 
 /// Every runner gturbo has. One decoder, parametrised by axes, covers the plain
-/// transformer families; `flash-next` runs Qwen3.8-Flash-Next.
+/// transformer families (Mixtral with its own names and routing); `flash-next` runs
+/// Qwen3.8-Flash-Next.
 pub const RUNNERS: &[Runner] = &[
     Runner {
         name: "decoder",
@@ -84,6 +87,12 @@ pub const RUNNERS: &[Runner] = &[
             ROUTED_MOE,
             TIED_EMBEDDINGS,
         ],
+    },
+    Runner {
+        name: "mixtral",
+        arch: Arch::Mixtral,
+        families: &["mixtral"],
+        axes: &[GQA_ATTENTION, ROPE, RMS_NORM, SWIGLU, ROUTED_MOE],
     },
     Runner {
         name: FLASH_NEXT,

@@ -19,9 +19,28 @@ use crate::runtime::error::{InputError, RunError};
 use crate::runtime::experts::ExpertMode;
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
-use crate::runtime::kernels::{Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain};
+use crate::runtime::kernels::{Backend, Causal, LayerExperts, NormGain};
+use crate::runtime::layers::mlp::SwiGlu;
+use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::load::Install;
+
+/// What differs between the families the decoder runs beyond their axes: names and
+/// routing rules that are not in the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Variant {
+    /// The router's tensor under `model.layers.{l}.`.
+    pub router: &'static str,
+    /// Renormalise the chosen experts' probabilities whatever the config says, or
+    /// (`None`) as its `norm_topk_prob` says.
+    pub renormalize: Option<bool>,
+}
+
+/// llama, qwen3 and qwen3_moe.
+pub const QWEN: Variant = Variant {
+    router: "mlp.gate.weight",
+    renormalize: None,
+};
 
 /// Architecture numbers read from the manifest's `arch.axes`.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +92,11 @@ impl Config {
     /// configs: `head_dim = hidden / heads`, `norm_topk_prob = false`,
     /// `rms_norm_eps = 1e-6`, `rope_theta = 10000`.
     pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
+        Config::of(m, &QWEN)
+    }
+
+    /// [`Config::from_manifest`] for `variant`.
+    pub fn of(m: &Manifest, variant: &Variant) -> Result<Config, RunError> {
         let a = Axes::new(m, AXIS_BELOW, "missing");
         // The install's own rules first (the planner checked the config with them).
         crate::format::axes::check(&m.arch.axes).map_err(|e| a.err(&e.axis, &e.detail))?;
@@ -84,6 +108,18 @@ impl Config {
             return Err(a.err(
                 "rope_scaling",
                 "RoPE scaling is not implemented by the decoder runner (only plain RoPE)",
+            ));
+        }
+        let max_positions = a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16);
+        if let Some(w) = a.opt_usize("sliding_window")?
+            && w < max_positions
+        {
+            return Err(a.err(
+                "sliding_window",
+                &format!(
+                    "{w}: sliding-window attention is not implemented by the decoder runner \
+                     (it attends over all {max_positions} positions)"
+                ),
             ));
         }
         let hidden = a.usize("hidden_size")?;
@@ -104,7 +140,10 @@ impl Config {
                 experts: a.usize("num_experts")?,
                 top_k: a.usize("num_experts_per_tok")?,
                 intermediate: a.usize("moe_intermediate_size")?,
-                norm_topk_prob: a.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                norm_topk_prob: match variant.renormalize {
+                    Some(r) => r,
+                    None => a.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                },
             })
         } else {
             None
@@ -130,17 +169,13 @@ impl Config {
             eps: a.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM),
             moe,
-            max_positions: a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16),
+            max_positions,
         })
     }
 }
 
 enum Mlp<'a, B: Backend> {
-    Dense {
-        gate: B::Weights<'a>,
-        up: B::Weights<'a>,
-        down: B::Weights<'a>,
-    },
+    Dense(SwiGlu<'a, B>),
     Moe {
         router: B::Weights<'a>,
     },
@@ -184,6 +219,7 @@ pub struct Session<B: Backend> {
 struct Bind<'a, 'b, B: Backend> {
     install: &'a Install,
     b: &'b B,
+    variant: &'b Variant,
 }
 
 impl<'a, B: Backend> Bind<'a, '_, B> {
@@ -210,14 +246,14 @@ impl<'a, B: Backend> Bind<'a, '_, B> {
             Some(moe) => {
                 pools.push(expert_pool(self.install, moe, h, l)?);
                 Mlp::Moe {
-                    router: self.matrix(&t("mlp.gate.weight"), moe.experts, h)?,
+                    router: self.matrix(&t(self.variant.router), moe.experts, h)?,
                 }
             }
-            None => Mlp::Dense {
+            None => Mlp::Dense(SwiGlu {
                 gate: self.matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
                 up: self.matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
                 down: self.matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
-            },
+            }),
         };
         Ok(Layer {
             input_norm: self.vector(&t("input_layernorm.weight"), h)?,
@@ -295,10 +331,23 @@ impl<'a, B: Backend> Model<'a, B> {
     /// Bind the install's tensors (no weight bytes are read here beyond norms; a
     /// device backend uploads them).
     pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
-        let cfg = Config::from_manifest(&install.manifest)?;
+        Model::with(install, backend, &QWEN)
+    }
+
+    /// Bind the install's tensors for `variant`'s names and routing.
+    pub fn with(
+        install: &'a Install,
+        backend: &'a B,
+        variant: &Variant,
+    ) -> Result<Model<'a, B>, RunError> {
+        let cfg = Config::of(&install.manifest, variant)?;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let b = backend;
-        let bind = Bind { install, b };
+        let bind = Bind {
+            install,
+            b,
+            variant,
+        };
         let embed = bind.matrix("model.embed_tokens.weight", cfg.vocab, h)?;
         // A checkpoint without `lm_head.weight` ties the head to the embedding.
         let head = if install.has("lm_head.weight") {
@@ -441,7 +490,7 @@ impl<'a, B: Backend> Model<'a, B> {
             b.add(&mut x, &out)?;
             b.rms_norm(&x, &layer.post_norm, c.eps, NormGain::Weight, &mut xn)?;
             match &layer.mlp {
-                Mlp::Dense { gate, up, down } => b.ffn_swiglu(gate, up, down, &xn, &mut out)?,
+                Mlp::Dense(mlp) => mlp.forward(b, &xn, &mut out)?,
                 Mlp::Moe { router } => self.moe(l, router, &xn, &mut out)?,
             }
             b.add(&mut x, &out)?;
@@ -469,9 +518,7 @@ impl<'a, B: Backend> Model<'a, B> {
         Ok(b.read_owned(logits)?)
     }
 
-    /// Routed experts for the rows of `xn`: route each token, then run each chosen
-    /// expert once over the tokens that chose it (one cache lookup per expert per call,
-    /// in ascending expert order, so each token's sum is added in a fixed order).
+    /// Routed experts for the rows of `xn` (`layers::moe`).
     fn moe(
         &self,
         l: usize,
@@ -479,57 +526,23 @@ impl<'a, B: Backend> Model<'a, B> {
         xn: &B::Buf,
         out: &mut B::Buf,
     ) -> Result<(), RunError> {
-        let b = self.backend;
         let moe = self
             .cfg
             .moe
             .as_ref()
             .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
-        if let (Some(bytes), Some(pool)) =
-            (self.install.experts.mapped(l), self.install.experts.pool(l))
-        {
-            let layer = LayerExperts {
-                pool,
-                layer: l,
-                bytes,
-            };
-            let (k, renorm) = (moe.top_k, moe.norm_topk_prob);
-            if b.moe_resident(&self.slots, layer, router, xn, k, renorm, out)? {
-                return Ok(());
-            }
-        }
-        let routing = b.route(router, xn, moe.top_k, moe.norm_topk_prob)?;
-        // chosen[e] = (token, weight) pairs, tokens ascending.
-        let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.experts];
-        let k = routing.top_k.max(1);
-        for (i, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-            let Some(c) = chosen.get_mut(e as usize) else {
-                let msg = format!("chose expert {e} of {}", moe.experts);
-                return Err(BackendError::new(b.name(), "route", msg).into());
-            };
-            c.push((i / k, w));
-        }
-        b.zero(out)?;
-        let pool = self.install.experts.pool(l).ok_or_else(|| {
-            RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
-        })?;
-        for (e, routes) in chosen.iter().enumerate() {
-            if routes.is_empty() {
-                continue;
-            }
-            let blob = self.install.experts.get(l, e)?;
-            let expert = b.expert(
-                &self.slots,
-                ExpertRef {
-                    pool,
-                    layer: l,
-                    expert: e,
-                    slot: blob.slot(),
-                    bytes: blob.bytes(),
-                },
-            )?;
-            b.expert_ffn(&expert, xn, routes, out)?;
-        }
+        let spec = RouterSpec {
+            experts: moe.experts,
+            top_k: moe.top_k,
+            renormalize: moe.norm_topk_prob,
+        };
+        let experts = RoutedExperts {
+            b: self.backend,
+            store: &self.install.experts,
+            slots: &self.slots,
+            layer: l,
+        };
+        experts.forward(router, spec, xn, out, false)?;
         Ok(())
     }
 }

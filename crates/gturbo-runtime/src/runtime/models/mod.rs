@@ -145,5 +145,6 @@ pub fn open<'a, B: Ops + 'static>(
     Ok(match install.runner.arch {
         Arch::Decoder => Box::new(decoder::Model::new(install, backend)?),
         Arch::FlashNext => Box::new(flash_next::model::FlashModel::new(install, backend)?),
+        Arch::Mixtral => Box::new(mixtral::open(install, backend)?),
     })
 }

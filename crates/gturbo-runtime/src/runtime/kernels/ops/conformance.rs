@@ -32,8 +32,10 @@
 //! - `indexed_attention`: `1e-5` of the largest `|v|` (the core attention bound).
 
 use crate::runtime::kernels::CpuAttnCache;
-use crate::runtime::kernels::ops::GateAct;
-use crate::runtime::kernels::ops::{Act, GdnDims, HcDims, IndexerDims, Ops};
+use crate::runtime::kernels::ops::{
+    Act, ElementwiseOps, GateAct, GdnDims, HcDims, HyperConnectionOps, IndexerDims,
+    LinearAttentionOps, NgramOps, Ops, SparseAttentionOps,
+};
 use crate::runtime::kernels::rope::inv_freq;
 use crate::runtime::kernels::topk::select_blocks;
 use crate::runtime::kernels::{Backend, Causal, Cpu};

@@ -32,6 +32,7 @@ use crate::runtime::generate::{LanguageModel, Stat};
 use crate::runtime::kernels::ops::Ops;
 use crate::runtime::kernels::rope::inv_freq;
 use crate::runtime::kernels::{Backend, OpResult};
+use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 
 /// Prefix of the text model's tensors.
 const LM: &str = "model.language_model.";
@@ -390,10 +391,14 @@ impl<'a, B: Ops> Bind<'a, '_, B> {
         let (h, si) = (cfg.hidden, cfg.shared_intermediate);
         Ok(MoeWeights {
             router: self.matrix(&t("mlp.gate.weight"), cfg.moe.experts, h)?,
-            shared_gate: self.matrix(&t("mlp.shared_expert_gate.weight"), 1, h)?,
-            shared_w_gate: self.matrix(&t("mlp.shared_expert.gate_proj.weight"), si, h)?,
-            shared_w_up: self.matrix(&t("mlp.shared_expert.up_proj.weight"), si, h)?,
-            shared_w_down: self.matrix(&t("mlp.shared_expert.down_proj.weight"), h, si)?,
+            shared: SharedExpert {
+                mlp: SwiGlu {
+                    gate: self.matrix(&t("mlp.shared_expert.gate_proj.weight"), si, h)?,
+                    up: self.matrix(&t("mlp.shared_expert.up_proj.weight"), si, h)?,
+                    down: self.matrix(&t("mlp.shared_expert.down_proj.weight"), h, si)?,
+                },
+                gate: Some(self.matrix(&t("mlp.shared_expert_gate.weight"), 1, h)?),
+            },
         })
     }
 }

@@ -14,20 +14,17 @@
 use crate::runtime::RunError;
 use crate::runtime::experts::ExpertStore;
 use crate::runtime::kernels::ops::Ops;
-use crate::runtime::kernels::{Backend, BackendError, ExpertRef, Routing};
+use crate::runtime::kernels::{Backend, Routing};
+use crate::runtime::layers::mlp::SharedExpert;
+use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
 
 /// One MoE layer's resident weights (the routed experts live in the expert store).
 pub struct MoeWeights<'a, B: Backend> {
     /// Router `gate.weight` `[E, H]`.
     pub router: B::Weights<'a>,
-    /// `shared_expert_gate.weight` `[1, H]`.
-    pub shared_gate: B::Weights<'a>,
-    /// `shared_expert.gate_proj` `[I_s, H]`.
-    pub shared_w_gate: B::Weights<'a>,
-    /// `shared_expert.up_proj` `[I_s, H]`.
-    pub shared_w_up: B::Weights<'a>,
-    /// `shared_expert.down_proj` `[H, I_s]`.
-    pub shared_w_down: B::Weights<'a>,
+    /// `shared_expert.{gate,up,down}_proj` (`[I_s, H]`, `[I_s, H]`, `[H, I_s]`) gated
+    /// by `shared_expert_gate.weight` `[1, H]`.
+    pub shared: SharedExpert<'a, B>,
 }
 
 /// Routing settings.
@@ -52,6 +49,19 @@ pub struct Route {
     pub weights: Vec<f32>,
 }
 
+/// Each token's experts and weights, from the backend's routing.
+fn routes_of(r: &Routing) -> Vec<Route> {
+    let k = r.top_k.max(1);
+    r.experts
+        .chunks_exact(k)
+        .zip(r.weights.chunks_exact(k))
+        .map(|(es, ws)| Route {
+            experts: es.iter().map(|&e| e as usize).collect(),
+            weights: ws.to_vec(),
+        })
+        .collect()
+}
+
 /// What one MoE call computes for `T` tokens.
 pub struct MoeOut<B: Backend> {
     /// Router logits `[T, E]`, when asked for (traces).
@@ -64,13 +74,12 @@ pub struct MoeOut<B: Backend> {
     pub out: B::Buf,
 }
 
-/// Run `T` tokens of the block input `u` (`[T, H]`) through layer `layer`'s MoE.
-/// Routing is the seam's [`Backend::route`] (softmax over all experts, top-k, and
-/// renormalised with `norm_topk_prob`); its ties go to the lower expert id where
-/// `torch.topk` would follow its selection order, which only matters for two exactly
-/// equal f32 probabilities (continuous router logits: none in the goldens). Each
-/// chosen expert is fetched once per call and run over the tokens that chose it, in
-/// ascending expert id as the reference's `index_add_`; then the shared expert.
+/// Run `T` tokens of the block input `u` (`[T, H]`) through layer `layer`'s MoE: the
+/// routed experts through `layers::moe` (softmax over all experts, top-k,
+/// renormalised with `norm_topk_prob`; ties to the lower expert id where `torch.topk`
+/// would follow its selection order, which only matters for two exactly equal f32
+/// probabilities: none in the goldens), then the shared expert. `want_logits` (traces)
+/// also keeps the router logits and the routes, so the host routes.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_forward<B: Ops>(
     b: &B,
@@ -91,64 +100,23 @@ pub fn moe_forward<B: Ops>(
     } else {
         None
     };
-    let routing: Routing = b.route(&w.router, u, d.top_k, d.norm_topk_prob)?;
-    let k = routing.top_k.max(1);
-    // chosen[e] = (token, weight), tokens ascending.
-    let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); d.experts];
-    let mut routes = Vec::with_capacity(t);
-    for (ti, (es, ws)) in routing
-        .experts
-        .chunks_exact(k)
-        .zip(routing.weights.chunks_exact(k))
-        .enumerate()
-    {
-        for (&e, &wt) in es.iter().zip(ws) {
-            let Some(c) = chosen.get_mut(e as usize) else {
-                let msg = format!("chose expert {e} of {}", d.experts);
-                return Err(BackendError::new(b.name(), "route", msg).into());
-            };
-            c.push((ti, wt));
-        }
-        routes.push(Route {
-            experts: es.iter().map(|&e| e as usize).collect(),
-            weights: ws.to_vec(),
-        });
-    }
-    let pool = experts.pool(layer).ok_or_else(|| {
-        RunError::invalid(
-            crate::format::manifest::FILE_NAME,
-            format!("no expert pool for layer {layer}"),
-        )
-    })?;
+    let spec = RouterSpec {
+        experts: d.experts,
+        top_k: d.top_k,
+        renormalize: d.norm_topk_prob,
+    };
+    let routed = RoutedExperts {
+        b,
+        store: experts,
+        slots,
+        layer,
+    };
     let mut out = b.zeros(t * h)?;
-    for (e, toks) in chosen.iter().enumerate() {
-        if toks.is_empty() {
-            continue;
-        }
-        let blob = experts.get(layer, e)?;
-        let expert = b.expert(
-            slots,
-            ExpertRef {
-                pool,
-                layer,
-                expert: e,
-                slot: blob.slot(),
-                bytes: blob.bytes(),
-            },
-        )?;
-        b.expert_ffn(&expert, u, toks, &mut out)?;
-    }
-    let mut shared = b.zeros(t * h)?;
-    b.ffn_swiglu(
-        &w.shared_w_gate,
-        &w.shared_w_up,
-        &w.shared_w_down,
-        u,
-        &mut shared,
-    )?;
-    let mut sg = b.zeros(t)?;
-    b.linear(&w.shared_gate, u, &mut sg)?;
-    b.scale_rows_sigmoid(&mut shared, &sg)?;
+    let routes = match routed.forward(&w.router, spec, u, &mut out, want_logits)? {
+        Some(r) => routes_of(&r),
+        None => Vec::new(),
+    };
+    let shared = w.shared.forward(b, u, t, h)?;
     b.add(&mut out, &shared)?;
     Ok(MoeOut {
         router_logits,
