@@ -47,6 +47,7 @@ mod cpu;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 mod portable;
+pub mod routing;
 #[cfg(test)]
 mod tests;
 
