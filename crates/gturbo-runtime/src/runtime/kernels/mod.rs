@@ -49,6 +49,7 @@ pub mod gpu;
 pub mod ops;
 mod portable;
 pub mod rope;
+pub mod routing;
 #[cfg(test)]
 mod tests;
 pub mod topk;
