@@ -134,6 +134,7 @@ fn families_lists_the_runner_of_each_family() {
         runners,
         vec![
             ("llama".to_string(), Value::from("decoder")),
+            ("mixtral".to_string(), Value::from("mixtral")),
             ("qwen3".to_string(), Value::from("decoder")),
             ("qwen38flashnext".to_string(), Value::from("flash-next")),
             ("qwen3_moe".to_string(), Value::from("decoder")),

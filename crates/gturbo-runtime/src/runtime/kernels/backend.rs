@@ -44,6 +44,9 @@
 use std::ops::Range;
 
 use super::Matrix;
+use super::routing::RoutingSpec;
+#[cfg(doc)]
+use super::routing::route_logits;
 use crate::format::pools::ExpertPool;
 
 /// A backend operation that failed for a reason of the device (out of memory, device
@@ -272,15 +275,19 @@ pub trait Backend {
 
     // ---------------------------------------------------------------- routed experts
 
-    /// MoE routing of each row of `x` by the `[experts, cols]` `router`:
-    /// `p = softmax(router · x)` over all experts, the `top_k` largest (ties to the
-    /// lower id), and as weights `p` itself or, with `renormalize`, `p / Σ_topk p`.
+    /// MoE routing of each row of `x` by the `[experts, cols]` `router`: the router
+    /// logits `router · x`, routed as `spec` says ([`route_logits`] is the reference:
+    /// softmax or sigmoid scores, the top-k with an optional selection `bias` and
+    /// group limit, the gathered weights renormalised and scaled). For
+    /// [`RoutingSpec::softmax_top_k`]: `p = softmax(router · x)` over all experts, the
+    /// `top_k` largest (ties to the lower id), and as weights `p` itself or, with
+    /// `renormalize`, `p / Σ_topk p`.
     fn route(
         &self,
         router: &Self::Weights<'_>,
         x: &Self::Buf,
-        top_k: usize,
-        renormalize: bool,
+        spec: &RoutingSpec,
+        bias: Option<&[f32]>,
     ) -> OpResult<Routing>;
     /// Storage for expert blobs of `pools` (every MoE layer's geometry), mirroring a
     /// host slot cache of `slots` slots, or `None` when the pools are mapped.
@@ -304,7 +311,8 @@ pub trait Backend {
     /// up_j x)` over each row's chosen experts, routed as [`Backend::route`] routes.
     /// `Ok(false)` (nothing done) where the backend does not do this (the default)
     /// or not for these operands; the runner then routes and runs the experts itself.
-    /// A GPU holding the whole pool needs no read-back of the choice per layer.
+    /// A GPU holding the whole pool needs no read-back of the choice per layer. A spec
+    /// with a selection bias is never handed here.
     #[allow(clippy::too_many_arguments)]
     fn moe_resident(
         &self,
@@ -312,8 +320,7 @@ pub trait Backend {
         _experts: LayerExperts<'_>,
         _router: &Self::Weights<'_>,
         _x: &Self::Buf,
-        _top_k: usize,
-        _renormalize: bool,
+        _spec: &RoutingSpec,
         _out: &mut Self::Buf,
     ) -> OpResult<bool> {
         Ok(false)

@@ -23,6 +23,7 @@
 //!   `g` and `u` times the slopes of `silu(g)·u`, then through `down`), times two.
 
 use super::backend::{Backend, Causal, ExpertRef, NormGain};
+use super::routing::{GroupLimit, Order, RoutingSpec, Scores, route_logits};
 use super::{Cpu, FloatDtype, GROUP, Matrix, bf16_at, quant_row_bytes};
 use crate::format::Scheme;
 use crate::format::dtype::Dtype;
@@ -258,6 +259,7 @@ pub(crate) fn all<B: Backend>(b: &B) {
     rope(b);
     attention(b);
     route(b);
+    route_specs(b);
     experts(b);
 }
 
@@ -590,7 +592,8 @@ pub(crate) fn route<B: Backend>(b: &B) {
         let n = 5;
         let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 4.0).collect();
         for renormalize in [false, true] {
-            let r = b.route(&bw, &up(b, &x), top_k, renormalize).unwrap();
+            let spec = RoutingSpec::softmax_top_k(top_k, renormalize);
+            let r = b.route(&bw, &up(b, &x), &spec, None).unwrap();
             assert_eq!(r.top_k, top_k);
             assert_eq!((r.experts.len(), r.weights.len()), (n * top_k, n * top_k));
             for t in 0..n {
@@ -635,14 +638,120 @@ pub(crate) fn route<B: Backend>(b: &B) {
         .route(
             &b.weights(w.matrix()).unwrap(),
             &up(b, &rng.vec(2 * 64)),
-            3,
-            true,
+            &RoutingSpec::softmax_top_k(3, true),
+            None,
         )
         .unwrap();
     assert_eq!(r.experts, [0, 1, 2, 0, 1, 2], "ties go to the lower id");
     for g in &r.weights {
         assert!((*g as f64 - 1.0 / 3.0).abs() <= 1e-6, "tied weights {g}");
     }
+}
+
+/// The routing spec's options ([`RoutingSpec`]: sigmoid scores with a selection bias,
+/// a group limit and a scaling factor; top-k of the logits then a softmax over the k)
+/// against [`route_logits`] on the exact logits: the same experts wherever the choice
+/// is clear by more than the product's error bound, and weights within the bound.
+pub(crate) fn route_specs<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0024);
+    let (experts, cols, n) = (16, 128, 6);
+    let bias: Vec<f32> = rng.vec(experts).iter().map(|v| v * 0.5).collect();
+    let specs = [
+        (
+            RoutingSpec {
+                top_k: 4,
+                scores: Scores::Sigmoid,
+                order: Order::ScoreThenTopK,
+                selection_bias: true,
+                groups: Some(GroupLimit {
+                    n_group: 4,
+                    topk_group: 2,
+                }),
+                renormalize: true,
+                scaling: 2.5,
+            },
+            Some(&bias[..]),
+        ),
+        (
+            RoutingSpec {
+                top_k: 2,
+                scores: Scores::Softmax,
+                order: Order::TopKThenSoftmax,
+                selection_bias: false,
+                groups: None,
+                renormalize: false,
+                scaling: 1.0,
+            },
+            None,
+        ),
+        (
+            RoutingSpec {
+                top_k: 3,
+                scores: Scores::Sigmoid,
+                order: Order::ScoreThenTopK,
+                selection_bias: false,
+                groups: None,
+                renormalize: false,
+                scaling: 1.0,
+            },
+            None,
+        ),
+    ];
+    let (mut compared, mut tokens) = (0, 0);
+    for enc in [Enc::Int8, Enc::Bf16] {
+        let w = Weights::new(enc, experts, cols, &mut rng);
+        let bw = b.weights(w.matrix()).unwrap();
+        let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 4.0).collect();
+        let mut exact = Vec::new();
+        let mut err = 0.0f64;
+        for t in 0..n {
+            for (v, mag) in w.apply(&f64s(&x[t * cols..(t + 1) * cols])) {
+                exact.push(v as f32);
+                err = err.max(2e-5 * mag);
+            }
+        }
+        for (spec, bias) in &specs {
+            let got = b.route(&bw, &up(b, &x), spec, *bias).unwrap();
+            let want = route_logits(spec, &exact, *bias, experts).unwrap();
+            // The logits moved apart and together by 4 × `err` (alternate signs): a
+            // choice that flips under either is within the backend's rounding of a
+            // tie; compare the rest.
+            let moved = |s: f32| -> super::Routing {
+                let l: Vec<f32> = exact
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v + if i % 2 == 0 { s } else { -s } * 4.0 * err as f32)
+                    .collect();
+                route_logits(spec, &l, *bias, experts).unwrap()
+            };
+            let (up_, down) = (moved(1.0), moved(-1.0));
+            for t in 0..n {
+                tokens += 1;
+                let k = spec.top_k;
+                let ids = |r: &super::Routing| {
+                    let mut v = r.experts[t * k..(t + 1) * k].to_vec();
+                    v.sort_unstable();
+                    v
+                };
+                if ids(&want) != ids(&up_) || ids(&want) != ids(&down) {
+                    continue;
+                }
+                compared += 1;
+                assert_eq!(ids(&got), ids(&want), "route {spec:?} token {t}");
+                for j in 0..k {
+                    let e = want.experts[t * k + j];
+                    let at = (0..k).find(|&i| got.experts[t * k + i] == e).unwrap();
+                    let (g, w) = (got.weights[t * k + at], want.weights[t * k + j]);
+                    let bound = (8.0 * err as f32 + 1e-5) * w.abs().max(1.0) * spec.scaling;
+                    assert!((g - w).abs() <= bound, "{spec:?} weight {g} vs {w}");
+                }
+            }
+        }
+    }
+    assert!(
+        compared * 10 >= tokens * 8,
+        "only {compared} of {tokens} tokens had a clear choice"
+    );
 }
 
 /// An expert pool of `experts` blobs (gate, up, down) and its layout.
@@ -790,6 +899,7 @@ cpu_checks!(
     rope,
     attention,
     route,
+    route_specs,
     experts
 );
 

@@ -111,6 +111,13 @@ impl RoutingSpec {
         }
     }
 
+    /// `Some(renormalize)` when the spec is [`RoutingSpec::softmax_top_k`]'s (what a
+    /// backend's fused softmax-top-k kernel computes), else `None`.
+    pub fn plain_softmax(&self) -> Option<bool> {
+        (*self == RoutingSpec::softmax_top_k(self.top_k, self.renormalize))
+            .then_some(self.renormalize)
+    }
+
     /// Whether the spec is one a router can run over `experts` experts. Config values
     /// are untrusted: this is where they are refused, before any routing.
     pub fn check(&self, experts: usize) -> Result<(), RoutingError> {

@@ -11,17 +11,18 @@
 use crate::format::manifest;
 use crate::runtime::RunError;
 use crate::runtime::experts::ExpertStore;
+use crate::runtime::kernels::routing::RoutingSpec;
 use crate::runtime::kernels::{Backend, BackendError, ExpertRef, LayerExperts, Routing};
 
 /// How a layer's router picks its experts.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RouterSpec {
+pub struct RouterSpec<'r> {
     /// Routed experts per layer.
     pub experts: usize,
-    /// Experts chosen per token.
-    pub top_k: usize,
-    /// Renormalise the chosen probabilities to sum 1 (`norm_topk_prob`).
-    pub renormalize: bool,
+    /// The routing rule (`kernels::routing`).
+    pub routing: RoutingSpec,
+    /// The selection bias (`e_score_correction_bias`), when the rule has one.
+    pub bias: Option<&'r [f32]>,
 }
 
 /// One MoE layer's routed experts over the backend's expert storage.
@@ -43,13 +44,14 @@ impl<B: Backend> RoutedExperts<'_, B> {
     pub fn forward(
         &self,
         router: &B::Weights<'_>,
-        spec: RouterSpec,
+        spec: RouterSpec<'_>,
         x: &B::Buf,
         out: &mut B::Buf,
         want_routes: bool,
     ) -> Result<Option<Routing>, RunError> {
         let (b, l) = (self.b, self.layer);
         if !want_routes
+            && spec.bias.is_none()
             && let (Some(bytes), Some(pool)) = (self.store.mapped(l), self.store.pool(l))
         {
             let layer = LayerExperts {
@@ -57,12 +59,11 @@ impl<B: Backend> RoutedExperts<'_, B> {
                 layer: l,
                 bytes,
             };
-            let (k, renorm) = (spec.top_k, spec.renormalize);
-            if b.moe_resident(self.slots, layer, router, x, k, renorm, out)? {
+            if b.moe_resident(self.slots, layer, router, x, &spec.routing, out)? {
                 return Ok(None);
             }
         }
-        let routing = b.route(router, x, spec.top_k, spec.renormalize)?;
+        let routing = b.route(router, x, &spec.routing, spec.bias)?;
         let chosen = by_expert(b, &routing, spec.experts)?;
         b.zero(out)?;
         let pool = self.store.pool(l).ok_or_else(|| {

@@ -19,10 +19,11 @@ use crate::runtime::error::{InputError, RunError};
 use crate::runtime::experts::ExpertMode;
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
+use crate::runtime::kernels::routing::RoutingSpec;
 use crate::runtime::kernels::{Backend, Causal, LayerExperts, NormGain};
+use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mlp::SwiGlu;
 use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
-use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::load::Install;
 
 /// What differs between the families the decoder runs beyond their axes: names and
@@ -176,9 +177,7 @@ impl Config {
 
 enum Mlp<'a, B: Backend> {
     Dense(SwiGlu<'a, B>),
-    Moe {
-        router: B::Weights<'a>,
-    },
+    Moe { router: B::Weights<'a> },
 }
 
 struct Layer<'a, B: Backend> {
@@ -533,8 +532,8 @@ impl<'a, B: Backend> Model<'a, B> {
             .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
         let spec = RouterSpec {
             experts: moe.experts,
-            top_k: moe.top_k,
-            renormalize: moe.norm_topk_prob,
+            routing: RoutingSpec::softmax_top_k(moe.top_k, moe.norm_topk_prob),
+            bias: None,
         };
         let experts = RoutedExperts {
             b: self.backend,

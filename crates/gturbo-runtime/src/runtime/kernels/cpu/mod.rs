@@ -5,7 +5,8 @@
 
 use std::ops::Range;
 
-use super::backend::{Backend, Causal, ExpertRef, NormGain, OpResult, Routing};
+use super::backend::{Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing};
+use super::routing::{RoutingSpec, route_logits};
 use super::{Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace};
 use crate::format::pools::ExpertPool;
 
@@ -276,35 +277,15 @@ impl Backend for Cpu {
         &self,
         router: &Matrix<'_>,
         x: &Vec<f32>,
-        top_k: usize,
-        renormalize: bool,
+        spec: &RoutingSpec,
+        bias: Option<&[f32]>,
     ) -> OpResult<Routing> {
-        let e_count = router.rows();
-        assert!(top_k <= e_count, "route: top-{top_k} of {e_count} experts");
+        let experts = router.rows();
         let n = rows_of("route", x.len(), router.cols());
-        let mut probs = vec![0f32; n * e_count];
-        self.matmul(router, x, n, &mut probs);
-        let mut experts = Vec::with_capacity(n * top_k);
-        let mut weights = Vec::with_capacity(n * top_k);
-        let mut idx: Vec<usize> = Vec::with_capacity(e_count);
-        for p in probs.chunks_exact_mut(e_count) {
-            softmax_inplace(p);
-            idx.clear();
-            idx.extend(0..e_count);
-            // Highest probability first; ties to the lower expert id.
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let top = &idx[..top_k];
-            let sum: f32 = top.iter().map(|&e| p[e]).sum();
-            for &e in top {
-                experts.push(e as u32);
-                weights.push(if renormalize { p[e] / sum } else { p[e] });
-            }
-        }
-        Ok(Routing {
-            top_k,
-            experts,
-            weights,
-        })
+        let mut logits = vec![0f32; n * experts];
+        self.matmul(router, x, n, &mut logits);
+        route_logits(spec, &logits, bias, experts)
+            .map_err(|e| BackendError::new(self.name(), "route", e))
     }
 
     fn expert_slots(&self, _slots: Option<usize>, _pools: &[&ExpertPool]) -> OpResult<()> {

@@ -20,6 +20,7 @@ use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{
     Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult, Routing,
 };
+use crate::runtime::kernels::routing::{RoutingSpec, route_logits};
 
 /// An expert's gate, up and down on the device, shared by the uses of one blob.
 type ExpertMats = Arc<[GpuMatrix; 3]>;
@@ -505,14 +506,24 @@ impl Backend for Gpu {
         &self,
         router: &GpuMatrix,
         x: &GpuBuf,
-        top_k: usize,
-        renormalize: bool,
+        spec: &RoutingSpec,
+        bias: Option<&[f32]>,
     ) -> OpResult<Routing> {
+        let top_k = spec.top_k;
         let run = || -> Result<Routing> {
             let experts = router.rows();
             let n = x.len() / router.cols().max(1);
             let logits = self.scratch(n * experts)?;
             self.ctx.matmul(router, &x.t, &logits.t)?;
+            let Some(renormalize) = spec.plain_softmax() else {
+                // Other routers choose on the host from the logits (`n × experts`
+                // floats, read back as the choice would be): the reference itself.
+                let l = self.ctx.download_f32(&logits.t)?;
+                return route_logits(spec, &l, bias, experts).map_err(|e| GpuError::Shape {
+                    op: "route",
+                    message: e.to_string(),
+                });
+            };
             let r = self
                 .ctx
                 .router_topk(&logits.t, experts, top_k, renormalize)?;
@@ -552,10 +563,13 @@ impl Backend for Gpu {
         experts: LayerExperts<'_>,
         router: &GpuMatrix,
         x: &GpuBuf,
-        top_k: usize,
-        renormalize: bool,
+        spec: &RoutingSpec,
         out: &mut GpuBuf,
     ) -> OpResult<bool> {
+        let (top_k, Some(renormalize)) = (spec.top_k, spec.plain_softmax()) else {
+            // The fused kernel routes by softmax top-k only.
+            return Ok(false);
+        };
         let run = || -> Result<bool> {
             if !self.ctx.fuse_moe {
                 return Ok(false);

@@ -202,6 +202,7 @@ seam_checks!(
     rope,
     attention,
     route,
+    route_specs,
     experts
 );
 

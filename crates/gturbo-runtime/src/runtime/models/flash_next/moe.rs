@@ -14,6 +14,7 @@
 use crate::runtime::RunError;
 use crate::runtime::experts::ExpertStore;
 use crate::runtime::kernels::ops::Ops;
+use crate::runtime::kernels::routing::RoutingSpec;
 use crate::runtime::kernels::{Backend, Routing};
 use crate::runtime::layers::mlp::SharedExpert;
 use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
@@ -102,8 +103,8 @@ pub fn moe_forward<B: Ops>(
     };
     let spec = RouterSpec {
         experts: d.experts,
-        top_k: d.top_k,
-        renormalize: d.norm_topk_prob,
+        routing: RoutingSpec::softmax_top_k(d.top_k, d.norm_topk_prob),
+        bias: None,
     };
     let routed = RoutedExperts {
         b,
