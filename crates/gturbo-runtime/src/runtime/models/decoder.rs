@@ -16,14 +16,13 @@
 use crate::format::manifest::{self, Manifest};
 use crate::format::pools::ExpertPool;
 use crate::runtime::error::{InputError, RunError};
-use crate::runtime::experts::ExpertMode;
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
 use crate::runtime::kernels::routing::RoutingSpec;
-use crate::runtime::kernels::{Backend, Causal, LayerExperts, NormGain};
+use crate::runtime::kernels::{Backend, Causal, NormGain};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mlp::SwiGlu;
-use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
+use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
 use crate::runtime::load::Install;
 
 /// What differs between the families the decoder runs beyond their axes: names and
@@ -362,22 +361,7 @@ impl<'a, B: Backend> Model<'a, B> {
         let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
             .collect();
-        let slots = match install.experts.mode() {
-            ExpertMode::Slots(n) => Some(n),
-            ExpertMode::Resident => None,
-        };
-        let expert_slots = b.expert_slots(slots, &pools)?;
-        for l in 0..cfg.layers {
-            if let (Some(bytes), Some(pool)) = (install.experts.mapped(l), install.experts.pool(l))
-            {
-                let layer = LayerExperts {
-                    pool,
-                    layer: l,
-                    bytes,
-                };
-                b.load_experts(&expert_slots, layer)?;
-            }
-        }
+        let expert_slots = expert_slots(b, &install.experts, &pools, cfg.layers)?;
         Ok(Model {
             final_norm: bind.vector("model.norm.weight", h)?,
             rope: b.rope_table(&inv_freq, cfg.max_positions)?,
