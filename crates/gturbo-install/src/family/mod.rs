@@ -400,7 +400,10 @@ impl Family {
             {
                 return Err(invalid(
                     &format!("tensors[{i}].parts.{from}"),
-                    format!("{to:?} is not an expert part (one of {})", EXPERT_PARTS.join(", ")),
+                    format!(
+                        "{to:?} is not an expert part (one of {})",
+                        EXPERT_PARTS.join(", ")
+                    ),
                 ));
             }
             if let Some(s) = &rule.sidecar

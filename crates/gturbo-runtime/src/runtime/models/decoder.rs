@@ -20,9 +20,9 @@ use crate::runtime::experts::ExpertMode;
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
 use crate::runtime::kernels::{Backend, Causal, LayerExperts, NormGain};
+use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mlp::SwiGlu;
 use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
-use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::load::Install;
 
 /// What differs between the families the decoder runs beyond their axes: names and
@@ -176,9 +176,7 @@ impl Config {
 
 enum Mlp<'a, B: Backend> {
     Dense(SwiGlu<'a, B>),
-    Moe {
-        router: B::Weights<'a>,
-    },
+    Moe { router: B::Weights<'a> },
 }
 
 struct Layer<'a, B: Backend> {

@@ -17,6 +17,9 @@ pub const MIXTRAL: Variant = Variant {
 };
 
 /// The Mixtral model of `install` on `backend`.
-pub fn open<'a, B: Backend>(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
+pub fn open<'a, B: Backend>(
+    install: &'a Install,
+    backend: &'a B,
+) -> Result<Model<'a, B>, RunError> {
     Model::with(install, backend, &MIXTRAL)
 }

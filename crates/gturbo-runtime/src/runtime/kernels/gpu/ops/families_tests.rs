@@ -3,10 +3,10 @@
 //! enough); without one they are reported as skipped, and fail under
 //! `GTURBO_REQUIRE_GPU=1` or in a strict run (CI).
 
-use crate::runtime::kernels::{Backend, Causal};
 use crate::runtime::kernels::gpu::tests::gpu_backend as gpu;
 use crate::runtime::kernels::ops::conformance;
 use crate::runtime::kernels::ops::*;
+use crate::runtime::kernels::{Backend, Causal};
 
 macro_rules! flash_checks {
         ($($group:ident),*) => {
