@@ -16,6 +16,7 @@ mod hub_protocol;
 mod install_e2e;
 mod install_lock;
 mod line_rate;
+mod mixtral;
 mod mlx_lm_parity;
 mod mlx_source;
 mod progress;
