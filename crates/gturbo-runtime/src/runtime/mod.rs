@@ -11,6 +11,7 @@
 pub use error::RunError;
 
 pub mod kernels;
+pub mod layers;
 pub mod sample;
 pub mod text;
 
