@@ -11,7 +11,6 @@
 pub use error::RunError;
 
 pub mod kernels;
-pub mod layers;
 pub mod sample;
 pub mod text;
 

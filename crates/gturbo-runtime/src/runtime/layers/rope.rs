@@ -33,8 +33,8 @@ use serde_json::{Map, Value};
 
 use crate::format::axes::{Rule, rule};
 use crate::format::manifest::Manifest;
-use crate::runtime::axes::Axes;
 use crate::runtime::error::RunError;
+use crate::runtime::layers::axes::Axes;
 
 /// `rope_theta` when the config gives none (transformers' `default_theta`).
 pub const DEFAULT_THETA: f64 = 10_000.0;
