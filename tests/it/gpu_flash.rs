@@ -21,7 +21,7 @@ use crate::gpu::{LOGIT_RTOL, gpu, rollout, worst_relative};
 use crate::support::cli::{gturbo, install, text};
 
 /// The scaled replica installed at INT4 once for this test binary (kept for the run).
-fn scaled_install() -> &'static Path {
+pub(crate) fn scaled_install() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let tmp = tempfile::tempdir().expect("temp dir").keep();

@@ -19,6 +19,7 @@ mod line_rate;
 mod mixtral;
 mod mlx_lm_parity;
 mod mlx_source;
+mod models;
 mod progress;
 mod quant_parity;
 mod quant_profiles;
