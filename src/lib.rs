@@ -12,14 +12,14 @@
 //! - [`plan`]: what goes where: every tensor's placement, coalesced source reads, output
 //!   sizes, the census and the plan fingerprint.
 //! - [`transform`]: what happens to bytes (INT4/INT8 affine quantization).
-//! - [`format`]: the `.gturbo` on-disk types shared by install, verify and run.
+//! - [`format`](mod@format): the `.gturbo` on-disk types shared by install, verify and run.
 //! - [`install`]: resolve, gate and plan (everything `--dry-run` does), then the
 //!   streaming, resumable executor that writes and publishes an install.
 //! - [`verify`]: `verify-install`'s checks (cheap layout checks shared with the runtime,
 //!   full hashing, the receipt).
 //! - [`runtime`]: what runs an install: compute kernels and the model runners.
 //! - [`cli`]: argument parsing, output and exit codes.
-//! - [`env`]: every environment variable gturbo reads, with its meaning.
+//! - [`env`](mod@env): every environment variable gturbo reads, with its meaning.
 //!
 //! Each layer is a crate of its own, so the compiler holds the arrows
 //! (docs/ARCHITECTURE.md): `gturbo-format` <- `gturbo-source` <- `gturbo-install`,

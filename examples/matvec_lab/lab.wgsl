@@ -1,8 +1,8 @@
-requires packed_4x8_integer_dot_product;
-
 // Diagnostic kernels of the INT4 g64 matrix-vector lab (examples/matvec_lab.rs): where
-// the fast kernel's time goes. Same layout as qmatvec.wgsl (codes at word w_off,
-// BF16 scales and biases at half-words s_off, b_off of one buffer).
+// a product kernel's time goes. The matrix as the product lays it out (codes at word
+// w_off, BF16 scales and biases at half-words s_off, b_off of one buffer; Params'
+// first five fields are qmatvec_x24.wgsl's), the arithmetic qmatvec_fast's exact f32
+// (qmatvec.wgsl). The product kernels themselves are timed from their own files.
 
 struct Params {
     rows: u32,
@@ -267,100 +267,4 @@ fn colmv(@builtin(workgroup_id) wid: vec3<u32>,
         }
         workgroupBarrier();
     }
-}
-
-// The codes against an 8-bit x through packed 4 × 8-bit dot products (`dot4I8Packed`:
-// one instruction for four products where the GPU has it, as NVIDIA's IDP4A). Not the
-// product's arithmetic: x is rounded to 8 bits per 32-code chunk (on the host), so the
-// result differs from the f32 product by x's rounding; the lab prints that difference
-// beside the time. A code word (u32) holds codes 0..7 at bits 4k: `w & 0x0f0f0f0f` has
-// codes 0, 2, 4, 6 in its bytes and `(w >> 4) & 0x0f0f0f0f` codes 1, 3, 5, 7, so x comes
-// packed the same way: per 32-code chunk, one vec4 of the even codes' x bytes, one of
-// the odd.
-// Chunk c: xq[2c] the even codes' x, xq[2c + 1] the odd codes', 4 signed bytes a word.
-@group(0) @binding(5) var<storage, read> xq: array<vec4<u32>>;
-// Chunk c: (the step x was rounded to, the exact Σ x).
-@group(0) @binding(6) var<storage, read> xs: array<vec2<f32>>;
-
-// 1: x rounded to 16 bits per chunk instead of 8, as a signed high byte (`xq`) and an
-// unsigned low byte (`xl`, same packing): Σ q·x16 = 256·Σ q·hi + Σ q·lo, two packed
-// products per four codes, still exact integers (|Σ| < 32·15·32767 < 2^24, so exact
-// as f32 too). x's rounding is then 2^-16 of the chunk's largest |x|, within the f32
-// path's tolerance.
-override X16: u32 = 0u;
-@group(0) @binding(7) var<storage, read> xl: array<vec4<u32>>;
-
-// Σ q·xq over the 32 codes of `w` (integers, exact).
-fn dp4a_dot(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>) -> i32 {
-    let m = vec4<u32>(0x0f0f0f0fu);
-    let lo = w & m;
-    let hi = (w >> vec4<u32>(4u)) & m;
-    return ((dot4I8Packed(lo.x, e.x) + dot4I8Packed(hi.x, o.x))
-        + (dot4I8Packed(lo.y, e.y) + dot4I8Packed(hi.y, o.y)))
-        + ((dot4I8Packed(lo.z, e.z) + dot4I8Packed(hi.z, o.z))
-        + (dot4I8Packed(lo.w, e.w) + dot4I8Packed(hi.w, o.w)));
-}
-
-// Σ q·x16 over the 32 codes of `w`: high bytes (e, o) signed, low bytes (el, ol) not.
-fn dp4a_dot16(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>, el: vec4<u32>, ol: vec4<u32>) -> i32 {
-    let m = vec4<u32>(0x0f0f0f0fu);
-    let lo = w & m;
-    let hi = (w >> vec4<u32>(4u)) & m;
-    let l = ((dot4U8Packed(lo.x, el.x) + dot4U8Packed(hi.x, ol.x))
-        + (dot4U8Packed(lo.y, el.y) + dot4U8Packed(hi.y, ol.y)))
-        + ((dot4U8Packed(lo.z, el.z) + dot4U8Packed(hi.z, ol.z))
-        + (dot4U8Packed(lo.w, el.w) + dot4U8Packed(hi.w, ol.w)));
-    return 256 * dp4a_dot(w, e, o) + i32(l);
-}
-
-fn dp4a_word(w: vec4<u32>, e: vec4<u32>, o: vec4<u32>, el: vec4<u32>, ol: vec4<u32>) -> f32 {
-    if (X16 == 1u) { return f32(dp4a_dot16(w, e, o, el, ol)); }
-    return f32(dp4a_dot(w, e, o));
-}
-
-// As the product's qmatvec_fast at RPS 4: a set of LANES lanes computes 4 rows, each
-// lane one 16-byte code word of each row per step.
-@compute @workgroup_size(256)
-fn dp4a(@builtin(workgroup_id) wid: vec3<u32>,
-        @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) li: u32) {
-    let sets = 256u / LANES;
-    let per_wg = sets * 4u;
-    let blocks = (p.rows + per_wg - 1u) / per_wg;
-    let lin = wid.x + wid.y * nwg.x;
-    if (lin >= blocks) { return; }
-    let rset = li / LANES;
-    let lane = li % LANES;
-    let row0 = lin * per_wg + rset * 4u;
-    let row_v = p.cols / 32u;
-    let groups = p.cols / 64u;
-    var acc = vec4<f32>(0.0);
-    for (var vi = lane; vi < row_v; vi += LANES) {
-        let w0 = word(row0, row_v, vi, 0u);
-        let w1 = word(row0, row_v, vi, 1u);
-        let w2 = word(row0, row_v, vi, 2u);
-        let w3 = word(row0, row_v, vi, 3u);
-        let e = xq[2u * vi];
-        let o = xq[2u * vi + 1u];
-        var el = vec4<u32>(0u);
-        var ol = vec4<u32>(0u);
-        if (X16 == 1u) {
-            el = xl[2u * vi];
-            ol = xl[2u * vi + 1u];
-        }
-        let c = xs[vi];
-        let g = vi / 2u;
-        let d = vec4<f32>(
-            dp4a_word(w0, e, o, el, ol),
-            dp4a_word(w1, e, o, el, ol),
-            dp4a_word(w2, e, o, el, ol),
-            dp4a_word(w3, e, o, el, ol),
-        ) * c.x;
-        let s0 = sb(row0, 0u, groups, g);
-        let s1 = sb(row0, 1u, groups, g);
-        let s2 = sb(row0, 2u, groups, g);
-        let s3 = sb(row0, 3u, groups, g);
-        acc += vec4<f32>(s0.x, s1.x, s2.x, s3.x) * d + vec4<f32>(s0.y, s1.y, s2.y, s3.y) * c.y;
-    }
-    reduce4(acc, li, lane, row0);
 }

@@ -70,10 +70,12 @@ say "## INT4 g64 matvec"
 for shape in 4096x4096 8192x8192 16384x8192; do
   "$BIN/bench_gpu" --peak-gbs "$PEAK_GBS" --runs 15 --tilings "$TILINGS" --shapes "$shape" 2>&1 | grep -v '^adapter:\|^INT4' | tee -a "$RESULTS" || true
 done
-# The kernel alone (bind groups made once, no per-dispatch host work), next to the
-# diagnostic kernels that say where its time goes (examples/matvec_lab.rs).
+# The product kernels alone (bind groups made once, no per-dispatch host work): x24 at
+# the runtime's lanes and two others, and packing x before every product; the f32
+# kernel; next to the diagnostic kernels that say where the time goes
+# (examples/matvec_lab.rs).
 if [ -x "$BIN/matvec_lab" ]; then
-  "$BIN/matvec_lab" --peak-gbs "$PEAK_GBS" --shapes 8192x8192,16384x8192 --only "product 64x4,lab loads-only 64x4,lab math-only 64x4,dp4a 16-bit x 64x4,stream" 2>&1 | grep -v XDG | tee -a "$RESULTS" || true
+  "$BIN/matvec_lab" --peak-gbs "$PEAK_GBS" --shapes 8192x8192,16384x8192 --only "product x24,product f32 64x4,lab loads-only 64x4,lab math-only 64x4,stream" 2>&1 | grep -v XDG | tee -a "$RESULTS" || true
 fi
 
 rm -rf "$WORK" && mkdir -p "$WORK"

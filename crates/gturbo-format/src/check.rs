@@ -22,7 +22,7 @@ use crate::manifest::{self, MAX_MANIFEST_BYTES, Manifest};
 use crate::quality;
 use crate::receipt;
 use crate::resident::ResidentHead;
-use crate::{LayoutError, PAGE, check_relative_path, tokenizer};
+use crate::{LayoutError, PAGE, check_relative_path, nofollow, tokenizer};
 
 /// Largest tokenizer JSON file parsed by the cheap checks.
 pub const MAX_TOKENIZER_JSON_BYTES: u64 = 256 << 20;
@@ -104,9 +104,7 @@ pub fn open_manifest(dir: &Path) -> Result<Manifest, VerifyFailure> {
 /// [`open_manifest`] that also returns the manifest's bytes (for its SHA-256).
 pub fn read_manifest(dir: &Path) -> Result<(Vec<u8>, Manifest), VerifyFailure> {
     let name = manifest::FILE_NAME;
-    if let Err(e) = std::fs::symlink_metadata(dir.join(name))
-        && e.kind() == io::ErrorKind::NotFound
-    {
+    if let Ok(None) = nofollow::kind(&dir.join(name)) {
         return Err(VerifyFailure::new(
             name,
             "",
@@ -633,9 +631,9 @@ pub fn open_inside(dir: &Path, rel: &str) -> Result<(File, u64), VerifyFailure> 
     let mut last: Option<Metadata> = None;
     for (i, part) in parts.iter().enumerate() {
         path.push(part);
-        let md = match std::fs::symlink_metadata(&path) {
-            Ok(md) => md,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+        let md = match nofollow::lstat(&path) {
+            Ok(Some(md)) => md,
+            Ok(None) => {
                 return Err(VerifyFailure::new(
                     rel,
                     "",
@@ -665,10 +663,13 @@ pub fn open_inside(dir: &Path, rel: &str) -> Result<(File, u64), VerifyFailure> 
         }
         last = Some(md);
     }
-    let file = open_no_follow(&path).map_err(|e| VerifyFailure::io(rel, &e))?;
+    // A link swapped in after the check fails to open instead of being followed; a
+    // FIFO swapped in cannot block the open.
+    let file = nofollow::open(&path, std::fs::OpenOptions::new().read(true))
+        .map_err(|e| VerifyFailure::io(rel, &e))?;
     let md = file.metadata().map_err(|e| VerifyFailure::io(rel, &e))?;
     if let Some(before) = last
-        && !same_file(&before, &md)
+        && !nofollow::same_file(&before, &md)
     {
         // The entry changed between the check and the open (a swapped-in link).
         return Err(VerifyFailure::new(
@@ -678,33 +679,6 @@ pub fn open_inside(dir: &Path, rel: &str) -> Result<(File, u64), VerifyFailure> 
         ));
     }
     Ok((file, md.len()))
-}
-
-#[cfg(unix)]
-fn open_no_follow(path: &Path) -> io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    // O_NOFOLLOW: a link swapped in after the check fails to open instead of being
-    // followed; O_NONBLOCK: a FIFO swapped in cannot block the open.
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-}
-
-#[cfg(not(unix))]
-fn open_no_follow(path: &Path) -> io::Result<File> {
-    File::open(path)
-}
-
-#[cfg(unix)]
-fn same_file(a: &Metadata, b: &Metadata) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    a.dev() == b.dev() && a.ino() == b.ino() && b.is_file()
-}
-
-#[cfg(not(unix))]
-fn same_file(_: &Metadata, b: &Metadata) -> bool {
-    b.is_file()
 }
 
 /// Read a whole file of at most `cap` bytes.

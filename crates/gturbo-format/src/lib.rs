@@ -15,6 +15,7 @@ pub mod env;
 pub mod json;
 pub mod lock;
 pub mod manifest;
+pub mod nofollow;
 pub mod pools;
 pub mod quality;
 pub mod quant;

@@ -3,17 +3,17 @@
 //! then hash, write the manifest last, and publish by an atomic rename.
 //!
 //! [`execute`] runs these steps, each in its own module: *stage* (claim the output,
-//! lay out the staging files: [`super::stage`]), *journal* (open or start the resume
-//! journal: [`super::journal`]), *resume* (keep the journaled reads still intact:
-//! [`super::resume`]), *stream* (fetch, transform, write, journal: [`super::stream`]),
-//! then *copy*, *finalize* and *publish* ([`super::publish`]).
+//! lay out the staging files: `stage`), *journal* (open or start the resume
+//! journal: `journal`), *resume* (keep the journaled reads still intact:
+//! `resume`), *stream* (fetch, transform, write, journal: `stream`),
+//! then *copy*, *finalize* and *publish* (`publish`).
 //!
 //! # Memory
 //! Each job holds one tile of source rows and its transformed output (`tile_bytes`
 //! each, set by `--tile-kib`), never a tensor or a shard; the reorder window holds at
 //! most `(connections + consuming jobs) × sub_range_bytes` of fetched source bytes, and
 //! connections are held so that this stays within 192 MiB
-//! (`stream::WINDOW_BUDGET`). Memory is O(jobs × tile + connections × sub-range).
+//! (`window::WINDOW_BUDGET`). Memory is O(jobs × tile + connections × sub-range).
 //!
 //! # Crash safety and resume
 //! Beside the staging directory live `<out>.partial.journal` (JSON lines: the plan
@@ -35,6 +35,7 @@ pub use super::options::{ExecuteOptions, ExecuteSummary, InstallReporter, Jobs, 
 use super::journal::Journal;
 use super::stage::Staging;
 use super::stream::{self, JobContext};
+use super::tile;
 use super::{InstallError, Prepared, publish, resume};
 
 /// Run the install, step by step. Returns the summary; the `.gturbo` directory is
@@ -67,7 +68,7 @@ pub async fn execute(
         shard_of,
     )?;
     let out = staging.create_outputs(plan)?;
-    let placements = stream::placements(plan);
+    let placements = tile::placements(plan);
 
     reporter.phase("resume-check", &format!("{} journaled reads", done.len()));
     let kept = resume::check(plan, &placements, &out, &done)?;

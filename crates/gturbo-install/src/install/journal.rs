@@ -62,7 +62,7 @@ enum Entry {
     },
     /// A read completed, its output bytes durable.
     Read {
-        /// Digest of the bytes it wrote (see `stream::digest_on_disk`).
+        /// Digest of the bytes it wrote (see `tile::digest_on_disk`).
         digest: String,
         /// Index into the plan's reads.
         read: usize,

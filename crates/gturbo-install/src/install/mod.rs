@@ -19,6 +19,8 @@ mod resume;
 pub mod source_hash;
 mod stage;
 mod stream;
+mod tile;
+mod window;
 
 /// Free space an install keeps beyond its bytes (its preflight's rule; `gturbo doctor`
 /// checks the same).
@@ -42,8 +44,8 @@ pub const HEADER_CONCURRENCY: usize = 16;
 /// included (issue 22). Its shares: the reorder window's (192 MiB, `WINDOW_BUDGET`)
 /// while data streams, [`HEADER_BUDGET`] while headers are read.
 pub const MEMORY_BUDGET: u64 = 256 << 20;
-/// What the header reads in flight may hold together ([`header::HeaderBudget`]): the
+/// What the header reads in flight may hold together ([`crate::header::HeaderBudget`]): the
 /// reorder window's share of [`MEMORY_BUDGET`], since every header is read and parsed
 /// before the first window place is made, and the rest of the budget (the runtime,
 /// HTTP buffers) is there in both phases.
-pub const HEADER_BUDGET: u64 = stream::WINDOW_BUDGET;
+pub const HEADER_BUDGET: u64 = window::WINDOW_BUDGET;

@@ -1,7 +1,8 @@
 //! The paths an install creates beside the output (`<out>.partial/`, `.partial.lock`,
 //! `.partial.journal`) and inside its staging directory are opened without following
 //! a link, so a link planted there can never make gturbo write, truncate or publish
-//! outside the output.
+//! outside the output. The opens are [`crate::format::nofollow`]'s; this file words
+//! their refusals as the installer's errors.
 //!
 //! # The rule
 //! - Every open is `O_NOFOLLOW`: a link at the last component fails to open (it is
@@ -17,8 +18,9 @@
 //!   below the staging directory.
 
 use std::fs::{File, FileType, OpenOptions};
-use std::io;
 use std::path::Path;
+
+use crate::format::nofollow::{self, NoFollowError};
 
 use super::{InstallError, io_err};
 
@@ -30,52 +32,23 @@ pub(super) fn planted(path: &Path, what: &str) -> InstallError {
     }
 }
 
-/// What stands at `path` without following a link: `None` when nothing does.
-pub(super) fn kind(path: &Path) -> Result<Option<FileType>, InstallError> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) => Ok(Some(m.file_type())),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(io_err(path, e)),
+/// The installer's words for a refusal of the shared opens.
+fn refused(e: NoFollowError) -> InstallError {
+    match e {
+        NoFollowError::Planted { path, what } => planted(&path, what),
+        NoFollowError::Io { path, source } => io_err(&path, source),
     }
 }
 
-/// Words for a non-regular file type in a refusal.
-fn describe(t: FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_symlink() {
-        "a symbolic link"
-    } else if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_block_device() || t.is_char_device() {
-        "a device"
-    } else {
-        "not a regular file"
-    }
+/// What stands at `path` without following a link: `None` when nothing does.
+pub(super) fn kind(path: &Path) -> Result<Option<FileType>, InstallError> {
+    nofollow::kind(path).map_err(|e| io_err(path, e))
 }
 
 /// Open `path` with `options` plus `O_NOFOLLOW | O_NONBLOCK`; a link there is refused,
 /// and so is anything but a regular file.
 pub(super) fn open(path: &Path, options: &mut OpenOptions) -> Result<File, InstallError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = options
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                planted(path, "a symbolic link")
-            } else {
-                io_err(path, e)
-            }
-        })?;
-    let t = file.metadata().map_err(|e| io_err(path, e))?.file_type();
-    if !t.is_file() {
-        return Err(planted(path, describe(t)));
-    }
-    Ok(file)
+    nofollow::open_regular(path, options).map_err(refused)
 }
 
 /// Open an existing regular file for reading.
@@ -99,49 +72,22 @@ pub(super) fn open_rw(path: &Path) -> Result<File, InstallError> {
 /// A new, empty file at `path`: a file an earlier run left there is unlinked, a link or
 /// anything else is refused, then the file is created with `O_EXCL`.
 pub(super) fn create_fresh(path: &Path) -> Result<File, InstallError> {
-    match kind(path)? {
-        None => {}
-        Some(t) if t.is_file() => std::fs::remove_file(path).map_err(|e| io_err(path, e))?,
-        Some(t) => return Err(planted(path, describe(t))),
-    }
-    open(
-        path,
-        OpenOptions::new().read(true).write(true).create_new(true),
-    )
+    nofollow::create_fresh(path).map_err(refused)
 }
 
 /// Make sure `path` is a directory gturbo may write into: created when absent, refused
 /// when a link or anything else stands there.
 pub(super) fn ensure_dir(path: &Path) -> Result<(), InstallError> {
-    match kind(path)? {
-        Some(t) if t.is_dir() => Ok(()),
-        Some(t) => Err(planted(path, describe(t))),
-        None => match std::fs::create_dir(path) {
-            Ok(()) => Ok(()),
-            // Created by someone else meanwhile: check what it is.
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match kind(path)? {
-                Some(t) if t.is_dir() => Ok(()),
-                Some(t) => Err(planted(path, describe(t))),
-                None => Err(io_err(path, e)),
-            },
-            Err(e) => Err(io_err(path, e)),
-        },
-    }
+    nofollow::ensure_dir(path).map_err(refused)
 }
 
 /// [`ensure_dir`] for every directory from `root` (itself included) down to `dir`,
 /// which lies below `root`.
 pub(super) fn ensure_dirs(root: &Path, dir: &Path) -> Result<(), InstallError> {
-    ensure_dir(root)?;
     let rel = dir.strip_prefix(root).map_err(|_| {
         InstallError::Internal(format!("{} is outside {}", dir.display(), root.display()))
     })?;
-    let mut at = root.to_path_buf();
-    for c in rel.components() {
-        at.push(c);
-        ensure_dir(&at)?;
-    }
-    Ok(())
+    nofollow::ensure_dirs(root, rel).map_err(refused)
 }
 
 #[cfg(test)]

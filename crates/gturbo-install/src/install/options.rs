@@ -1,6 +1,6 @@
 //! What the executor is given and what it hands back: its options, the connection
 //! setting, the summary and the progress callbacks. A leaf: every step of the executor
-//! ([`super::stage`], [`super::stream`], [`super::publish`]) reads these, and none of them
+//! (`stage`, `stream`, `publish`) reads these, and none of them
 //! reads [`super::execute`].
 
 use std::path::PathBuf;
@@ -13,8 +13,8 @@ pub struct ExecuteOptions {
     /// Connections (sub-range requests in flight): fixed, or grown while throughput rises.
     pub jobs: Jobs,
     /// Bytes per sub-range request: the unit of the reorder window (see
-    /// [`super::stream::Links`]); `None` sizes it to the connections
-    /// ([`super::stream::auto_sub_range`]).
+    /// `window::Links`); `None` sizes it to the connections
+    /// (`window::auto_sub_range`).
     pub sub_range_bytes: Option<u64>,
     /// Source bytes per transform tile (rounded to whole rows, at least one row).
     pub tile_bytes: usize,
@@ -24,7 +24,7 @@ pub struct ExecuteOptions {
     /// [`super::lock`]).
     pub overwrite: bool,
     /// The local source folder (`--from`), which the output may neither be, hold nor
-    /// lie inside ([`super::stage::Staging::claim`]).
+    /// lie inside (`stage::Staging::claim`).
     pub from: Option<PathBuf>,
     /// Test hook: stop (as if killed) after this many reads complete in this run.
     pub abort_after_reads: Option<u64>,

@@ -14,7 +14,8 @@ use super::InstallError;
 use super::journal::Done;
 use super::source_hash::ResumableSha256;
 use super::stage::OutputFiles;
-use super::stream::{Job, digest_on_disk};
+use super::stream::Job;
+use super::tile::digest_on_disk;
 
 /// What the journal and the disk agree on.
 #[derive(Debug, Clone, PartialEq)]

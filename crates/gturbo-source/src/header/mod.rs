@@ -6,7 +6,7 @@
 //! when it does not.
 //!
 //! Everything in a header is hostile input: the length is capped, the JSON
-//! is read key by key so duplicate names are caught ([`json`]), every tensor's
+//! is read key by key so duplicate names are caught (`json`), every tensor's
 //! `dtype × shape` must equal its byte span, and the spans must tile the data section
 //! exactly, from 0 to the end of the file. Refusals are [`HeaderError`]s naming the
 //! shard, tensor and field.

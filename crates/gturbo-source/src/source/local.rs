@@ -16,8 +16,9 @@
 //! says so per file, and `--require-source-hash` refuses them).
 //!
 //! The directory is walked once, in [`LocalSource::open`]; each file's resolved location
-//! is kept, so later reads never follow a link again (a link swapped after the walk
-//! cannot redirect a read). Reads are positional and exact.
+//! is kept, and later reads open it without following a link (`open_listed`): a
+//! link swapped in after the walk cannot redirect a read. Reads are positional and
+//! exact.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -35,6 +36,7 @@ use super::{
     ByteStream, RangeSource, RepoFile, ResolvedRepo, SourceError, SourceStats, check_repo_path,
 };
 use crate::format::digest::{GIT_OID_HEX_LEN, SHA256_HEX_LEN, is_hex};
+use crate::format::nofollow::{self, NoFollowError};
 
 /// Largest chunk [`LocalSource::stream_range`] yields: what one read holds in flight.
 pub const STREAM_CHUNK: usize = 1024 * 1024;
@@ -147,7 +149,7 @@ impl RangeSource for LocalSource {
             .map_err(|_| bad("range does not fit in memory".into()))?;
         let start = range.start;
         let read = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
-            let file = fs::File::open(&disk)?;
+            let file = open_listed(&disk)?;
             let mut buf = vec![0u8; len];
             file.read_exact_at(&mut buf, start)?;
             Ok(buf)
@@ -179,7 +181,7 @@ impl RangeSource for LocalSource {
     /// shrank since the walk ends the stream with [`SourceError::BadRange`].
     async fn stream_range(&self, path: &str, range: Range<u64>) -> Result<ByteStream, SourceError> {
         let disk = self.locate_range(path, &range)?;
-        let file = tokio::task::spawn_blocking(move || fs::File::open(&disk))
+        let file = tokio::task::spawn_blocking(move || open_listed(&disk))
             .await
             .map_err(|e| join_err(path, e))?
             .map_err(|source| SourceError::Io {
@@ -217,7 +219,7 @@ impl RangeSource for LocalSource {
         let read = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
             // One byte over the cap tells a file that grew since the walk.
             let mut buf = Vec::new();
-            fs::File::open(&disk)?
+            open_listed(&disk)?
                 .take(max_len.saturating_add(1))
                 .read_to_end(&mut buf)?;
             Ok(buf)
@@ -516,6 +518,18 @@ fn walk(
     Ok(())
 }
 
+/// Open a listed file, at the location the walk resolved, for reading. The walk left
+/// no link at that place, so a link (or a FIFO, anything but a regular file) there now
+/// was swapped in since: it is refused, not followed or blocked on.
+fn open_listed(disk: &Path) -> std::io::Result<fs::File> {
+    nofollow::open_regular(disk, fs::OpenOptions::new().read(true)).map_err(|e| match e {
+        NoFollowError::Io { source, .. } => source,
+        NoFollowError::Planted { what, .. } => std::io::Error::other(format!(
+            "{what} stands where the listing found a regular file; not followed"
+        )),
+    })
+}
+
 /// The refusal of a snapshot entry that is not a regular file (nor a folder).
 fn not_regular(origin: &str, rel: &str, kind: fs::FileType) -> SourceError {
     use std::os::unix::fs::FileTypeExt;
@@ -597,6 +611,36 @@ mod tests {
         );
         assert_eq!(src.describe(), format!("local {}", root.display()));
         assert_eq!(src.stats(), SourceStats::default());
+    }
+
+    #[tokio::test]
+    async fn a_link_swapped_in_after_the_walk_is_refused_not_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("m");
+        write(&root.join("m.safetensors"), &pattern(100));
+        write(&root.join("config.json"), b"{}");
+        write(&tmp.path().join("secret"), &[7u8; 100]);
+        let src = LocalSource::open(&root, None).unwrap();
+        for name in ["m.safetensors", "config.json"] {
+            fs::remove_file(root.join(name)).unwrap();
+            symlink(tmp.path().join("secret"), root.join(name)).unwrap();
+        }
+        let e = src.read_range("m.safetensors", 0..10).await.unwrap_err();
+        assert!(
+            e.to_string().contains("a symbolic link stands where"),
+            "{e}"
+        );
+        let e = src.read_file("config.json", 100).await.unwrap_err();
+        assert!(e.to_string().contains("not followed"), "{e}");
+        let e = src
+            .stream_range("m.safetensors", 0..10)
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            e.to_string().starts_with("m.safetensors: a symbolic link"),
+            "{e}"
+        );
     }
 
     #[tokio::test]

@@ -1,7 +1,7 @@
 //! A local Hugging Face-compatible hub: serves snapshot directories over HTTP the way the
 //! hub does, with request counters and scripted faults, for tests, benchmarks and demos.
 //!
-//! It owns the server side of the protocol only; the client is [`crate::source::http`].
+//! It owns the server side of the protocol only; the client is gturbo-source's `source::http`.
 //! The official Python client (`hf download`) must be able to download from it
 //! (`tests/it/hub_protocol.rs` proves it), so the answers follow what the hub sends.
 //!

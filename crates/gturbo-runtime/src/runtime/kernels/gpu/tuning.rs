@@ -66,11 +66,12 @@ pub(crate) fn valid_tiling(lanes: u32, rows: u32) -> bool {
 }
 
 /// `qmatvec_x24`'s invocations per 4 rows for `rows` rows of `row_v` code words: the
-/// power of two that makes about [`MIN_MATVEC_WGS`] workgroups (each has 1024 / lanes
+/// power of two that makes about `MIN_MATVEC_WGS` workgroups (each has 1024 / lanes
 /// rows), at most `row_v` rounded up (no lane without a word) and 4 to 256. On the H200
 /// each of [4096², 8192², 16384×8192, 8192×4096, 4096×16384] was fastest at 512
-/// workgroups among 32, 64 and 128 lanes (docs/GPU.md).
-pub(crate) fn x24_lanes(row_v: usize, rows: usize) -> u32 {
+/// workgroups among 32, 64 and 128 lanes (docs/GPU.md). Public for the matvec lab
+/// (examples/matvec_lab.rs), which times the kernel at the runtime's choice.
+pub fn x24_lanes(row_v: usize, rows: usize) -> u32 {
     let want = (MIN_MATVEC_WGS * 1024).div_ceil(rows.max(1)).clamp(4, 256);
     // The power of two nearest `want` (rounding at 1.5×), then capped by the row.
     let down = 1usize << (usize::BITS - 1 - want.leading_zeros());

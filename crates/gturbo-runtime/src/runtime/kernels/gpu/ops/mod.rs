@@ -38,8 +38,9 @@ const ELEMENTWISE_WG: usize = 256;
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 
 /// Words of packed x per 32 values of x: 8 for each of x24's three bytes, then step
-/// and sum (`qmatvec_x24.wgsl`).
-const PACKED_X_WORDS: usize = 26;
+/// and sum (`qmatvec_x24.wgsl`). Public for the matvec lab, which sizes its packed x
+/// as the runtime does.
+pub const PACKED_X_WORDS: usize = 26;
 
 /// The experts a router chose: `[n, k]` ids (best first) and their weights.
 #[derive(Debug, Clone)]

@@ -1,0 +1,430 @@
+//! A read's bytes written through the transforms: each tensor segment the read covers
+//! is cut into bounded tiles of source rows, transformed, and written at its planned
+//! offsets, and the read's digest is taken of the bytes it wrote.
+//!
+//! A read's digest is derived from the bytes it wrote, per tensor segment and per
+//! output stream (weights, scales, biases) in row order, so [`digest_on_disk`]
+//! recomputes it from the files alone: that is how the *resume* stage tells an intact
+//! journaled read from a damaged one.
+//!
+//! A module of a pre-quantized source installed with `--requantize` streams its packed
+//! weights like any tensor; the scales and biases of the rows a read covers are fetched
+//! first ([`stage`]), so each tile is dequantized and quantized again on its own. What
+//! a read writes still depends on the source alone, so a resumed read rewrites the
+//! same bytes.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use sha2::{Digest, Sha256};
+
+use crate::format::Scheme;
+use crate::plan::placement::TensorPlacement;
+use crate::plan::{Plan, RangeRead};
+
+use crate::source::{RangeSource, SourceError};
+use crate::transform::quant::{self, Spec};
+
+use super::stage::OutputFiles;
+use super::{InstallError, io_err};
+
+/// One tensor's rows inside one read.
+#[derive(Debug, Clone)]
+pub(super) struct Segment {
+    tensor: usize,
+    /// Absolute source offset of the first byte.
+    src_start: u64,
+    row0: u64,
+    row1: u64,
+}
+
+pub(super) fn segments(
+    plan: &Plan,
+    placements: &[Option<TensorPlacement>],
+    read: &RangeRead,
+) -> Vec<Segment> {
+    let mut out = Vec::new();
+    for (ti, t) in plan.tensors.iter().enumerate() {
+        if t.shard != read.shard {
+            continue;
+        }
+        let Some(p) = &placements[ti] else { continue };
+        let s = t.src[0].max(read.start);
+        let e = t.src[1].min(read.end);
+        if s >= e {
+            continue;
+        }
+        let row0 = (s - t.src[0]) / p.src_row_bytes;
+        let row1 = (e - t.src[0]).div_ceil(p.src_row_bytes);
+        out.push(Segment {
+            tensor: ti,
+            src_start: s,
+            row0,
+            row1,
+        });
+    }
+    out
+}
+
+/// Contiguous output runs `(file, offset, len, first_row)` of one stream (0 weights,
+/// 1 scales, 2 biases) for rows `row0..row1`.
+fn runs(p: &TensorPlacement, row0: u64, row1: u64, stream: usize) -> Vec<(usize, u64, u64, u64)> {
+    let len = [p.out_row.0, p.out_row.1, p.out_row.2][stream];
+    let mut v: Vec<(usize, u64, u64, u64)> = Vec::new();
+    if len == 0 {
+        return v;
+    }
+    for r in row0..row1 {
+        let d = p.row(r);
+        let off = [d.weights, d.scales, d.biases][stream];
+        match v.last_mut() {
+            Some(last) if last.0 == d.file && last.1 + last.2 == off => last.2 += len,
+            _ => v.push((d.file, off, len, r)),
+        }
+    }
+    v
+}
+
+/// Streams one read's bytes through the transforms into the output files.
+pub(super) struct ReadWriter<'a> {
+    plan: &'a Plan,
+    placements: &'a [Option<TensorPlacement>],
+    files: &'a [File],
+    paths: &'a [PathBuf],
+    segs: Vec<Segment>,
+    seg: usize,
+    /// Absolute source position of the next byte.
+    pub(super) pos: u64,
+    tile: Vec<u8>,
+    tile_row0: u64,
+    tile_rows: u64,
+    out: [Vec<u8>; 3],
+    hashers: [Sha256; 3],
+    /// The read's digest: each segment's stream digests, in order.
+    pub(super) digest: Sha256,
+    /// The output files written into.
+    pub(super) touched: BTreeSet<usize>,
+    /// Output bytes written.
+    pub(super) written: u64,
+    /// Scales and biases of the requantized modules this read covers ([`stage`]).
+    staged: std::collections::BTreeMap<usize, Staged>,
+    /// Scratch: a requantized tile dequantized to BF16 (little-endian bytes).
+    deq: Vec<u8>,
+}
+
+/// One requantized module's scales and biases for the rows `row0..` one read covers,
+/// as the source stores them (BF16, one per group).
+pub(super) struct Staged {
+    row0: u64,
+    scales: bytes::Bytes,
+    biases: bytes::Bytes,
+}
+
+/// Fetch the scales and biases of every requantized module among `segs` (their rows
+/// only), before the read's packed weights stream through. They are small next to
+/// the weights (4 bytes per group against `group·bits/8`), so a read stages at most
+/// half its own size (2-bit g32) and an eighth at 4-bit g64. Returns them and the
+/// source bytes fetched.
+pub(super) async fn stage(
+    source: &dyn RangeSource,
+    plan: &Plan,
+    placements: &[Option<TensorPlacement>],
+    segs: &[Segment],
+) -> Result<(std::collections::BTreeMap<usize, Staged>, u64), InstallError> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut fetched = 0u64;
+    for seg in segs {
+        let t = &plan.tensors[seg.tensor];
+        let (Some(r), Some(Some(p))) = (&t.requant, placements.get(seg.tensor)) else {
+            continue;
+        };
+        let per = p
+            .requant
+            .and_then(|a| a.row_sizes(p.cols))
+            .map(|s| s.scales)
+            .ok_or_else(|| InstallError::Internal(format!("{}: requant layout", t.name)))?;
+        let rows = seg.row0..seg.row1;
+        let scales = stage_rows(source, plan, &r.scales, rows.clone(), per).await?;
+        let biases = stage_rows(source, plan, &r.biases, rows, per).await?;
+        fetched += 2 * (seg.row1 - seg.row0) * per;
+        out.insert(
+            seg.tensor,
+            Staged {
+                row0: seg.row0,
+                scales,
+                biases,
+            },
+        );
+    }
+    Ok((out, fetched))
+}
+
+/// Rows `rows` (of `per` bytes each) of a staged source tensor, checked to lie inside
+/// it and to come back whole.
+async fn stage_rows(
+    source: &dyn RangeSource,
+    plan: &Plan,
+    part: &crate::plan::SourcePart,
+    rows: std::ops::Range<u64>,
+    per: u64,
+) -> Result<bytes::Bytes, InstallError> {
+    let range = part.src[0] + rows.start * per..part.src[0] + rows.end * per;
+    let path = &plan.shards[part.shard].path;
+    if range.end > part.src[1] {
+        return Err(InstallError::Internal(format!(
+            "{}: staged rows past the tensor",
+            part.name
+        )));
+    }
+    let want = range.end - range.start;
+    let bytes = source.read_range(path, range.clone()).await?;
+    if bytes.len() as u64 != want {
+        return Err(SourceError::BadRange {
+            path: path.clone(),
+            range,
+            detail: format!("{} bytes for `{}`, not {want}", bytes.len(), part.name),
+        }
+        .into());
+    }
+    Ok(bytes)
+}
+
+impl<'a> ReadWriter<'a> {
+    /// A writer of the read that starts at source byte `start` and covers `segs`, with
+    /// the scales and biases [`stage`] fetched for it.
+    pub(super) fn new(
+        plan: &'a Plan,
+        placements: &'a [Option<TensorPlacement>],
+        files: &'a [File],
+        paths: &'a [PathBuf],
+        segs: Vec<Segment>,
+        start: u64,
+        staged: std::collections::BTreeMap<usize, Staged>,
+    ) -> ReadWriter<'a> {
+        ReadWriter {
+            plan,
+            placements,
+            files,
+            paths,
+            segs,
+            seg: 0,
+            pos: start,
+            tile: Vec::new(),
+            tile_row0: 0,
+            tile_rows: 0,
+            out: [Vec::new(), Vec::new(), Vec::new()],
+            hashers: Default::default(),
+            digest: Sha256::new(),
+            touched: BTreeSet::new(),
+            written: 0,
+            staged,
+            deq: Vec::new(),
+        }
+    }
+
+    /// Feed the read's next source bytes, `chunk`, cut into tiles of about
+    /// `tile_bytes`.
+    pub(super) fn feed(&mut self, mut chunk: &[u8], tile_bytes: usize) -> Result<(), InstallError> {
+        while !chunk.is_empty() {
+            let Some(seg) = self.segs.get(self.seg).cloned() else {
+                // Bytes after the last segment (excluded tensors read for the hash).
+                self.pos += chunk.len() as u64;
+                return Ok(());
+            };
+            if self.pos < seg.src_start {
+                let skip = ((seg.src_start - self.pos) as usize).min(chunk.len());
+                chunk = &chunk[skip..];
+                self.pos += skip as u64;
+                continue;
+            }
+            let p = self.placements[seg.tensor]
+                .as_ref()
+                .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+            if self.tile.is_empty() && self.tile_rows == 0 {
+                self.tile_row0 =
+                    (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes;
+                self.tile_rows =
+                    ((tile_bytes as u64 / p.src_row_bytes).max(1)).min(seg.row1 - self.tile_row0);
+            }
+            let tile_len = (self.tile_rows * p.src_row_bytes) as usize;
+            if self.tile.is_empty() && chunk.len() >= tile_len {
+                // The whole tile is in this piece: transform it where it lies.
+                let (whole, rest) = chunk.split_at(tile_len);
+                chunk = rest;
+                self.pos += tile_len as u64;
+                self.flush_tile(&seg, whole)?;
+            } else {
+                // A tile across two pieces is gathered first.
+                let take = (tile_len - self.tile.len()).min(chunk.len());
+                self.tile.extend_from_slice(&chunk[..take]);
+                chunk = &chunk[take..];
+                self.pos += take as u64;
+                if self.tile.len() < tile_len {
+                    continue;
+                }
+                let tile = std::mem::take(&mut self.tile);
+                let flushed = self.flush_tile(&seg, &tile);
+                self.tile = tile;
+                self.tile.clear();
+                flushed?;
+            }
+            if self.tile_row0 >= seg.row1 {
+                self.finish_segment();
+            }
+        }
+        Ok(())
+    }
+
+    /// Transform and write one tile of source rows, `src` (the tile's bytes, from the
+    /// piece or gathered in `tile`).
+    fn flush_tile(&mut self, seg: &Segment, src: &[u8]) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let p = self.placements[seg.tensor]
+            .as_ref()
+            .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+        let n = self.tile_rows;
+        let (ow, os, ob) = p.out_row;
+        // A requantized module's tile is packed words: dequantize it to the BF16
+        // matrix `mx.dequantize` gives, which is then quantized (or kept) like a
+        // BF16 source's.
+        let mut deq = std::mem::take(&mut self.deq);
+        if let Some(from) = p.requant {
+            let st = self
+                .staged
+                .get(&seg.tensor)
+                .ok_or_else(|| InstallError::Internal(format!("{}: not staged", t.name)))?;
+            let per = from.row_sizes(p.cols).map_or(0, |s| s.scales) as usize;
+            let at = (self.tile_row0 - st.row0) as usize * per;
+            let len = n as usize * per;
+            let (s, b) = (&st.scales[at..at + len], &st.biases[at..at + len]);
+            let mut vals = vec![0u16; (n * p.cols) as usize];
+            quant::dequantize_rows_bf16(
+                src,
+                s,
+                b,
+                p.cols as usize,
+                Spec::from_affine(from),
+                &mut vals,
+            )
+            .map_err(|e| InstallError::Transform {
+                tensor: t.name.clone(),
+                detail: format!("dequantizing: {e}"),
+            })?;
+            deq.clear();
+            deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        let input: &[u8] = if p.requant.is_some() { &deq } else { src };
+        // A stream written straight from the input (no copy): a pre-quantized part's
+        // bytes are its stream's, a passthrough tensor's its weights'.
+        let mut direct: Option<(usize, &[u8])> = None;
+        match (p.stream, p.scheme) {
+            (Some(k), _) => direct = Some((k, src)),
+            (None, Scheme::Passthrough) => {
+                if let Some(i) = crate::transform::first_non_finite(input, t.dtype) {
+                    return Err(InstallError::NonFinite {
+                        shard: self.plan.shards[t.shard].path.clone(),
+                        tensor: t.name.clone(),
+                        element: self.tile_row0 * p.cols + i as u64,
+                    });
+                }
+                direct = Some((0, input));
+            }
+            (None, Scheme::Affine(affine)) => {
+                let spec = Spec::from_affine(affine);
+                for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
+                    buf.clear();
+                    buf.resize((per * n) as usize, 0);
+                }
+                let [w, s, b] = &mut self.out;
+                quant::quantize_rows_le_bytes(input, p.cols as usize, spec, w, s, b).map_err(
+                    |e| match e {
+                        quant::QuantError::NonFinite { index } => InstallError::NonFinite {
+                            shard: self.plan.shards[t.shard].path.clone(),
+                            tensor: t.name.clone(),
+                            element: self.tile_row0 * p.cols + index as u64,
+                        },
+                        other => InstallError::Transform {
+                            tensor: t.name.clone(),
+                            detail: other.to_string(),
+                        },
+                    },
+                )?;
+            }
+        }
+        for stream in (0..3).filter(|&k| p.writes(k)) {
+            let per = [ow, os, ob][stream];
+            for (file, off, len, first) in runs(p, self.tile_row0, self.tile_row0 + n, stream) {
+                let at = ((first - self.tile_row0) * per) as usize;
+                let produced = match direct {
+                    Some((k, bytes)) if k == stream => bytes,
+                    _ => &self.out[stream][..],
+                };
+                let bytes = &produced[at..at + len as usize];
+                self.files[file]
+                    .write_all_at(bytes, off)
+                    .map_err(|e| io_err(&self.paths[file], e))?;
+                self.hashers[stream].update(bytes);
+                self.touched.insert(file);
+                self.written += len;
+            }
+        }
+        self.deq = deq;
+        self.tile_row0 += n;
+        self.tile_rows = 0;
+        Ok(())
+    }
+
+    fn finish_segment(&mut self) {
+        for h in &mut self.hashers {
+            let d = std::mem::take(h).finalize();
+            self.digest.update(d);
+        }
+        self.seg += 1;
+        self.tile_rows = 0;
+    }
+}
+
+/// Every tensor's placement, in plan order (`None` for excluded tensors).
+pub(super) fn placements(plan: &Plan) -> Vec<Option<TensorPlacement>> {
+    plan.tensors
+        .iter()
+        .map(|t| TensorPlacement::new(plan, t))
+        .collect()
+}
+
+/// The digest a read's bytes on disk should have, recomputed from the files.
+pub(super) fn digest_on_disk(
+    plan: &Plan,
+    placements: &[Option<TensorPlacement>],
+    out: &OutputFiles,
+    read: &RangeRead,
+) -> Result<String, InstallError> {
+    let (files, paths) = (&out.files, &out.paths);
+    let mut digest = Sha256::new();
+    let mut buf = Vec::new();
+    for seg in segments(plan, placements, read) {
+        let Some(p) = &placements[seg.tensor] else {
+            continue;
+        };
+        for stream in 0..3 {
+            let mut h = Sha256::new();
+            // A stream the tensor does not write hashes as empty, as the writer's does.
+            let runs = if p.writes(stream) {
+                runs(p, seg.row0, seg.row1, stream)
+            } else {
+                Vec::new()
+            };
+            for (file, off, len, _) in runs {
+                buf.resize(len as usize, 0);
+                files[file]
+                    .read_exact_at(&mut buf, off)
+                    .map_err(|e| io_err(&paths[file], e))?;
+                h.update(&buf);
+            }
+            digest.update(h.finalize());
+        }
+    }
+    Ok(hex::encode(digest.finalize()))
+}
