@@ -78,7 +78,7 @@ pub struct RunArgs {
     /// Map every expert pool instead of caching blobs.
     #[arg(long, conflicts_with = "expert_cache_slots")]
     pub resident_experts: bool,
-    /// Rows each PLE n-gram row cache keeps (Flash-Next; an LRU filled by reads).
+    /// Rows each n-gram row cache keeps (installs with row pools; an LRU filled by reads).
     #[arg(long, default_value_t = DEFAULT_ROW_CACHE_ROWS as u64,
           value_parser = clap::value_parser!(u64).range(1..=1 << 28))]
     pub row_cache_rows: u64,

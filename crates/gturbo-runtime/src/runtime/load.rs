@@ -14,13 +14,13 @@ use super::error::RunError;
 use super::experts::{ExpertMode, ExpertStore};
 use super::gate::{self, Runner};
 use super::kernels::{FloatDtype, Matrix};
+use super::paths::safe_join;
+use super::rows::RowCache;
 use crate::format::check::{self as verify, VerifyFailure};
-use crate::format::check_relative_path;
 use crate::format::dtype::Dtype;
 use crate::format::lock::InstallLock;
-use crate::format::manifest::{self, Manifest};
+use crate::format::manifest::Manifest;
 use crate::format::resident::{ResidentEntry, ResidentHead, ResidentIndex, Span, Storage};
-use crate::runtime::rows::RowCache;
 
 /// How to open an install.
 #[derive(Debug, Clone, Copy)]
@@ -190,17 +190,6 @@ impl Install {
     pub fn row_cache(&self, layer: usize) -> Option<&RowCache> {
         self.rows.iter().find(|(l, _)| *l == layer).map(|(_, r)| r)
     }
-}
-
-/// `dir/rel`, refusing names that would leave the install ([`check_relative_path`]).
-pub(crate) fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, RunError> {
-    check_relative_path(rel).map_err(|why| {
-        RunError::invalid(
-            manifest::FILE_NAME,
-            format!("file name {rel:?} leaves the install directory: {why}"),
-        )
-    })?;
-    Ok(dir.join(rel))
 }
 
 /// The mapped index against the mapped payload: the same layout rule verify-install

@@ -21,6 +21,7 @@ pub mod generate;
 pub mod layers;
 pub mod load;
 pub mod models;
+pub mod paths;
 pub mod rows;
 #[cfg(test)]
 mod testing;

@@ -26,7 +26,7 @@ use crate::format::{RowBlocks, Scheme};
 use crate::runtime::RunError;
 use crate::runtime::experts::CacheStats;
 use crate::runtime::kernels::{FloatDtype, Matrix};
-use crate::runtime::load::safe_join;
+use crate::runtime::paths::safe_join;
 
 /// No entry (end of the recency list).
 const NIL: usize = usize::MAX;

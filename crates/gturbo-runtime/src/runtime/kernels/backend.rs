@@ -44,6 +44,7 @@
 use std::ops::Range;
 
 use super::Matrix;
+pub use super::routing::Routing;
 use super::routing::RoutingSpec;
 #[cfg(doc)]
 use super::routing::route_logits;
@@ -156,18 +157,6 @@ pub struct Causal {
     pub heads: usize,
     /// Factor on `q·k` before the softmax (`1/√head_dim` for the decoder).
     pub scale: f32,
-}
-
-/// The router's choice for `n` tokens, read back to the host (which reads the chosen
-/// experts' blobs).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Routing {
-    /// Experts chosen per token.
-    pub top_k: usize,
-    /// `[n, top_k]` expert ids, most probable first (ties to the lower id).
-    pub experts: Vec<u32>,
-    /// `[n, top_k]` routing weights, in the same order.
-    pub weights: Vec<f32>,
 }
 
 /// One expert blob as the host holds it, handed to [`Backend::expert`].

@@ -488,9 +488,24 @@ fn inv_freq(rot: usize, theta: f64) -> Vec<f32> {
 /// The `rope` checks of [`all`].
 pub(crate) fn rope<B: Backend>(b: &B) {
     let mut rng = Rng(0xC0FF_0007);
-    // Full (SmolLM2: 9 heads of 64), partial (a quarter of each head), tiny heads.
-    for (heads, hd, rot) in [(9, 64, 64), (3, 64, 16), (5, 2, 2)] {
-        let freqs = inv_freq(rot, 10_000.0);
+    // Full (SmolLM2: 9 heads of 64), partial (a quarter of each head), tiny heads, and
+    // a scaled table as YaRN and llama3 make them (high frequencies kept, low ones
+    // divided by the factor, a ramp between: the op takes any table).
+    for (heads, hd, rot, scaled) in [
+        (9, 64, 64, false),
+        (3, 64, 16, false),
+        (5, 2, 2, false),
+        (4, 64, 64, true),
+        (2, 128, 64, true),
+    ] {
+        let mut freqs = inv_freq(rot, 10_000.0);
+        if scaled {
+            let n = freqs.len();
+            for (j, f) in freqs.iter_mut().enumerate() {
+                let ramp = (j as f32 / (n - 1) as f32).clamp(0.0, 1.0);
+                *f /= 1.0 + 39.0 * ramp;
+            }
+        }
         let table = b.rope_table(&freqs, 4096).unwrap();
         for (pos, n) in [(0, 4), (1000, 1), (4093, 3)] {
             let x = rng.vec(n * heads * hd);

@@ -37,12 +37,23 @@
 //! the addition rounds back to the sum and softmax routing stays bit-identical to the
 //! CPU backend's `route`.
 
-use super::backend::Routing;
 use super::softmax_inplace;
 
 /// Added to the chosen weights' sum before dividing by it (DeepSeek-V3's guard against
 /// an all-zero sum; a no-op for every sum above about `1e-13`).
 pub const RENORM_EPS: f32 = 1e-20;
+
+/// The router's choice for `n` tokens, read back to the host (which reads the chosen
+/// experts' blobs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// `[n, top_k]` expert ids, most probable first (ties to the lower id).
+    pub experts: Vec<u32>,
+    /// `[n, top_k]` routing weights, in the same order.
+    pub weights: Vec<f32>,
+}
 
 /// How router logits become scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,9 @@
 //! Layers the models compose, written once over the backend's ops: the reader of the
-//! manifest's architecture axes, dense MLPs and the shared expert, and the routed
+//! manifest's architecture axes, rotary embeddings as the config describes them (RoPE
+//! scaling, partial rotary, layouts), dense MLPs and the shared expert, and the routed
 //! experts' one dispatch.
 
 pub mod axes;
 pub mod mlp;
 pub mod moe;
+pub mod rope;

@@ -9,8 +9,9 @@
 //! (slot cache or mapped pool).
 
 use crate::format::manifest;
+use crate::format::pools::ExpertPool;
 use crate::runtime::RunError;
-use crate::runtime::experts::ExpertStore;
+use crate::runtime::experts::{ExpertMode, ExpertStore};
 use crate::runtime::kernels::routing::RoutingSpec;
 use crate::runtime::kernels::{Backend, BackendError, ExpertRef, LayerExperts, Routing};
 
@@ -23,6 +24,34 @@ pub struct RouterSpec<'r> {
     pub routing: RoutingSpec,
     /// The selection bias (`e_score_correction_bias`), when the rule has one.
     pub bias: Option<&'r [f32]>,
+}
+
+/// The backend's storage for the expert pools `pools` of `store` (a device mirror of
+/// the slot cache, or nothing), with every mapped (resident) pool of `layers` layers
+/// handed to the backend at load ([`Backend::load_experts`]: a GPU uploads it then,
+/// not inside the first prompt).
+pub fn expert_slots<B: Backend>(
+    b: &B,
+    store: &ExpertStore,
+    pools: &[&ExpertPool],
+    layers: usize,
+) -> Result<B::Slots, RunError> {
+    let slots = match store.mode() {
+        ExpertMode::Slots(n) => Some(n),
+        ExpertMode::Resident => None,
+    };
+    let expert_slots = b.expert_slots(slots, pools)?;
+    for l in 0..layers {
+        if let (Some(bytes), Some(pool)) = (store.mapped(l), store.pool(l)) {
+            let layer = LayerExperts {
+                pool,
+                layer: l,
+                bytes,
+            };
+            b.load_experts(&expert_slots, layer)?;
+        }
+    }
+    Ok(expert_slots)
 }
 
 /// One MoE layer's routed experts over the backend's expert storage.

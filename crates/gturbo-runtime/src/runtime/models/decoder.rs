@@ -16,14 +16,14 @@
 use crate::format::manifest::{self, Manifest};
 use crate::format::pools::ExpertPool;
 use crate::runtime::error::{InputError, RunError};
-use crate::runtime::experts::ExpertMode;
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
 use crate::runtime::kernels::routing::RoutingSpec;
-use crate::runtime::kernels::{AttentionSpec, Backend, Causal, LayerExperts, NormGain};
+use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mlp::SwiGlu;
-use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
+use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
+use crate::runtime::layers::rope::{Layout, RopeSpec, Scaling};
 use crate::runtime::load::Install;
 
 /// What differs between the families the decoder runs beyond their axes: names and
@@ -70,6 +70,9 @@ pub struct Config {
     pub moe: Option<MoeConfig>,
     /// Longest sequence (prompt + generated), from `max_position_embeddings`.
     pub max_positions: usize,
+    /// Rotary embeddings as the config describes them (`layers::rope`): partial rotary
+    /// dims and RoPE scaling (linear, YaRN, llama3).
+    pub rope: RopeSpec,
 }
 
 /// Routed-expert settings.
@@ -101,16 +104,6 @@ impl Config {
         let a = Axes::new(m, AXIS_BELOW, "missing");
         // The install's own rules first (the planner checked the config with them).
         crate::format::axes::check(&m.arch.axes).map_err(|e| a.err(&e.axis, &e.detail))?;
-        if m.arch
-            .axes
-            .get("rope_scaling")
-            .is_some_and(|v| !v.is_null())
-        {
-            return Err(a.err(
-                "rope_scaling",
-                "RoPE scaling is not implemented by the decoder runner (only plain RoPE)",
-            ));
-        }
         let max_positions = a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16);
         if let Some(w) = a.opt_usize("sliding_window")?
             && w < max_positions
@@ -171,8 +164,28 @@ impl Config {
             qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM),
             moe,
             max_positions,
+            rope: decoder_rope(m, head_dim)?,
         })
     }
+}
+
+/// The RoPE the decoder can run: the backends rotate the half-split layout, and a
+/// frequency table is made once at load (so dynamic NTK scaling, which changes the
+/// frequencies as the sequence grows, is refused); YaRN's attention factor scales q and
+/// k alike, so with every dim rotating it is a factor² on the softmax scale.
+fn decoder_rope(m: &Manifest, head_dim: usize) -> Result<RopeSpec, RunError> {
+    let rope = RopeSpec::from_manifest(m, head_dim)?;
+    let refuse = |why: &str| Err(axis_err(m, "rope_scaling", why));
+    if rope.layout != Layout::HalfSplit {
+        return refuse("interleaved RoPE is not implemented by the decoder runner");
+    }
+    if matches!(rope.scaling, Scaling::Dynamic { .. }) {
+        return refuse("dynamic NTK RoPE scaling is not implemented by the decoder runner");
+    }
+    if rope.attention_scaling() != 1.0 && rope.rotary_dim != head_dim {
+        return refuse("YaRN's attention factor with partial rotary dims is not implemented");
+    }
+    Ok(rope)
 }
 
 enum Mlp<'a, B: Backend> {
@@ -359,25 +372,15 @@ impl<'a, B: Backend> Model<'a, B> {
         for l in 0..cfg.layers {
             layers.push(bind.layer(&cfg, l, &mut pools)?);
         }
-        let inv_freq: Vec<f32> = (0..hd / 2)
-            .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
-            .collect();
-        let slots = match install.experts.mode() {
-            ExpertMode::Slots(n) => Some(n),
-            ExpertMode::Resident => None,
+        let inv_freq: Vec<f32> = match cfg.rope.scaling {
+            // Plain RoPE over the whole head keeps the f64 formula the goldens were made
+            // against (`RopeSpec::inv_freq` follows torch's f32 steps: 1 ulp apart).
+            Scaling::None if cfg.rope.rotary_dim == hd => (0..hd / 2)
+                .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
+                .collect(),
+            _ => cfg.rope.inv_freq(cfg.max_positions),
         };
-        let expert_slots = b.expert_slots(slots, &pools)?;
-        for l in 0..cfg.layers {
-            if let (Some(bytes), Some(pool)) = (install.experts.mapped(l), install.experts.pool(l))
-            {
-                let layer = LayerExperts {
-                    pool,
-                    layer: l,
-                    bytes,
-                };
-                b.load_experts(&expert_slots, layer)?;
-            }
-        }
+        let expert_slots = expert_slots(b, &install.experts, &pools, cfg.layers)?;
         Ok(Model {
             final_norm: bind.vector("model.norm.weight", h)?,
             rope: b.rope_table(&inv_freq, cfg.max_positions)?,
@@ -474,7 +477,7 @@ impl<'a, B: Backend> Model<'a, B> {
         let at = Causal {
             pos: s.pos,
             heads: c.heads,
-            scale: 1.0 / (hd as f32).sqrt(),
+            scale: c.rope.attention_scaling().powi(2) / (hd as f32).sqrt(),
         };
         for (l, layer) in self.layers.iter().enumerate() {
             b.rms_norm(&x, &layer.input_norm, c.eps, NormGain::Weight, &mut xn)?;

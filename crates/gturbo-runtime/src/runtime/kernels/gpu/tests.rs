@@ -144,7 +144,7 @@ fn or_skip<T>(test: &str, r: &'static std::result::Result<T, String>) -> Option<
     match r {
         Ok(c) => Some(c),
         Err(e) => {
-            if std::env::var("GTURBO_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            if std::env::var(gturbo_testkit::skip::GTURBO_REQUIRE_GPU).is_ok_and(|v| v == "1") {
                 panic!("{test}: GTURBO_REQUIRE_GPU=1 but no GPU: {e}");
             }
             gturbo_testkit::skip::require_or_skip(test, Err(format!("no GPU adapter ({e})")))

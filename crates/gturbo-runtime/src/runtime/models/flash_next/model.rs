@@ -27,12 +27,13 @@ use crate::format::manifest;
 use crate::format::pools::ExpertPool;
 use crate::runtime::RunError;
 use crate::runtime::error::InputError;
-use crate::runtime::experts::{CacheStats, ExpertMode};
+use crate::runtime::experts::CacheStats;
 use crate::runtime::generate::{LanguageModel, Stat};
 use crate::runtime::kernels::ops::Ops;
 use crate::runtime::kernels::rope::inv_freq;
 use crate::runtime::kernels::{Backend, OpResult};
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
+use crate::runtime::layers::moe::expert_slots;
 
 /// Prefix of the text model's tensors.
 const LM: &str = "model.language_model.";
@@ -479,10 +480,7 @@ impl<'a, B: Ops> FlashModel<'a, B> {
             });
             kinds.push(kind);
         }
-        let slots = match inst.experts.mode() {
-            ExpertMode::Slots(n) => Some(n),
-            ExpertMode::Resident => None,
-        };
+        let slots = expert_slots(b, &inst.experts, &pools, cfg.layers)?;
         Ok(FlashModel {
             embed: bind.matrix(&format!("{LM}embed_tokens.weight"), cfg.vocab, h)?,
             head: bind.matrix("lm_head.weight", cfg.vocab, h)?,
@@ -494,7 +492,7 @@ impl<'a, B: Ops> FlashModel<'a, B> {
                 false,
             )?,
             rope: b.rope_table(&inv_freq(cfg.rope_theta, cfg.rotary_dim), cfg.max_positions)?,
-            slots: b.expert_slots(slots, &pools)?,
+            slots,
             cfg,
             kinds,
             install,
