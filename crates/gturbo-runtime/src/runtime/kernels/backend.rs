@@ -92,6 +92,62 @@ pub enum NormGain {
     OnePlusWeight,
 }
 
+/// What one layer's attention is, fixed when its KV cache is made
+/// ([`Backend::kv_cache`]): the cache's head count and row widths, and which positions
+/// a query sees. Llama, Qwen3 and Flash-Next are [`AttentionSpec::dense`]; MLA
+/// (DeepSeek-V3, Kimi-K2) has `v_dim ≠ qk_dim`; gpt-oss and Mistral slide a `window`.
+/// Partial rotary dims (GLM, Qwen3-Next) need nothing here: [`Backend::rope`] rotates
+/// the first `rot` dims of each head and attention reads whole heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSpec {
+    /// KV heads; the query heads ([`Causal::heads`]) are a multiple of them.
+    pub kv_heads: usize,
+    /// Width of a query head and of a key head (`q·k` runs over it).
+    pub qk_dim: usize,
+    /// Width of a value head, so of each head's output.
+    pub v_dim: usize,
+    /// Sliding window: a query at position `p` sees positions `max(0, p + 1 − window)
+    /// ..= p` (`window` of them at most); `None` sees every earlier position. At least 1.
+    pub window: Option<usize>,
+}
+
+impl AttentionSpec {
+    /// `kv_heads` heads whose keys and values share one width `head_dim`, and no window.
+    pub fn dense(kv_heads: usize, head_dim: usize) -> AttentionSpec {
+        AttentionSpec {
+            kv_heads,
+            qk_dim: head_dim,
+            v_dim: head_dim,
+            window: None,
+        }
+    }
+
+    /// Width of a cache row of keys (`kv_heads·qk_dim`).
+    pub fn k_width(&self) -> usize {
+        self.kv_heads * self.qk_dim
+    }
+
+    /// Width of a cache row of values (`kv_heads·v_dim`).
+    pub fn v_width(&self) -> usize {
+        self.kv_heads * self.v_dim
+    }
+
+    /// The first position a query at position `p` sees (`0` without a window).
+    pub fn first_seen(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// Whether the spec can be a cache's: heads, widths and window positive.
+    pub fn check(&self) -> Result<(), String> {
+        if self.kv_heads == 0 || self.qk_dim == 0 || self.v_dim == 0 || self.window == Some(0) {
+            return Err(format!(
+                "{self:?}: heads, widths and window must be positive"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// One causal attention step: the new tokens' positions and the query heads.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Causal {
@@ -236,22 +292,28 @@ pub trait Backend {
         pos: usize,
     ) -> OpResult;
     /// An empty KV cache of one layer for up to `max_positions` positions (the CPU's
-    /// grows as tokens arrive).
-    fn kv_cache(
-        &self,
-        kv_heads: usize,
-        head_dim: usize,
-        max_positions: usize,
-    ) -> OpResult<Self::Kv>;
+    /// grows as tokens arrive), holding key rows of `spec.k_width()` and value rows of
+    /// `spec.v_width()`; `spec` also fixes the window [`Backend::attention`] applies.
+    fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<Self::Kv>;
     /// A copy of `kv` holding the same positions (a session snapshot).
     fn copy_kv(&self, kv: &Self::Kv) -> OpResult<Self::Kv>;
-    /// Store `k` and `v` (`[n, kv_heads·head_dim]`) at positions `at.pos..at.pos + n`
-    /// of `kv`, forgetting any positions after them (so a session whose last forward
+    /// Store `k` `[n, kv_heads·qk_dim]` and `v` `[n, kv_heads·v_dim]` at positions
+    /// `at.pos..at.pos + n` of `kv` (whose [`AttentionSpec`] gives the widths and the
+    /// window), forgetting any positions after them (so a session whose last forward
     /// pass failed halfway continues cleanly), then causal attention of `q`
-    /// `[n, at.heads·head_dim]` into `out`: query head `h` of token `i` attends over
-    /// positions `0..=at.pos + i` of KV head `h / (heads / kv_heads)` with
-    /// `softmax(at.scale · q·k)` weights on `v`. `at.pos` is at most the positions
-    /// the cache holds.
+    /// `[n, at.heads·qk_dim]` into `out` `[n, at.heads·v_dim]`: query head `h` of token
+    /// `i`, at position `p = at.pos + i`, attends over the positions `j` in
+    /// `first..=p` (`first = max(0, p + 1 − window)` with a window, else 0) of KV head
+    /// `h / (heads / kv_heads)`, with scores `s_j = at.scale · q·k_j`, `m = max_j s_j`
+    /// and weights on `v_j`
+    ///
+    /// `w_j = e^(s_j − m) / (Σ_j e^(s_j − m) + e^(sink_h − m))`,
+    ///
+    /// where the sink term is there only with `sinks` (`[at.heads]` learned logits,
+    /// gpt-oss): a logit that joins the softmax's denominator and carries no value, so
+    /// the weights sum to less than 1. Without sinks this is `softmax(s)`. `at.pos` is
+    /// at most the positions the cache holds.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         kv: &mut Self::Kv,
@@ -259,6 +321,7 @@ pub trait Backend {
         k: &Self::Buf,
         v: &Self::Buf,
         at: Causal,
+        sinks: Option<&Self::Buf>,
         out: &mut Self::Buf,
     ) -> OpResult;
 

@@ -22,7 +22,7 @@
 //! - `ffn_swiglu`, `expert_ffn`: the linear bound carried through the MLP (the error of
 //!   `g` and `u` times the slopes of `silu(g)·u`, then through `down`), times two.
 
-use super::backend::{Backend, Causal, ExpertRef, NormGain};
+use super::backend::{AttentionSpec, Backend, Causal, ExpertRef, NormGain};
 use super::routing::{GroupLimit, Order, RoutingSpec, Scores, route_logits};
 use super::{Cpu, FloatDtype, GROUP, Matrix, bf16_at, quant_row_bytes};
 use crate::format::Scheme;
@@ -534,62 +534,214 @@ pub(crate) fn rope<B: Backend>(b: &B) {
     }
 }
 
-/// The `attention` checks of [`all`].
-pub(crate) fn attention<B: Backend>(b: &B) {
-    let mut rng = Rng(0xC0FF_0008);
-    // SmolLM2 (9 over 3 of 64), multi-head without grouping, one KV head of 48.
-    for (heads, kv_heads, hd) in [(9, 3, 64), (4, 4, 2), (6, 1, 48)] {
-        let kvw = kv_heads * hd;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut kv = b.kv_cache(kv_heads, hd, 64).unwrap();
+/// One query head's attention output as [`Backend::attention`]'s formula says, in
+/// f64, written apart from any backend: the positions `first..=p` the window leaves,
+/// scores `s_j = scale · q·k_j`, `m = max_j s_j`, weights `w_j = e^(s_j − m) / (Σ_j
+/// e^(s_j − m) + e^(sink − m))` (no sink term without a sink) on `v_j`.
+#[allow(clippy::too_many_arguments)]
+fn attention_want(
+    spec: &AttentionSpec,
+    keys: &[f32],
+    vals: &[f32],
+    qh: &[f32],
+    kvh: usize,
+    p: usize,
+    scale: f32,
+    sink: Option<f32>,
+) -> Vec<f64> {
+    let (qd, vd) = (spec.qk_dim, spec.v_dim);
+    let (kw, vw) = (spec.kv_heads * qd, spec.kv_heads * vd);
+    let first = match spec.window {
+        Some(w) if p + 1 > w => p + 1 - w,
+        _ => 0,
+    };
+    let scores: Vec<f64> = (first..=p)
+        .map(|j| {
+            let kj = &keys[j * kw + kvh * qd..j * kw + (kvh + 1) * qd];
+            let d: f64 = qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum();
+            d * scale as f64
+        })
+        .collect();
+    let mx = scores.iter().fold(f64::MIN, |m, v| m.max(*v));
+    let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum::<f64>()
+        + sink.map_or(0.0, |s| (s as f64 - mx).exp());
+    let mut want = vec![0f64; vd];
+    for (j, s) in (first..=p).zip(&scores) {
+        let p = (s - mx).exp() / z;
+        let vj = &vals[j * vw + kvh * vd..j * vw + (kvh + 1) * vd];
+        for (w, v) in want.iter_mut().zip(vj) {
+            *w += p * *v as f64;
+        }
+    }
+    want
+}
+
+/// One layer's attention over a run of steps, each checked against
+/// [`attention_want`]: `(pos, n)`, a rewind when `pos` is below the positions held.
+struct AttentionCase<'c> {
+    heads: usize,
+    spec: AttentionSpec,
+    sinks: Option<&'c [f32]>,
+    steps: &'c [(usize, usize)],
+    max_positions: usize,
+    /// After the steps, one more decode step both on a [`Backend::copy_kv`] of the
+    /// cache and on the cache itself.
+    snapshot: bool,
+}
+
+impl AttentionCase<'_> {
+    fn run<B: Backend>(&self, b: &B, rng: &mut Rng) {
+        let (heads, spec) = (self.heads, self.spec);
+        let (qd, vd) = (spec.qk_dim, spec.v_dim);
+        let (kw, vw) = (spec.k_width(), spec.v_width());
+        let scale = 1.0 / (qd as f32).sqrt();
+        let sinks = self.sinks.map(|s| up(b, s));
+        let mut kv = b.kv_cache(spec, self.max_positions).unwrap();
         // The reference cache, as the backend's should hold it.
         let (mut keys, mut vals): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
-        // Prefill, decode, a short batch, then a rewind to position 3 (a failed pass).
-        for (pos, n) in [(0, 5), (5, 1), (6, 2), (3, 2)] {
-            let q: Vec<f32> = rng.vec(n * heads * hd).iter().map(|v| v * 2.0).collect();
-            let k: Vec<f32> = rng.vec(n * kvw).iter().map(|v| v * 2.0).collect();
-            let v = rng.vec(n * kvw);
-            keys.truncate(pos * kvw);
-            vals.truncate(pos * kvw);
+        let what = format!(
+            "attention {heads}/{}x{qd}/{vd} window {:?} sinks {:?}",
+            spec.kv_heads, spec.window, self.sinks
+        );
+        let mut step = |kv: &mut B::Kv, keys: &mut Vec<f32>, vals: &mut Vec<f32>, pos, n| {
+            let q: Vec<f32> = rng.vec(n * heads * qd).iter().map(|v| v * 2.0).collect();
+            let k: Vec<f32> = rng.vec(n * kw).iter().map(|v| v * 2.0).collect();
+            let v = rng.vec(n * vw);
+            keys.truncate(pos * kw);
+            vals.truncate(pos * vw);
             keys.extend_from_slice(&k);
             vals.extend_from_slice(&v);
-            let mut out = b.zeros(q.len()).unwrap();
+            let mut out = b.zeros(n * heads * vd).unwrap();
             let at = Causal { pos, heads, scale };
-            b.attention(&mut kv, &up(b, &q), &up(b, &k), &up(b, &v), at, &mut out)
-                .unwrap();
+            b.attention(
+                kv,
+                &up(b, &q),
+                &up(b, &k),
+                &up(b, &v),
+                at,
+                sinks.as_ref(),
+                &mut out,
+            )
+            .unwrap();
             let got = down(b, &out);
             let vmax = vals.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
             for i in 0..n {
                 for hh in 0..heads {
-                    let kvh = hh / (heads / kv_heads);
-                    let qh = &q[(i * heads + hh) * hd..(i * heads + hh + 1) * hd];
-                    let upto = pos + i + 1;
-                    let scores: Vec<f64> = (0..upto)
-                        .map(|j| {
-                            let kj = &keys[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                            let d: f64 =
-                                qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum();
-                            d * scale as f64
-                        })
-                        .collect();
-                    let mx = scores.iter().fold(f64::MIN, |m, v| m.max(*v));
-                    let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
-                    let mut want = vec![0f64; hd];
-                    for (j, s) in scores.iter().enumerate() {
-                        let p = (s - mx).exp() / z;
-                        let vj = &vals[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                        for (w, v) in want.iter_mut().zip(vj) {
-                            *w += p * *v as f64;
-                        }
-                    }
-                    let at = (i * heads + hh) * hd;
-                    let what =
-                        format!("attention {heads}/{kv_heads}x{hd} pos {pos} token {i} head {hh}");
-                    check(&got[at..at + hd], &want, &vec![1e-5 * vmax; hd], &what);
+                    let kvh = hh / (heads / spec.kv_heads);
+                    let qh = &q[(i * heads + hh) * qd..(i * heads + hh + 1) * qd];
+                    let sink = self.sinks.map(|s| s[hh]);
+                    let want = attention_want(&spec, keys, vals, qh, kvh, pos + i, scale, sink);
+                    let at = (i * heads + hh) * vd;
+                    let what = format!("{what} pos {pos} token {i} head {hh}");
+                    check(&got[at..at + vd], &want, &vec![1e-5 * vmax; vd], &what);
                 }
             }
+        };
+        for &(pos, n) in self.steps {
+            step(&mut kv, &mut keys, &mut vals, pos, n);
+        }
+        if self.snapshot {
+            let pos = keys.len() / kw;
+            let mut copy = b.copy_kv(&kv).unwrap();
+            let (mut ck, mut cv) = (keys.clone(), vals.clone());
+            step(&mut copy, &mut ck, &mut cv, pos, 1);
+            step(&mut kv, &mut keys, &mut vals, pos, 1);
         }
     }
+}
+
+/// The `attention` checks of [`all`].
+pub(crate) fn attention<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0008);
+    // Prefill, decode, a short batch, then a rewind to position 3 (a failed pass).
+    let steps = [(0, 5), (5, 1), (6, 2), (3, 2)];
+    // SmolLM2 (9 over 3 of 64), multi-head without grouping, one KV head of 48.
+    for (heads, kv_heads, hd) in [(9, 3, 64), (4, 4, 2), (6, 1, 48)] {
+        AttentionCase {
+            heads,
+            spec: AttentionSpec::dense(kv_heads, hd),
+            sinks: None,
+            steps: &steps,
+            max_positions: 64,
+            snapshot: false,
+        }
+        .run(b, &mut rng);
+    }
+    // Sinks of each sign (one joining the softmax as its largest logit, one that is
+    // no weight at all), values wider than keys, a window of 3 that the prefill and
+    // the decode steps cross.
+    let sinks = [5.0, -1e4, 0.0, 2.0, -3.0, 8.0];
+    AttentionCase {
+        heads: 6,
+        spec: AttentionSpec {
+            kv_heads: 2,
+            qk_dim: 16,
+            v_dim: 40,
+            window: Some(3),
+        },
+        sinks: Some(&sinks),
+        steps: &[(0, 5), (5, 1), (6, 2), (8, 1), (3, 2)],
+        max_positions: 64,
+        snapshot: true,
+    }
+    .run(b, &mut rng);
+    // MLA's shape (values narrower than keys), no window, no sinks; SmolLM2's heads
+    // under a window of 4.
+    let mla = AttentionSpec {
+        kv_heads: 4,
+        qk_dim: 48,
+        v_dim: 32,
+        window: None,
+    };
+    let windowed = AttentionSpec {
+        window: Some(4),
+        ..AttentionSpec::dense(3, 64)
+    };
+    for (heads, spec) in [(4, mla), (9, windowed)] {
+        AttentionCase {
+            heads,
+            spec,
+            sinks: None,
+            steps: &steps,
+            max_positions: 64,
+            snapshot: false,
+        }
+        .run(b, &mut rng);
+    }
+    // Long contexts, where a GPU splits a decode step's positions across workgroups
+    // (`gpu::tuning::split_chunk`: fewer than 256 (token, head) pairs, more than 64
+    // positions seen) and grows its cache past the 256 positions it starts with: a
+    // window of 100 after a prefill of 150 (the chunks start where the window does),
+    // and the whole context with sinks and values wider than keys, snapshot included.
+    let sinks4 = [3.0, -1e4, 0.5, -2.0];
+    AttentionCase {
+        heads: 4,
+        spec: AttentionSpec {
+            kv_heads: 1,
+            qk_dim: 64,
+            v_dim: 32,
+            window: Some(100),
+        },
+        sinks: Some(&sinks4),
+        steps: &[(0, 150), (150, 1), (151, 1), (152, 3)],
+        max_positions: 512,
+        snapshot: false,
+    }
+    .run(b, &mut rng);
+    AttentionCase {
+        heads: 2,
+        spec: AttentionSpec {
+            kv_heads: 1,
+            qk_dim: 32,
+            v_dim: 64,
+            window: None,
+        },
+        sinks: Some(&sinks4[..2]),
+        steps: &[(0, 200), (200, 100), (300, 1), (301, 1)],
+        max_positions: 512,
+        snapshot: true,
+    }
+    .run(b, &mut rng);
 }
 
 /// The `route` checks of [`all`].

@@ -55,7 +55,8 @@ mod tests;
 pub mod topk;
 
 pub use backend::{
-    Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult, Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
+    Routing,
 };
 pub use cpu::{CpuAttnCache, CpuKv, CpuRope};
 pub use ops::Ops;

@@ -19,7 +19,7 @@ use crate::runtime::error::{InputError, RunError};
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
 use crate::runtime::kernels::routing::RoutingSpec;
-use crate::runtime::kernels::{Backend, Causal, NormGain};
+use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mlp::SwiGlu;
 use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
@@ -450,7 +450,12 @@ impl<'a, B: Backend> Model<'a, B> {
         }
         if s.kv.len() != c.layers {
             s.kv = (0..c.layers)
-                .map(|_| b.kv_cache(c.kv_heads, c.head_dim, c.max_positions))
+                .map(|_| {
+                    b.kv_cache(
+                        AttentionSpec::dense(c.kv_heads, c.head_dim),
+                        c.max_positions,
+                    )
+                })
                 .collect::<Result<_, _>>()?;
         }
         let (h, hd) = (c.hidden, c.head_dim);
@@ -487,7 +492,7 @@ impl<'a, B: Backend> Model<'a, B> {
             }
             b.rope(&self.rope, &mut q, c.heads, hd, s.pos)?;
             b.rope(&self.rope, &mut k, c.kv_heads, hd, s.pos)?;
-            b.attention(&mut s.kv[l], &q, &k, &v, at, &mut att)?;
+            b.attention(&mut s.kv[l], &q, &k, &v, at, None, &mut att)?;
             b.linear(&layer.o, &att, &mut out)?;
             b.add(&mut x, &out)?;
             b.rms_norm(&x, &layer.post_norm, c.eps, NormGain::Weight, &mut xn)?;

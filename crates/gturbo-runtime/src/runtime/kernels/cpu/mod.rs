@@ -5,7 +5,9 @@
 
 use std::ops::Range;
 
-use super::backend::{Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing};
+use super::backend::{
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing,
+};
 use super::routing::{RoutingSpec, route_logits};
 use super::{Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace};
 use crate::format::pools::ExpertPool;
@@ -26,20 +28,35 @@ pub struct CpuRope {
     inv_freq: Vec<f32>,
 }
 
-/// One layer's keys and values, `[positions, kv_heads·head_dim]` each, grown as
-/// tokens arrive.
+/// One layer's keys `[positions, kv_heads·qk_dim]` and values `[positions,
+/// kv_heads·v_dim]`, grown as tokens arrive.
 #[derive(Debug, Clone)]
 pub struct CpuKv {
     k: Vec<f32>,
     v: Vec<f32>,
-    kv_heads: usize,
-    head_dim: usize,
+    spec: AttentionSpec,
 }
 
 impl CpuKv {
     /// Positions held.
     pub fn positions(&self) -> usize {
-        self.k.len() / (self.kv_heads * self.head_dim)
+        self.k.len() / self.spec.k_width()
+    }
+}
+
+/// `x = softmax([x, sink])` without the sink's own weight: `e^(x_j − m) / (Σ e^(x_j −
+/// m) + e^(sink − m))` with `m` the largest of `x` and `sink`.
+fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    let max = x.iter().copied().fold(sink, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    sum += (sink - max).exp();
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
     }
 }
 
@@ -205,13 +222,14 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn kv_cache(&self, kv_heads: usize, head_dim: usize, _max_positions: usize) -> OpResult<CpuKv> {
-        assert!(kv_heads > 0 && head_dim > 0, "kv_cache: empty heads");
+    fn kv_cache(&self, spec: AttentionSpec, _max_positions: usize) -> OpResult<CpuKv> {
+        if let Err(e) = spec.check() {
+            panic!("kv_cache: {e}");
+        }
         Ok(CpuKv {
             k: Vec::new(),
             v: Vec::new(),
-            kv_heads,
-            head_dim,
+            spec,
         })
     }
 
@@ -226,46 +244,58 @@ impl Backend for Cpu {
         k: &Vec<f32>,
         v: &Vec<f32>,
         at: Causal,
+        sinks: Option<&Vec<f32>>,
         out: &mut Vec<f32>,
     ) -> OpResult {
-        let (hd, kvw) = (kv.head_dim, kv.kv_heads * kv.head_dim);
-        let n = rows_of("attention", k.len(), kvw);
-        let qw = at.heads * hd;
+        let spec = kv.spec;
+        let (qd, vd) = (spec.qk_dim, spec.v_dim);
+        let (kw, vw) = (spec.k_width(), spec.v_width());
+        let n = rows_of("attention", k.len(), kw);
+        let (qw, ow) = (at.heads * qd, at.heads * vd);
         assert!(
-            at.heads.is_multiple_of(kv.kv_heads) && at.heads > 0,
+            at.heads.is_multiple_of(spec.kv_heads) && at.heads > 0,
             "attention: {} query heads over {} KV heads",
             at.heads,
-            kv.kv_heads
+            spec.kv_heads
         );
         assert!(
-            q.len() == n * qw && v.len() == k.len() && out.len() == q.len(),
+            q.len() == n * qw && v.len() == n * vw && out.len() == n * ow,
             "attention: lengths"
+        );
+        assert!(
+            sinks.is_none_or(|s| s.len() == at.heads),
+            "attention: sinks are not one per query head"
         );
         assert!(
             at.pos <= kv.positions(),
             "attention: position past the cache"
         );
         let (kc, vc) = (&mut kv.k, &mut kv.v);
-        kc.truncate(at.pos * kvw);
-        vc.truncate(at.pos * kvw);
+        kc.truncate(at.pos * kw);
+        vc.truncate(at.pos * vw);
         kc.extend_from_slice(k);
         vc.extend_from_slice(v);
-        let group = at.heads / kv.kv_heads;
+        let group = at.heads / spec.kv_heads;
         let mut scores = vec![0f32; at.pos + n];
         for i in 0..n {
             let upto = at.pos + i + 1;
+            let first = spec.first_seen(at.pos + i);
             for hh in 0..at.heads {
                 let kvh = hh / group;
-                let qh = &q[i * qw + hh * hd..i * qw + (hh + 1) * hd];
-                for (j, sc) in scores[..upto].iter_mut().enumerate() {
-                    let kj = &kc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                let qh = &q[i * qw + hh * qd..i * qw + (hh + 1) * qd];
+                let seen = &mut scores[first..upto];
+                for (j, sc) in (first..upto).zip(seen.iter_mut()) {
+                    let kj = &kc[j * kw + kvh * qd..j * kw + (kvh + 1) * qd];
                     *sc = dot(qh, kj) * at.scale;
                 }
-                softmax_inplace(&mut scores[..upto]);
-                let ah = &mut out[i * qw + hh * hd..i * qw + (hh + 1) * hd];
+                match sinks {
+                    None => softmax_inplace(seen),
+                    Some(s) => softmax_with_sink(seen, s[hh]),
+                }
+                let ah = &mut out[i * ow + hh * vd..i * ow + (hh + 1) * vd];
                 ah.fill(0.0);
-                for (j, &p) in scores[..upto].iter().enumerate() {
-                    let vj = &vc[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
+                for (j, &p) in (first..upto).zip(seen.iter()) {
+                    let vj = &vc[j * vw + kvh * vd..j * vw + (kvh + 1) * vd];
                     axpy(p, vj, ah);
                 }
             }

@@ -18,7 +18,8 @@ use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable
 use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{
-    Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult, Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
+    Routing,
 };
 use crate::runtime::kernels::routing::{RoutingSpec, route_logits};
 
@@ -436,10 +437,9 @@ impl Backend for Gpu {
             .map_err(|e| self.err("rope", e))
     }
 
-    fn kv_cache(&self, kv_heads: usize, head_dim: usize, max_positions: usize) -> OpResult<GpuKv> {
+    fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<GpuKv> {
         let cap = max_positions.clamp(1, KV_START);
-        let cache = KvCache::new(&self.ctx, cap, kv_heads, head_dim)
-            .map_err(|e| self.err("kv_cache", e))?;
+        let cache = KvCache::new(&self.ctx, cap, spec).map_err(|e| self.err("kv_cache", e))?;
         Ok(GpuKv {
             cache,
             max: max_positions.max(1),
@@ -449,13 +449,9 @@ impl Backend for Gpu {
 
     fn copy_kv(&self, kv: &GpuKv) -> OpResult<GpuKv> {
         let c = &kv.cache;
-        let cache = KvCache::new(&self.ctx, c.capacity(), c.kv_heads, c.head_dim)
-            .map_err(|e| self.err("copy_kv", e))?;
-        let bytes = (kv.len * c.kv_heads * c.head_dim * 4) as u64;
-        if bytes > 0 {
-            self.ctx.copy(&c.k.buf, 0, &cache.k.buf, 0, bytes);
-            self.ctx.copy(&c.v.buf, 0, &cache.v.buf, 0, bytes);
-        }
+        let cache =
+            KvCache::new(&self.ctx, c.capacity(), c.spec).map_err(|e| self.err("copy_kv", e))?;
+        c.copy_into(&self.ctx, &cache, kv.len);
         Ok(GpuKv {
             cache,
             max: kv.max,
@@ -470,11 +466,11 @@ impl Backend for Gpu {
         k: &GpuBuf,
         v: &GpuBuf,
         at: Causal,
+        sinks: Option<&GpuBuf>,
         out: &mut GpuBuf,
     ) -> OpResult {
         let run = |kv: &mut GpuKv| -> Result<()> {
-            let kvw = kv.cache.kv_heads * kv.cache.head_dim;
-            let n = k.len() / kvw.max(1);
+            let n = k.len() / kv.cache.spec.k_width();
             if at.pos > kv.len || at.pos + n > kv.max {
                 return Err(GpuError::Shape {
                     op: "attention",
@@ -486,18 +482,14 @@ impl Backend for Gpu {
             }
             if at.pos + n > kv.cache.capacity() {
                 let cap = (2 * kv.cache.capacity()).max(at.pos + n).min(kv.max);
-                let grown = KvCache::new(&self.ctx, cap, kv.cache.kv_heads, kv.cache.head_dim)?;
-                let bytes = (at.pos * kvw * 4) as u64;
-                if bytes > 0 {
-                    self.ctx.copy(&kv.cache.k.buf, 0, &grown.k.buf, 0, bytes);
-                    self.ctx.copy(&kv.cache.v.buf, 0, &grown.v.buf, 0, bytes);
-                }
+                let grown = KvCache::new(&self.ctx, cap, kv.cache.spec)?;
+                kv.cache.copy_into(&self.ctx, &grown, at.pos);
                 kv.cache = grown;
             }
             self.ctx.kv_append(&kv.cache, &k.t, &v.t, at.pos)?;
             kv.len = at.pos + n;
             self.ctx
-                .attention(&q.t, &kv.cache, at.heads, at.pos, at.scale, &out.t)
+                .attention(&q.t, &kv.cache, at, sinks.map(|s| &s.t), &out.t)
         };
         run(kv).map_err(|e| self.err("attention", e))
     }

@@ -27,6 +27,7 @@ use super::tensor::{
     DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable, Scratch,
 };
 use super::tuning::{self, split_chunk, use_tiled};
+use crate::runtime::kernels::backend::Causal;
 
 /// Rows one matrix-vector workgroup computes (`ROWS` in the shaders).
 const MATVEC_ROWS: usize = 8;
@@ -34,8 +35,12 @@ const MATVEC_ROWS: usize = 8;
 const TILE: usize = 8;
 /// Invocations per workgroup of the one-thread-per-element kernels.
 const ELEMENTWISE_WG: usize = 256;
-/// Largest head the attention kernel holds in workgroup memory (`MAX_HEAD_DIM`).
+/// Largest query and key head the attention kernel holds in workgroup memory
+/// (`MAX_HEAD_DIM` in `attn.wgsl`).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
+/// Largest value head the attention kernel's lanes hold (`WG · PER_LANE` in
+/// `attn.wgsl`).
+pub(crate) const MAX_V_DIM: usize = 256;
 
 /// Words of packed x per 32 values of x: 8 for each of x24's three bytes, then step
 /// and sum (`qmatvec_x24.wgsl`). Public for the matvec lab, which sizes its packed x
@@ -481,8 +486,8 @@ impl GpuContext {
         )
     }
 
-    /// Store the keys and values of `n` new tokens (`[n, kv_heads·head_dim]` each) at
-    /// positions `pos0..pos0 + n` of the cache.
+    /// Store the keys `[n, kv_heads·qk_dim]` and values `[n, kv_heads·v_dim]` of `n`
+    /// new tokens at positions `pos0..pos0 + n` of the cache.
     pub fn kv_append(
         &self,
         cache: &KvCache,
@@ -493,12 +498,16 @@ impl GpuContext {
         const OP: &str = "kv_append";
         f32_tensor(OP, "k", k)?;
         f32_tensor(OP, "v", v)?;
-        let kvw = cache.kv_heads * cache.head_dim;
-        let n = rows_of(OP, "k", k.len(), kvw)?;
-        if v.len() != k.len() {
+        let (kw, vw) = (cache.spec.k_width(), cache.spec.v_width());
+        let n = rows_of(OP, "k", k.len(), kw)?;
+        if v.len() != n * vw {
             return Err(shape_err(
                 OP,
-                format!("v has {} elements, k {}", v.len(), k.len()),
+                format!(
+                    "v has {} elements for {n} rows of {vw} (k has {})",
+                    v.len(),
+                    k.len()
+                ),
             ));
         }
         if pos0 + n > cache.capacity {
@@ -511,51 +520,65 @@ impl GpuContext {
                 ),
             ));
         }
-        let (at, bytes) = ((pos0 * kvw * 4) as u64, (n * kvw * 4) as u64);
-        self.copy(&k.buf, 0, &cache.k.buf, at, bytes);
-        self.copy(&v.buf, 0, &cache.v.buf, at, bytes);
+        for (from, to, width) in [(k, &cache.k, kw), (v, &cache.v, vw)] {
+            let (at, bytes) = ((pos0 * width * 4) as u64, (n * width * 4) as u64);
+            self.copy(&from.buf, 0, &to.buf, at, bytes);
+        }
         Ok(())
     }
 
-    /// Causal attention of `q` `[n, heads·head_dim]` (tokens at `pos0..pos0 + n`,
-    /// already appended to `cache`) over cache rows `0..=pos0 + i`, scores scaled by
-    /// `scale` (`1/sqrt(head_dim)` for the decoder); query head `h` reads KV head
-    /// `h / (heads / kv_heads)`.
+    /// Causal attention of `q` `[n, at.heads·qk_dim]` (tokens at `at.pos..at.pos + n`,
+    /// already appended to `cache`) into `out` `[n, at.heads·v_dim]`, as
+    /// [`Backend::attention`](crate::runtime::kernels::Backend::attention) defines it
+    /// for the cache's
+    /// [`AttentionSpec`](crate::runtime::kernels::AttentionSpec) (widths, window) and `sinks` (`[at.heads]`).
     pub fn attention(
         &self,
         q: &GpuTensor,
         cache: &KvCache,
-        heads: usize,
-        pos0: usize,
-        scale: f32,
+        at: Causal,
+        sinks: Option<&GpuTensor>,
         out: &GpuTensor,
     ) -> Result<()> {
         const OP: &str = "attention";
+        let Causal {
+            pos: pos0,
+            heads,
+            scale,
+        } = at;
+        let spec = cache.spec;
         f32_tensor(OP, "q", q)?;
         f32_tensor(OP, "out", out)?;
         distinct(OP, out, &[q, &cache.k, &cache.v])?;
-        let hd = cache.head_dim;
-        if hd == 0 || hd > MAX_HEAD_DIM {
+        let (qd, vd) = (spec.qk_dim, spec.v_dim);
+        if qd == 0 || qd > MAX_HEAD_DIM {
             return Err(shape_err(
                 OP,
-                format!("head width {hd} is not in 1..={MAX_HEAD_DIM}"),
+                format!("query and key head width {qd} is not in 1..={MAX_HEAD_DIM}"),
             ));
         }
-        if cache.kv_heads == 0 || !heads.is_multiple_of(cache.kv_heads) {
+        if vd == 0 || vd > MAX_V_DIM {
+            return Err(shape_err(
+                OP,
+                format!("value head width {vd} is not in 1..={MAX_V_DIM}"),
+            ));
+        }
+        if spec.kv_heads == 0 || !heads.is_multiple_of(spec.kv_heads) {
             return Err(shape_err(
                 OP,
                 format!(
                     "{} KV heads do not divide {heads} query heads",
-                    cache.kv_heads
+                    spec.kv_heads
                 ),
             ));
         }
-        let n = rows_of(OP, "q", q.len(), heads * hd)?;
-        if out.len() != q.len() || pos0 + n > cache.capacity {
+        let n = rows_of(OP, "q", q.len(), heads * qd)?;
+        if out.len() != n * heads * vd || pos0 + n > cache.capacity {
             return Err(shape_err(
                 OP,
                 format!(
-                    "out of {} elements for q of {}, positions up to {} in a cache of {}",
+                    "out of {} elements for q of {} ({n} tokens of {heads} heads of {vd}), \
+                     positions up to {} in a cache of {}",
                     out.len(),
                     q.len(),
                     pos0 + n,
@@ -563,22 +586,40 @@ impl GpuContext {
                 ),
             ));
         }
+        if let Some(s) = sinks {
+            f32_tensor(OP, "sinks", s)?;
+            distinct(OP, out, &[s])?;
+            if s.len() != heads {
+                return Err(shape_err(
+                    OP,
+                    format!("{} sinks for {heads} query heads", s.len()),
+                ));
+            }
+        }
+        // Without sinks the shader never reads its sinks binding, which still needs a
+        // buffer: q's, read-only like it and never the output.
+        let sinks_buf = sinks.map_or(&q.buf, |s| &s.buf);
         let p = AttnParams {
             n: u32_of(OP, n)?,
             heads: u32_of(OP, heads)?,
-            kv_heads: u32_of(OP, cache.kv_heads)?,
-            head_dim: u32_of(OP, hd)?,
+            kv_heads: u32_of(OP, spec.kv_heads)?,
+            qk_dim: u32_of(OP, qd)?,
+            v_dim: u32_of(OP, vd)?,
             pos0: u32_of(OP, pos0)?,
             q_off: 0,
             out_off: 0,
             scale,
+            window: u32_of(OP, spec.window.unwrap_or(0))?,
+            sinks: u32::from(sinks.is_some()),
             ..Default::default()
         };
+        // The most positions one token sees: the chunks cover that span.
+        let span = spec.window.map_or(pos0 + n, |w| w.min(pos0 + n));
         if self.attn_split
-            && let Some(chunk) = split_chunk(n, heads, pos0 + n)
+            && let Some(chunk) = split_chunk(n, heads, span)
         {
-            let chunks = (pos0 + n).div_ceil(chunk);
-            let part = self.attn_partials(n * heads * chunks * (2 + hd))?;
+            let chunks = span.div_ceil(chunk);
+            let part = self.attn_partials(n * heads * chunks * (2 + vd))?;
             let p = AttnParams {
                 chunk: u32_of(OP, chunk)?,
                 chunks: u32_of(OP, chunks)?,
@@ -598,14 +639,20 @@ impl GpuContext {
             return self.dispatch_at(
                 &Kernel::plain(Shader::Attn, "attention_combine"),
                 &p.bytes(),
-                &[(4, &out.buf), (5, &part)],
+                &[(4, &out.buf), (5, &part), (6, sinks_buf)],
                 n * heads,
             );
         }
-        self.dispatch(
+        self.dispatch_at(
             &Kernel::plain(Shader::Attn, "attention"),
             &p.bytes(),
-            &[&q.buf, &cache.k.buf, &cache.v.buf, &out.buf],
+            &[
+                (1, &q.buf),
+                (2, &cache.k.buf),
+                (3, &cache.v.buf),
+                (4, &out.buf),
+                (6, sinks_buf),
+            ],
             n * heads,
         )
     }
