@@ -196,7 +196,7 @@ fn flash_next_on_the_gpu_takes_the_resident_expert_path() {
         reads.push(g.context().stats().readbacks - before);
         tokens.push((next, gturbo::runtime::sample::argmax(&logits)));
     }
-    let layers = FlashNextSpec::scaled().num_hidden_layers as u64;
+    let layers = FlashNextSpec::scaled().num_hidden_layers;
     eprintln!(
         "read-backs per decode step: slots {}, resident {}",
         reads[0], reads[1]
