@@ -99,28 +99,18 @@ fn the_scaled_flash_next_replica_on_the_gpu_gives_the_cpu_tokens_and_logits() {
 }
 
 fn run_json(dir: &Path, backend: &str) -> (Value, String) {
-    let o = gturbo()
-        .arg("run")
-        .arg(dir)
-        .args([
-            "--json",
-            "--allow-unmeasured",
-            "--threads",
-            "2",
-            "--max-tokens",
-            "4",
-            "--expert-cache-slots",
-            "2",
-            "--prompt-ids",
-            "5,17,200,33,9,48,310,2,77,120,64,1,250,19,8,400",
-            "--backend",
-            backend,
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "--backend {backend}: {}", text(&o));
-    let doc = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
-    (doc, String::from_utf8_lossy(&o.stderr).into_owned())
+    let args = [
+        "--allow-unmeasured",
+        "--max-tokens",
+        "4",
+        "--expert-cache-slots",
+        "2",
+        "--prompt-ids",
+        "5,17,200,33,9,48,310,2,77,120,64,1,250,19,8,400",
+        "--backend",
+        backend,
+    ];
+    crate::support::cli::run_json(dir, &args)
 }
 
 #[test]

@@ -17,7 +17,7 @@ use gturbo::runtime::load::{self, LoadOptions};
 use gturbo::runtime::models;
 use serde_json::Value;
 
-use crate::support::cli::{gturbo, text};
+use crate::support::cli::{self, gturbo, gturbo_args, text};
 use crate::support::temp_dir;
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mixtral_toy");
@@ -123,10 +123,6 @@ pub(crate) fn bf16() -> &'static Path {
     })
 }
 
-fn gturbo_args(args: &[&str]) -> Output {
-    gturbo().args(args).output().unwrap()
-}
-
 fn manifest(dir: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
 }
@@ -137,21 +133,9 @@ fn csv(ids: &[u32]) -> String {
 
 /// `gturbo run DIR --json --max-tokens 24 --threads 2 EXTRA…`: its JSON and footer.
 fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
-    let mut args = vec![
-        "run",
-        dir.to_str().unwrap(),
-        "--json",
-        "--max-tokens",
-        "24",
-        "--threads",
-        "2",
-    ];
+    let mut args = vec!["--max-tokens", "24"];
     args.extend_from_slice(extra);
-    let o = gturbo_args(&args);
-    assert!(o.status.success(), "run {extra:?}: {}", text(&o));
-    let doc: Value =
-        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
-    (doc, String::from_utf8_lossy(&o.stderr).into_owned())
+    cli::run_json(dir, &args)
 }
 
 #[test]
