@@ -261,6 +261,10 @@ pub trait Backend {
     ) -> OpResult;
     /// `x += y` (the residual connection).
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf) -> OpResult;
+    /// `x[t] += bias` for each `bias.len()`-wide row `x[t]` of `x`: a projection's bias
+    /// after [`Backend::linear`] (gpt-oss's q, k, v, o and router, GLM's q, k, v), kept
+    /// out of `linear` so the products of every other family stay as they are.
+    fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Buf) -> OpResult;
     /// SwiGLU's gating in place: `gate = silu(gate) · up`, `silu(g) = g / (1 + e^-g)`.
     fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf) -> OpResult;
     /// The dense MLP `out = down(silu(gate·x) · up·x)` for each row of `x`.

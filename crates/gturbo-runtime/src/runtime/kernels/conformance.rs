@@ -13,6 +13,8 @@
 //!   the largest `|v|`).
 //! - `rope`: `1e-6` of the head's largest value; the angle is the f32 product the op
 //!   defines, its sine and cosine exact.
+//! - `add_bias` after `linear`: the `linear` bound plus one f32 rounding of the sum
+//!   (`2⁻²³` of it).
 //! - `add`: f32 rounding of the exact sum; `swiglu`: `1e-5 · |silu(g)·u|` (`exp`
 //!   differs between libraries).
 //! - `route`: the same experts wherever the k-th and (k+1)-th logits differ by more
@@ -252,6 +254,7 @@ fn check(got: &[f32], want: &[f64], bound: &[f64], what: &str) {
 pub(crate) fn all<B: Backend>(b: &B) {
     data(b);
     linear(b);
+    bias(b);
     embed(b);
     norms(b);
     elementwise(b);
@@ -324,6 +327,42 @@ pub(crate) fn linear<B: Backend>(b: &B) {
             for t in 0..n {
                 let (want, bound) = linear_bound(&w.apply(&f64s(&x[t * cols..(t + 1) * cols])));
                 let what = format!("linear {enc:?} {rows}x{cols} n={n} token {t}");
+                check(&got[t * rows..(t + 1) * rows], &want, &bound, &what);
+            }
+        }
+    }
+}
+
+/// The `bias` checks of [`all`]: `linear` then `add_bias` against `W x + bias`, for
+/// one token and several, at a width no tile divides.
+pub(crate) fn bias<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_000C);
+    let mut cases = Vec::new();
+    for enc in [Enc::Int4, Enc::Int8, Enc::Bf16, Enc::F32] {
+        cases.push((enc, 37, 192));
+    }
+    cases.push((Enc::F16, 1, 64));
+    cases.push((Enc::F32, 5, 7));
+    for (enc, rows, cols) in cases {
+        let w = Weights::new(enc, rows, cols, &mut rng);
+        let bw = b.weights(w.matrix()).unwrap();
+        let bias: Vec<f32> = rng.vec(rows).iter().map(|v| v * 2.0).collect();
+        let gb = up(b, &bias);
+        for n in [1, 3] {
+            let x = rng.vec(n * cols);
+            let mut y = b.zeros(n * rows).unwrap();
+            b.linear(&bw, &up(b, &x), &mut y).unwrap();
+            b.add_bias(&mut y, &gb).unwrap();
+            let got = down(b, &y);
+            for t in 0..n {
+                let (wx, bound) = linear_bound(&w.apply(&f64s(&x[t * cols..(t + 1) * cols])));
+                let want: Vec<f64> = wx.iter().zip(&bias).map(|(y, c)| y + *c as f64).collect();
+                let bound: Vec<f64> = bound
+                    .iter()
+                    .zip(&want)
+                    .map(|(e, w)| e + f32::EPSILON as f64 * w.abs())
+                    .collect();
+                let what = format!("linear + add_bias {enc:?} {rows}x{cols} n={n} token {t}");
                 check(&got[t * rows..(t + 1) * rows], &want, &bound, &what);
             }
         }
@@ -1059,6 +1098,7 @@ macro_rules! cpu_checks {
 cpu_checks!(
     data,
     linear,
+    bias,
     embed,
     norms,
     elementwise,

@@ -165,6 +165,16 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>) -> OpResult {
+        rows_of("add_bias", x.len(), bias.len());
+        for row in x.chunks_exact_mut(bias.len()) {
+            for (a, b) in row.iter_mut().zip(bias) {
+                *a += b;
+            }
+        }
+        Ok(())
+    }
+
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> OpResult {
         silu_mul(gate, up);
         Ok(())

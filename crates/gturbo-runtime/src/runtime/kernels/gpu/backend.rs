@@ -388,6 +388,12 @@ impl Backend for Gpu {
         self.ctx.add(&x.t, &y.t).map_err(|e| self.err("add", e))
     }
 
+    fn add_bias(&self, x: &mut GpuBuf, bias: &GpuBuf) -> OpResult {
+        self.ctx
+            .add_bias(&x.t, &bias.t)
+            .map_err(|e| self.err("add_bias", e))
+    }
+
     fn swiglu(&self, gate: &mut GpuBuf, up: &GpuBuf) -> OpResult {
         self.ctx
             .swiglu(&gate.t, &up.t)

@@ -256,7 +256,7 @@ impl Kernel {
         v.push(Kernel::plain(Shader::Attn, "attention_combine"));
         v.push(Kernel::plain(Shader::Softmax, "softmax"));
         v.push(Kernel::plain(Shader::Softmax, "router_topk"));
-        for e in ["swiglu", "add", "gather_rows", "scatter_add"] {
+        for e in ["swiglu", "add", "add_bias", "gather_rows", "scatter_add"] {
             v.push(Kernel::plain(Shader::Elementwise, e));
         }
         v.extend(FlashShader::variants());

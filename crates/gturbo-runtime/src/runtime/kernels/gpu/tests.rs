@@ -195,6 +195,7 @@ macro_rules! seam_checks {
 seam_checks!(
     data,
     linear,
+    bias,
     embed,
     norms,
     elementwise,
@@ -205,6 +206,27 @@ seam_checks!(
     route_specs,
     experts
 );
+
+/// A bias that is not whole rows of its input is a shape error naming the op, not a
+/// panic or an out-of-bounds read on the device; so is a bias that is the input.
+#[test]
+fn add_bias_of_a_partial_row_is_an_error() {
+    use crate::runtime::kernels::Backend;
+    let Some(g) = gpu_backend("add_bias_of_a_partial_row_is_an_error") else {
+        return;
+    };
+    let mut x = g.upload(&[1.0; 10]).unwrap();
+    let bias = g.upload(&[1.0; 3]).unwrap();
+    let err = g.add_bias(&mut x, &bias).unwrap_err();
+    assert_eq!(err.op, "add_bias");
+    assert!(err.to_string().contains("add_bias"), "{err}");
+    let empty = g.upload(&[]).map(|e| g.add_bias(&mut x, &e));
+    assert!(!matches!(empty, Ok(Ok(()))), "an empty bias is refused");
+    let ctx = g.context();
+    let t = ctx.upload_f32(&[4], &[1.0; 4]).unwrap();
+    assert!(ctx.add_bias(&t, &t).is_err(), "an aliased bias is refused");
+    assert_eq!(g.read(&x).unwrap(), vec![1.0; 10], "x is left alone");
+}
 
 /// A matrix's bytes as the install stores them, plus what the tolerance needs: per
 /// element `|s·q| + |b|` (quantized) or `|w|` (float).

@@ -697,6 +697,27 @@ impl GpuContext {
         self.elementwise("add", "add", x, y)
     }
 
+    /// `x[t] += bias` for each `bias.len()`-wide row of `x` (a projection's bias).
+    pub fn add_bias(&self, x: &GpuTensor, bias: &GpuTensor) -> Result<()> {
+        const OP: &str = "add_bias";
+        f32_tensor(OP, "x", x)?;
+        f32_tensor(OP, "bias", bias)?;
+        distinct(OP, x, &[bias])?;
+        rows_of(OP, "x", x.len(), bias.len())?;
+        let p = ElementwiseParams {
+            n: u32_of(OP, x.len())?,
+            d: u32_of(OP, bias.len())?,
+            a_off: 0,
+            b_off: 0,
+        };
+        self.dispatch(
+            &Kernel::plain(Shader::Elementwise, "add_bias"),
+            &p.bytes(),
+            &[&x.buf, &bias.buf],
+            x.len().div_ceil(ELEMENTWISE_WG),
+        )
+    }
+
     fn softmax_params(&self, op: &'static str, x: &GpuTensor, d: usize) -> Result<SoftmaxParams> {
         f32_tensor(op, "x", x)?;
         let n = rows_of(op, "x", x.len(), d)?;
