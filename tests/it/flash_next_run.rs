@@ -5,12 +5,12 @@
 //! `verify-install` and `run`), and the toy's INT4 quality.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
-use crate::support::cli::{self, gturbo, gturbo_args, text};
+use crate::support::cli::{self, gturbo_args, text};
 use crate::support::temp_dir;
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/flashnext_toy");

@@ -18,7 +18,7 @@ use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
 use crate::gpu::{LOGIT_RTOL, gpu, rollout, worst_relative};
-use crate::support::cli::{gturbo, install, text};
+use crate::support::cli::install;
 
 /// The scaled replica installed at INT4 once for this test binary (kept for the run).
 pub(crate) fn scaled_install() -> &'static Path {
