@@ -9,16 +9,12 @@ use clap::Args;
 use super::Failure;
 use super::run::{open, text_failure, threads};
 use crate::format::quality::{Quality, QualityReference};
-use crate::runtime::RunError;
 use crate::runtime::experts::ExpertMode;
-use crate::runtime::flash_next::install::{DEFAULT_ROW_CACHE_ROWS, FlashInstall};
-use crate::runtime::flash_next::model::FlashModel;
-use crate::runtime::flash_next::ops::FlashOps;
-use crate::runtime::gate::FLASH_NEXT;
-use crate::runtime::generate::{self, LanguageModel};
+use crate::runtime::generate;
 use crate::runtime::kernels::Cpu;
-use crate::runtime::load::Install;
-use crate::runtime::model::Model;
+use crate::runtime::kernels::Ops;
+use crate::runtime::load::{DEFAULT_ROW_CACHE_ROWS, Install};
+use crate::runtime::models;
 use crate::runtime::text::TextCodec;
 use crate::verify;
 
@@ -47,25 +43,19 @@ pub struct EvalArgs {
 }
 
 /// The per-position logits of `ids` under the install in `dir` on `backend`, with
-/// the runner its gate chose, and its vocabulary.
-fn logits_of<B: FlashOps>(
+/// the model its gate chose, and its vocabulary.
+fn logits_of<B: Ops + 'static>(
     dir: &Path,
     ids: &[u32],
     backend: &B,
 ) -> Result<(Vec<f32>, usize, Install), Failure> {
-    let install = open(dir, ExpertMode::Slots(64))?;
-    fn all<M: LanguageModel>(m: &M, ids: &[u32]) -> Result<(Vec<f32>, usize), RunError> {
-        let mut s = m.new_session();
-        Ok((m.run(&mut s, ids, true)?, m.vocab()))
-    }
-    if install.runner.name == FLASH_NEXT {
-        let fi = FlashInstall::new(install, DEFAULT_ROW_CACHE_ROWS)?;
-        let (l, v) = all(&FlashModel::new(&fi, backend)?, ids)?;
-        Ok((l, v, fi.install))
-    } else {
-        let (l, v) = all(&Model::new(&install, backend)?, ids)?;
-        Ok((l, v, install))
-    }
+    let install = open(dir, ExpertMode::Slots(64), DEFAULT_ROW_CACHE_ROWS)?;
+    let (logits, vocab) = {
+        let model = models::open(&install, backend)?;
+        let mut s = model.session();
+        (model.forward(&mut s, ids, true)?, model.vocab())
+    };
+    Ok((logits, vocab, install))
 }
 
 /// `gturbo eval`: mean KL(A‖B) and top-1 agreement of next-token distributions.

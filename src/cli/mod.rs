@@ -318,7 +318,7 @@ mod tests {
 
     fn install_args(extra: &[&str]) -> InstallArgs {
         let cli = Cli::try_parse_from(
-            ["gturbo", "install", "qwen38flashnext"]
+            ["gturbo", "install", "some-family"]
                 .iter()
                 .chain(extra.iter()),
         )

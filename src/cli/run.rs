@@ -8,15 +8,11 @@ use clap::Args;
 use super::Failure;
 use crate::format::quality::Quality;
 use crate::runtime::RunError;
-use crate::runtime::experts::{CacheStats, ExpertMode};
-use crate::runtime::flash_next::install::{DEFAULT_ROW_CACHE_ROWS, FlashInstall};
-use crate::runtime::flash_next::model::FlashModel;
-use crate::runtime::flash_next::ops::FlashOps;
-use crate::runtime::gate::FLASH_NEXT;
-use crate::runtime::generate::{self, Generation, LanguageModel};
-use crate::runtime::kernels::{Backend, Cpu};
-use crate::runtime::load::{self, Install, LoadOptions};
-use crate::runtime::model::Model;
+use crate::runtime::experts::ExpertMode;
+use crate::runtime::generate::{self, Generation, Stat};
+use crate::runtime::kernels::Cpu;
+use crate::runtime::load::{self, DEFAULT_ROW_CACHE_ROWS, Install, LoadOptions};
+use crate::runtime::models::{self, Model};
 use crate::runtime::sample::{Sampler, SamplerConfig};
 use crate::runtime::text::{TextCodec, TextError};
 use crate::verify::{self, VerifyFailure};
@@ -82,7 +78,7 @@ pub struct RunArgs {
     /// Map every expert pool instead of caching blobs.
     #[arg(long, conflicts_with = "expert_cache_slots")]
     pub resident_experts: bool,
-    /// Rows each PLE n-gram row cache keeps (Flash-Next; an LRU filled by reads).
+    /// Rows each n-gram row cache keeps (installs with row pools; an LRU filled by reads).
     #[arg(long, default_value_t = DEFAULT_ROW_CACHE_ROWS as u64,
           value_parser = clap::value_parser!(u64).range(1..=1 << 28))]
     pub row_cache_rows: u64,
@@ -113,8 +109,16 @@ pub(super) fn threads(t: Option<usize>) -> usize {
     t.unwrap_or_else(super::cores).max(1)
 }
 
-pub(super) fn open(dir: &Path, experts: ExpertMode) -> Result<Install, Failure> {
-    Ok(load::open(dir, LoadOptions { experts })?)
+pub(super) fn open(
+    dir: &Path,
+    experts: ExpertMode,
+    row_cache_rows: usize,
+) -> Result<Install, Failure> {
+    let opts = LoadOptions {
+        experts,
+        row_cache_rows,
+    };
+    Ok(load::open(dir, opts)?)
 }
 
 /// The prompt's token ids, and the codec when the prompt was text.
@@ -159,60 +163,31 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
     } else {
         ExpertMode::Slots(args.expert_cache_slots as usize)
     };
-    let install = open(&dir, experts)?;
+    let install = open(&dir, experts, args.row_cache_rows as usize)?;
     let quality = quality_gate(&install, args.allow_unmeasured)?;
-    // The one place that names a backend; everything after it is generic.
-    let on_cpu = |install: Install| -> Result<(), Failure> {
+    // The one place that names a backend; the model is the gate's choice.
+    let on_cpu = || -> Result<(), Failure> {
         let cpu = Cpu::new(threads(args.threads));
-        let on = OnBackend::of(&cpu);
-        if install.runner.name == FLASH_NEXT {
-            let fi = FlashInstall::new(install, args.row_cache_rows as usize)?;
-            let model = FlashModel::new(&fi, &cpu)?;
-            run_on(&args, &dir, &fi, &model, &on, &quality, |g| {
-                flash_footer(&fi, &model, g)
-            })
-        } else {
-            let model = Model::new(&install, &cpu)?;
-            run_on(&args, &dir, &install, &model, &on, &quality, |_| Vec::new())
-        }
+        let model = models::open(&install, &cpu)?;
+        run_on(&args, &dir, &install, model.as_ref(), &quality)
     };
     let auto = match args.backend {
-        BackendChoice::Cpu => return on_cpu(install),
+        BackendChoice::Cpu => return on_cpu(),
         BackendChoice::Gpu => false,
         BackendChoice::Auto => true,
     };
     #[cfg(feature = "gpu")]
     {
         if let Some(gpu) = gpu_backend(&args, auto)? {
-            if install.runner.name == FLASH_NEXT {
-                let fi = FlashInstall::new(install, args.row_cache_rows as usize)?;
-                match loaded_on_gpu(FlashModel::new(&fi, &gpu), &gpu)? {
-                    Ok(m) => {
-                        let on = OnBackend::of(&gpu);
-                        return run_on(&args, &dir, &fi, &m, &on, &quality, |g| {
-                            flash_footer(&fi, &m, g)
-                        });
-                    }
-                    Err(e) => {
-                        let why = format!("the model does not load on {}: {e}", gpu.adapter().name);
-                        gpu_unusable(auto, why)?;
-                    }
-                }
-                drop(gpu);
-                return on_cpu(fi.install);
-            }
-            match loaded_on_gpu(Model::new(&install, &gpu), &gpu)? {
-                Ok(m) => {
-                    let on = OnBackend::of(&gpu);
-                    return run_on(&args, &dir, &install, &m, &on, &quality, |_| Vec::new());
-                }
+            match loaded_on_gpu(models::open(&install, &gpu), &gpu)? {
+                Ok(m) => return run_on(&args, &dir, &install, m.as_ref(), &quality),
                 Err(e) => {
                     let why = format!("the model does not load on {}: {e}", gpu.adapter().name);
                     gpu_unusable(auto, why)?;
                 }
             }
         }
-        on_cpu(install)
+        on_cpu()
     }
     #[cfg(not(feature = "gpu"))]
     {
@@ -220,7 +195,7 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
             auto,
             "this gturbo was built without the `gpu` feature".into(),
         )?;
-        on_cpu(install)
+        on_cpu()
     }
 }
 
@@ -246,15 +221,6 @@ fn loaded_on_gpu<M>(
 struct OnBackend {
     name: String,
     device_memory_bytes: Option<u64>,
-}
-
-impl OnBackend {
-    fn of<B: Backend>(backend: &B) -> OnBackend {
-        OnBackend {
-            name: backend.name().to_string(),
-            device_memory_bytes: backend.device_memory_bytes(),
-        }
-    }
 }
 
 /// What the run footer says about quality: the recorded result, "not measured", or
@@ -320,62 +286,6 @@ fn quality_gate(install: &Install, allow: bool) -> Result<QualityNote, Failure> 
         });
     }
     Ok(note)
-}
-
-/// One part of the run footer: its text and its `--json` key and value.
-struct FooterPart {
-    text: String,
-    key: &'static str,
-    value: serde_json::Value,
-}
-
-fn cache_text(stats: CacheStats) -> String {
-    match stats.hit_rate() {
-        Some(r) => format!(
-            "{:.1}% hits ({} hits, {} misses)",
-            100.0 * r,
-            stats.hits,
-            stats.misses
-        ),
-        None => "unused".into(),
-    }
-}
-
-/// Flash-Next's footer parts: the PLE row caches and the per-sequence state.
-fn flash_footer<B: FlashOps>(
-    fi: &FlashInstall,
-    model: &FlashModel<'_, B>,
-    g: &Generation,
-) -> Vec<FooterPart> {
-    let mut rows = CacheStats::default();
-    let mut cap = 0u64;
-    for (_, r) in &fi.rows {
-        let s = r.stats();
-        rows.hits += s.hits;
-        rows.misses += s.misses;
-        cap += r.capacity_bytes();
-    }
-    // The last sampled token is never fed back: the cache holds the rest.
-    let positions = g.prompt_tokens + g.tokens.len().saturating_sub(1);
-    let state = model.state_bytes(positions);
-    vec![
-        FooterPart {
-            text: format!("row cache {}", cache_text(rows)),
-            key: "row_cache",
-            value: serde_json::json!({
-                "hits": rows.hits, "misses": rows.misses, "hit_rate": rows.hit_rate(),
-                "capacity_bytes": cap,
-            }),
-        },
-        FooterPart {
-            text: format!(
-                "KV cache + GDN/PLE state {:.1} KiB at {positions} positions",
-                state as f64 / 1024.0
-            ),
-            key: "state_bytes",
-            value: serde_json::json!(state),
-        },
-    ]
 }
 
 /// With `--backend auto`, a log line (the CPU takes over); with `--backend gpu`, the
@@ -465,15 +375,12 @@ fn list_adapters() -> Result<(), Failure> {
 }
 
 /// Generate with `model` (over `install`), streaming the text, then print the footer.
-#[allow(clippy::too_many_arguments)]
-fn run_on<M: LanguageModel>(
+fn run_on(
     args: &RunArgs,
     dir: &Path,
     install: &Install,
-    model: &M,
-    backend: &OnBackend,
+    model: &dyn Model,
     quality: &QualityNote,
-    extra: impl FnOnce(&Generation) -> Vec<FooterPart>,
 ) -> Result<(), Failure> {
     let (prompt, codec) = prompt_ids(args, dir)?;
     let stop_ids: Vec<u32> = codec
@@ -520,13 +427,21 @@ fn run_on<M: LanguageModel>(
     if !json {
         let _ = writeln!(out);
     }
-    let mut parts = extra(&g);
-    parts.push(FooterPart {
+    // The last sampled token is never fed back: the state holds the rest.
+    let positions = g.prompt_tokens + g.tokens.len().saturating_sub(1);
+    let mut parts = model.stats(positions);
+    parts.push(Stat {
         text: quality.text(),
         key: "quality",
         value: quality.json(),
     });
-    footer(install, backend, &g, json, &prompt, &text, &parts, &mut out);
+    let backend = OnBackend {
+        name: model.backend_name(),
+        device_memory_bytes: model.device_memory_bytes(),
+    };
+    footer(
+        install, &backend, &g, json, &prompt, &text, &parts, &mut out,
+    );
     Ok(())
 }
 
@@ -538,7 +453,7 @@ fn footer(
     json: bool,
     prompt: &[u32],
     text: &str,
-    parts: &[FooterPart],
+    parts: &[Stat],
     out: &mut impl std::io::Write,
 ) {
     let stats = install.experts.stats();
@@ -567,7 +482,7 @@ fn footer(
             "{:.1} MiB",
             b as f64 / (1 << 20) as f64
         )),
-        cache_text(stats),
+        stats.text(),
     );
     for p in parts {
         line.push_str("; ");

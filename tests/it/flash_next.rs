@@ -14,16 +14,16 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use gturbo::runtime::experts::ExpertMode;
-use gturbo::runtime::flash_next::attention::attention_forward;
-use gturbo::runtime::flash_next::gdn::{GdnState, gdn_forward};
-use gturbo::runtime::flash_next::hc::hc_read;
-use gturbo::runtime::flash_next::install::{self, FlashInstall, FlashOptions};
-use gturbo::runtime::flash_next::model::{FlashModel, Mixer, Trace, load_ple_tables};
-use gturbo::runtime::flash_next::moe::moe_forward;
-use gturbo::runtime::flash_next::ops::FlashOps;
-use gturbo::runtime::flash_next::ple::{PleState, ngram_ids, ple_forward};
 use gturbo::runtime::generate::argmax;
 use gturbo::runtime::kernels::Cpu;
+use gturbo::runtime::kernels::ops::SparseAttentionOps;
+use gturbo::runtime::models::flash_next::attention::attention_forward;
+use gturbo::runtime::models::flash_next::gdn::{GdnState, gdn_forward};
+use gturbo::runtime::models::flash_next::hc::hc_read;
+use gturbo::runtime::models::flash_next::install::{self, FlashInstall, FlashOptions};
+use gturbo::runtime::models::flash_next::model::{FlashModel, Mixer, Trace, load_ple_tables};
+use gturbo::runtime::models::flash_next::moe::moe_forward;
+use gturbo::runtime::models::flash_next::ple::{PleState, ngram_ids, ple_forward};
 use serde_json::Value;
 
 use crate::support::cli::install;

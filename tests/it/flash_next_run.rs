@@ -5,20 +5,15 @@
 //! `verify-install` and `run`), and the toy's INT4 quality.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
-use crate::support::cli::{self, gturbo, text};
+use crate::support::cli::{self, gturbo_args, text};
 use crate::support::temp_dir;
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/flashnext_toy");
-
-/// `gturbo ARGS…`, run to the end.
-fn gturbo_args(args: &[&str]) -> Output {
-    gturbo().args(args).output().unwrap()
-}
 
 /// Install the snapshot `from` as family qwen38flashnext into `out`.
 fn install(from: &Path, out: &Path, extra: &[&str]) {
@@ -30,21 +25,9 @@ fn manifest(dir: &Path) -> Value {
 }
 
 fn run_json(dir: &Path, ids: &str, extra: &[&str]) -> (Value, String) {
-    let mut args = vec![
-        "run",
-        dir.to_str().unwrap(),
-        "--prompt-ids",
-        ids,
-        "--json",
-        "--threads",
-        "2",
-    ];
+    let mut args = vec!["--prompt-ids", ids];
     args.extend_from_slice(extra);
-    let o = gturbo_args(&args);
-    assert!(o.status.success(), "run {extra:?}: {}", text(&o));
-    let doc: Value =
-        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
-    (doc, String::from_utf8_lossy(&o.stderr).into_owned())
+    cli::run_json(dir, &args)
 }
 
 fn ids(n: usize, vocab: usize) -> String {

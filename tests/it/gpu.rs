@@ -11,8 +11,8 @@ use gturbo::runtime::generate::argmax;
 use gturbo::runtime::kernels::gpu::{Gpu, GpuOptions};
 use gturbo::runtime::kernels::{Backend, Cpu};
 use gturbo::runtime::load::{self, LoadOptions};
-use gturbo::runtime::model::Model;
-use gturbo_testkit::skip::require_or_skip;
+use gturbo::runtime::models::decoder::Model;
+use gturbo_testkit::skip::{GTURBO_REQUIRE_GPU, require_or_skip};
 use serde_json::Value;
 
 use crate::runtime::smollm2;
@@ -23,12 +23,16 @@ use crate::support::temp_dir;
 /// max |cpu|` (FORMAT.md, "GPU numerics").
 pub(crate) const LOGIT_RTOL: f64 = 1e-3;
 
-/// The first adapter wgpu offers (llvmpipe here), or `None` after recording the skip.
+/// The first adapter wgpu offers (llvmpipe here), or `None` after recording the skip;
+/// a failure instead when `GTURBO_REQUIRE_GPU=1`, as in the kernels' own GPU tests.
 pub(crate) fn gpu(test: &str) -> Option<Gpu> {
-    require_or_skip(
-        test,
-        Gpu::new(&GpuOptions::default()).map_err(|e| format!("no GPU adapter: {e}")),
-    )
+    let g = Gpu::new(&GpuOptions::default()).map_err(|e| format!("no GPU adapter: {e}"));
+    if let Err(e) = &g
+        && std::env::var(GTURBO_REQUIRE_GPU).is_ok_and(|v| v == "1")
+    {
+        panic!("{test}: {GTURBO_REQUIRE_GPU}=1 but {e}");
+    }
+    require_or_skip(test, g)
 }
 
 /// Greedy decoding of `steps` tokens after `prompt`, with the logits of every
@@ -40,7 +44,14 @@ fn greedy<B: Backend>(
     prompt: &[u32],
     steps: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let install = load::open(dir, LoadOptions { experts }).unwrap();
+    let install = load::open(
+        dir,
+        LoadOptions {
+            experts,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let model = Model::new(&install, b).unwrap();
     let mut s = model.session();
     rollout(model.cfg.vocab, prompt, steps, |ids, prefill| {

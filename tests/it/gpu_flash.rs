@@ -10,18 +10,18 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use gturbo::runtime::experts::ExpertMode;
-use gturbo::runtime::flash_next::install::{self, DEFAULT_ROW_CACHE_ROWS, FlashOptions};
-use gturbo::runtime::flash_next::model::FlashModel;
-use gturbo::runtime::flash_next::ops::FlashOps;
+use gturbo::runtime::kernels::Ops;
 use gturbo::runtime::kernels::{Backend, Cpu};
+use gturbo::runtime::models::flash_next::install::{self, DEFAULT_ROW_CACHE_ROWS, FlashOptions};
+use gturbo::runtime::models::flash_next::model::FlashModel;
 use gturbo_testkit::replica::{self, FlashNextSpec};
 use serde_json::Value;
 
 use crate::gpu::{LOGIT_RTOL, gpu, rollout, worst_relative};
-use crate::support::cli::{gturbo, install, text};
+use crate::support::cli::install;
 
 /// The scaled replica installed at INT4 once for this test binary (kept for the run).
-fn scaled_install() -> &'static Path {
+pub(crate) fn scaled_install() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let tmp = tempfile::tempdir().expect("temp dir").keep();
@@ -43,7 +43,7 @@ fn prompt(vocab: usize) -> Vec<u32> {
 
 /// Greedy decoding of `steps` tokens after `prompt`, with the logits of every
 /// position (the prompt's, then each decode step's).
-fn greedy<B: FlashOps>(
+fn greedy<B: Ops>(
     dir: &Path,
     experts: ExpertMode,
     b: &B,
@@ -99,28 +99,18 @@ fn the_scaled_flash_next_replica_on_the_gpu_gives_the_cpu_tokens_and_logits() {
 }
 
 fn run_json(dir: &Path, backend: &str) -> (Value, String) {
-    let o = gturbo()
-        .arg("run")
-        .arg(dir)
-        .args([
-            "--json",
-            "--allow-unmeasured",
-            "--threads",
-            "2",
-            "--max-tokens",
-            "4",
-            "--expert-cache-slots",
-            "2",
-            "--prompt-ids",
-            "5,17,200,33,9,48,310,2,77,120,64,1,250,19,8,400",
-            "--backend",
-            backend,
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "--backend {backend}: {}", text(&o));
-    let doc = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
-    (doc, String::from_utf8_lossy(&o.stderr).into_owned())
+    let args = [
+        "--allow-unmeasured",
+        "--max-tokens",
+        "4",
+        "--expert-cache-slots",
+        "2",
+        "--prompt-ids",
+        "5,17,200,33,9,48,310,2,77,120,64,1,250,19,8,400",
+        "--backend",
+        backend,
+    ];
+    crate::support::cli::run_json(dir, &args)
 }
 
 #[test]
@@ -162,4 +152,54 @@ fn run_backend_gpu_runs_flash_next_on_the_adapter() {
             "auto on a software adapter"
         );
     }
+}
+
+/// Flash-Next's routed experts go through the one MoE dispatch (`layers::moe`), which
+/// asks the GPU first to run a resident layer whole: with resident experts a decode
+/// step reads no routing back (only the logits and the indexer's block scores), where
+/// with slots it reads each MoE layer's choice back; and the tokens agree.
+#[test]
+fn flash_next_on_the_gpu_takes_the_resident_expert_path() {
+    const TEST: &str = "flash_next_on_the_gpu_takes_the_resident_expert_path";
+    let Some(g) = gpu(TEST) else {
+        return;
+    };
+    let dir = scaled_install();
+    let prompt = prompt(FlashNextSpec::scaled().vocab_size as usize);
+    let mut reads = Vec::new();
+    let mut tokens = Vec::new();
+    for experts in [ExpertMode::Slots(2), ExpertMode::Resident] {
+        let fi = install::open(
+            dir,
+            FlashOptions {
+                experts,
+                row_cache_rows: DEFAULT_ROW_CACHE_ROWS,
+            },
+        )
+        .unwrap();
+        let model = FlashModel::new(&fi, &g).unwrap();
+        let mut s = model.session();
+        let logits = model.forward(&mut s, &prompt, false).unwrap();
+        let next = gturbo::runtime::sample::argmax(&logits);
+        let before = g.context().stats().readbacks;
+        let logits = model.forward(&mut s, &[next], false).unwrap();
+        reads.push(g.context().stats().readbacks - before);
+        tokens.push((next, gturbo::runtime::sample::argmax(&logits)));
+    }
+    let layers = FlashNextSpec::scaled().num_hidden_layers;
+    eprintln!(
+        "read-backs per decode step: slots {}, resident {}",
+        reads[0], reads[1]
+    );
+    assert_eq!(
+        tokens[0], tokens[1],
+        "slots and resident experts pick the same tokens"
+    );
+    assert!(
+        reads[0] >= reads[1] + layers,
+        "a resident decode step reads back {} times, a slot-cache one {}: the {layers} MoE \
+         layers' routing should stay on the device",
+        reads[1],
+        reads[0]
+    );
 }

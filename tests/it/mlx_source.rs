@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::kernels::Cpu;
 use gturbo::runtime::load::{self, LoadOptions};
-use gturbo::runtime::model::Model;
+use gturbo::runtime::models::decoder::Model;
 use gturbo_testkit::hub::HubConfig;
 use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
 use gturbo_testkit::skip::require_or_skip;
@@ -352,6 +352,7 @@ pub(crate) fn compare_logits(dir: &Path, case_dir: &Path, case: &str, tol: Toler
         dir,
         LoadOptions {
             experts: ExpertMode::Resident,
+            ..Default::default()
         },
     )
     .unwrap();

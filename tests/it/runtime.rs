@@ -9,7 +9,7 @@ use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::generate::{self, argmax};
 use gturbo::runtime::kernels::Cpu;
 use gturbo::runtime::load::{self, LoadOptions};
-use gturbo::runtime::model::Model;
+use gturbo::runtime::models::decoder::Model;
 use gturbo_testkit::replica::{self, FlashNextSpec, Qwen3MoeSpec, Qwen3Spec};
 use gturbo_testkit::skip::require_or_skip;
 use serde_json::Value;
@@ -134,6 +134,7 @@ fn families_lists_the_runner_of_each_family() {
         runners,
         vec![
             ("llama".to_string(), Value::from("decoder")),
+            ("mixtral".to_string(), Value::from("mixtral")),
             ("qwen3".to_string(), Value::from("decoder")),
             ("qwen38flashnext".to_string(), Value::from("flash-next")),
             ("qwen3_moe".to_string(), Value::from("decoder")),
@@ -197,7 +198,14 @@ fn golden(family: &str) -> Golden {
 const LOGIT_TOLERANCE: f32 = 1e-5;
 
 fn check_against_golden(dir: &Path, g: &Golden, experts: ExpertMode) {
-    let install = load::open(dir, LoadOptions { experts }).unwrap();
+    let install = load::open(
+        dir,
+        LoadOptions {
+            experts,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let cpu = Cpu::new(2);
     let model = Model::new(&install, &cpu).unwrap();
     let vocab = model.cfg.vocab;

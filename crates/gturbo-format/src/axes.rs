@@ -13,6 +13,10 @@
 //!   bound ([`rule`]); `16.5`, `0`, `-1` and `10^12` are refused, naming the bound.
 //! - A positive real (`rope_theta`, `rms_norm_eps`) is finite, above 0, at most its bound.
 //! - A flag (`tie_word_embeddings`, `norm_topk_prob`) is a boolean.
+//! - A parameter object (`rope_scaling`, `rope_parameters`) holds at most
+//!   [`MAX_OBJECT_KEYS`] keys of at most 64 bytes, each a number as an unknown axis, a
+//!   boolean, null, a string of at most 64 bytes (`rope_type`) or a list of at most 64
+//!   such numbers; the runtime reads its fields with their own bounds.
 //! - `null` is the same as absent (configs write `"head_dim": null`).
 //! - An axis this table does not know is a number (finite, |x| ≤ 2^40), a boolean or
 //!   null, as before any bound existed.
@@ -43,9 +47,16 @@ pub enum Rule {
     },
     /// A boolean.
     Flag,
+    /// An object of named parameters (RoPE scaling).
+    Object,
     /// An axis this table does not know: a finite number, a boolean, or null.
     Other,
 }
+
+/// Most keys a parameter object axis may hold.
+pub const MAX_OBJECT_KEYS: usize = 32;
+/// Longest key or string in a parameter object, and most numbers in one of its lists.
+const MAX_OBJECT_ITEM: usize = 64;
 
 /// Largest magnitude of a number on an axis this table does not know.
 pub const MAX_OTHER: f64 = (1u64 << 40) as f64;
@@ -68,6 +79,7 @@ pub fn rule(axis: &str) -> Rule {
         "rope_theta" => Positive { max: 1e12 },
         "rms_norm_eps" => Positive { max: 1.0 },
         "tie_word_embeddings" | "norm_topk_prob" => Flag,
+        "rope_scaling" | "rope_parameters" => Object,
         _ => Other,
     }
 }
@@ -116,6 +128,7 @@ pub fn check_value(axis: &str, v: &Value) -> Result<(), String> {
             Value::Bool(_) => Ok(()),
             other => Err(format!("expected true or false, found {other}")),
         },
+        Rule::Object => check_object(v),
         Rule::Other => match v {
             Value::Bool(_) => Ok(()),
             Value::Number(n) => match n.as_f64() {
@@ -125,6 +138,58 @@ pub fn check_value(axis: &str, v: &Value) -> Result<(), String> {
             other => Err(format!("expected a number or boolean, found {other}")),
         },
     }
+}
+
+/// A parameter object's shape (see the module doc).
+fn check_object(v: &Value) -> Result<(), String> {
+    let Value::Object(map) = v else {
+        return Err(format!("expected an object of parameters, found {v}"));
+    };
+    if map.len() > MAX_OBJECT_KEYS {
+        return Err(format!("{} keys (at most {MAX_OBJECT_KEYS})", map.len()));
+    }
+    for (k, item) in map {
+        if k.len() > MAX_OBJECT_ITEM {
+            return Err(format!(
+                "a key of {} bytes (at most {MAX_OBJECT_ITEM})",
+                k.len()
+            ));
+        }
+        let scalar = |x: &Value| match x {
+            Value::Null | Value::Bool(_) => Ok(()),
+            Value::Number(n)
+                if n.as_f64()
+                    .is_some_and(|f| f.is_finite() && f.abs() <= MAX_OTHER) =>
+            {
+                Ok(())
+            }
+            Value::Number(n) => Err(format!(
+                "{k}: {n} is out of range (at most 2^40 in magnitude)"
+            )),
+            Value::String(s) if s.len() <= MAX_OBJECT_ITEM => Ok(()),
+            Value::String(s) => Err(format!(
+                "{k}: a string of {} bytes (at most {MAX_OBJECT_ITEM})",
+                s.len()
+            )),
+            other => Err(format!(
+                "{k}: expected a number, boolean or string, found {other}"
+            )),
+        };
+        match item {
+            Value::Array(a) if a.len() <= MAX_OBJECT_ITEM => {
+                a.iter().try_for_each(|x| match x {
+                    Value::Number(_) => scalar(x),
+                    other => Err(format!("{k}: expected a list of numbers, found {other}")),
+                })?
+            }
+            Value::Array(a) => Err(format!(
+                "{k}: a list of {} (at most {MAX_OBJECT_ITEM})",
+                a.len()
+            ))?,
+            other => scalar(other)?,
+        }
+    }
+    Ok(())
 }
 
 fn f64_is_positive(v: &Value) -> bool {
@@ -282,5 +347,32 @@ mod tests {
         check(&axes(json!({"num_layers": 1024, "head_dim": null}))).unwrap();
         assert!(check(&axes(json!({"num_layers": 1025}))).is_err());
         check(&axes(json!({"rms_norm_eps": 1.0}))).unwrap();
+    }
+
+    #[test]
+    fn rope_scaling_objects_are_bounded_parameter_lists() {
+        let ok = json!({"rope_scaling": {"rope_type": "yarn", "factor": 40, "beta_fast": 32,
+            "mscale_all_dim": 1.0, "truncate": false, "original_max_position_embeddings": 4096},
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [11, 11, 10]}});
+        let axes: BTreeMap<String, Value> = serde_json::from_value(ok).unwrap();
+        assert_eq!(check(&axes), Ok(()));
+        assert_eq!(
+            refusal(json!({"rope_scaling": "yarn"})),
+            "rope_scaling: expected an object of parameters, found \"yarn\""
+        );
+        assert_eq!(
+            refusal(json!({"rope_scaling": {"factor": {"deep": 1}}})),
+            "rope_scaling: factor: expected a number, boolean or string, found {\"deep\":1}"
+        );
+        assert_eq!(
+            refusal(json!({"rope_scaling": {"factor": 1e300}})),
+            "rope_scaling: factor: 1e+300 is out of range (at most 2^40 in magnitude)"
+        );
+        let many: serde_json::Map<String, Value> =
+            (0..40).map(|i| (format!("k{i}"), json!(1))).collect();
+        assert_eq!(
+            refusal(json!({"rope_scaling": many})),
+            "rope_scaling: 40 keys (at most 32)"
+        );
     }
 }

@@ -18,6 +18,9 @@ use std::io::Write as _;
 pub const GTURBO_SKIP_LOG: &str = "GTURBO_SKIP_LOG";
 /// Env var: `1` makes every prerequisite required (as `CI` does).
 pub const GTURBO_REQUIRE_PY: &str = "GTURBO_REQUIRE_PY";
+/// Env var: `1` makes the GPU tests fail instead of skipping when no adapter opens
+/// (the GPU is a prerequisite of its own: a strict run without one still needs it).
+pub const GTURBO_REQUIRE_GPU: &str = "GTURBO_REQUIRE_GPU";
 /// Env var: set by CI systems (`CI=true`); any value but empty, `0` or `false` counts.
 pub const CI: &str = "CI";
 /// What each skip line starts with.

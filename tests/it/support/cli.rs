@@ -7,6 +7,8 @@ use std::process::{Command, Output, Stdio};
 
 use gturbo_testkit::replica::{self, Qwen3MoeSpec};
 
+use serde_json::Value;
+
 use super::{Replica, gturbo_bin, sha256_hex};
 
 /// Variables a developer's shell may hold that would steer a run away from what the
@@ -152,4 +154,21 @@ pub fn tree_hashes(dir: &Path) -> BTreeMap<String, String> {
         }
     }
     out
+}
+
+/// `gturbo ARGS…`, run to the end.
+pub fn gturbo_args(args: &[&str]) -> Output {
+    gturbo().args(args).output().unwrap()
+}
+
+/// `gturbo run DIR --json --threads 2 ARGS…`, which must succeed: its JSON document and
+/// its stderr (the footer).
+pub fn run_json(dir: &Path, args: &[&str]) -> (Value, String) {
+    let dir = dir.to_str().unwrap();
+    let mut all = vec!["run", dir, "--json", "--threads", "2"];
+    all.extend_from_slice(args);
+    let o = gturbo_args(&all);
+    assert!(o.status.success(), "run {args:?}: {}", text(&o));
+    let doc = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    (doc, String::from_utf8_lossy(&o.stderr).into_owned())
 }

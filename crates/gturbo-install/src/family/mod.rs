@@ -120,6 +120,22 @@ pub struct TensorRule {
     /// Why a tensor is excluded.
     #[serde(default)]
     pub why: Option<String>,
+    /// Expert part names of this checkpoint mapped to the pool's parts
+    /// ([`EXPERT_PARTS`]): Mixtral's `{"w1": "gate_proj", "w3": "up_proj", "w2":
+    /// "down_proj"}`. A part not listed keeps its own name.
+    #[serde(default)]
+    pub parts: BTreeMap<String, String>,
+}
+
+/// The expert part names the planner knows: one expert's `gate_proj`, `up_proj` and
+/// `down_proj` (or stacked over the experts of a layer), or the fused `gate_up_proj`.
+pub const EXPERT_PARTS: [&str; 4] = ["gate_proj", "up_proj", "down_proj", "gate_up_proj"];
+
+impl TensorRule {
+    /// The pool part a captured `{part:…}` name stands for.
+    pub fn part<'a>(&'a self, captured: &'a str) -> &'a str {
+        self.parts.get(captured).map_or(captured, String::as_str)
+    }
 }
 
 /// Quantization policy.
@@ -377,6 +393,19 @@ impl Family {
                     ));
                 }
             }
+            if let Some((from, to)) = rule
+                .parts
+                .iter()
+                .find(|(_, to)| !EXPERT_PARTS.contains(&to.as_str()))
+            {
+                return Err(invalid(
+                    &format!("tensors[{i}].parts.{from}"),
+                    format!(
+                        "{to:?} is not an expert part (one of {})",
+                        EXPERT_PARTS.join(", ")
+                    ),
+                ));
+            }
             if let Some(s) = &rule.sidecar
                 && !file.sidecars.contains_key(s)
             {
@@ -526,7 +555,10 @@ mod tests {
     fn every_builtin_family_parses() {
         let all = Family::all_builtin().unwrap();
         let ids: Vec<&str> = all.iter().map(|f| f.id()).collect();
-        assert_eq!(ids, ["llama", "qwen3", "qwen38flashnext", "qwen3_moe"]);
+        assert_eq!(
+            ids,
+            ["llama", "mixtral", "qwen3", "qwen38flashnext", "qwen3_moe"]
+        );
         for f in &all {
             assert_eq!(format!("families/{}.json", f.id()), f.origin);
         }
@@ -654,7 +686,32 @@ mod tests {
         let err = Family::builtin("nope").unwrap_err().to_string();
         assert_eq!(
             err,
-            "unknown family `nope`; known families: llama, qwen3, qwen38flashnext, qwen3_moe"
+            "unknown family `nope`; known families: llama, mixtral, qwen3, qwen38flashnext, qwen3_moe"
+        );
+    }
+
+    /// A tensor rule's `parts` map names the checkpoint's expert parts after the pool's
+    /// (`w1` → `gate_proj`); a target that is not a pool part is refused naming the key.
+    #[test]
+    fn expert_part_names_map_to_the_pools_parts() {
+        let mixtral = Family::builtin("mixtral").unwrap();
+        let rule = &mixtral.file.tensors[0];
+        assert_eq!(
+            ["w1", "w3", "w2", "w4"].map(|p| rule.part(p)),
+            ["gate_proj", "up_proj", "down_proj", "w4"]
+        );
+        let base = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../families/mixtral.json"
+        ))
+        .unwrap();
+        let bad = base.replace("\"w2\": \"down_proj\"", "\"w2\": \"down\"");
+        let err = Family::parse("families/x.json", &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("field `tensors[0].parts.w2`: \"down\" is not an expert part"),
+            "{err}"
         );
     }
 }

@@ -205,7 +205,10 @@ impl Classified<'_> {
     /// dimensions that role gives.
     fn expert_role(&self) -> Result<DraftRole, PlanError> {
         let (m, t) = (self.rule, self.source);
-        let part = match (m.rule.role, m.captures.part.as_deref()) {
+        let part = match (
+            m.rule.role,
+            m.captures.part.as_deref().map(|p| m.rule.part(p)),
+        ) {
             (Role::ExpertsStacked, Some("gate_proj")) => ExpertPart::Gate,
             (Role::ExpertsStacked, Some("up_proj")) => ExpertPart::Up,
             (Role::ExpertsStacked, Some("down_proj")) => ExpertPart::Down,

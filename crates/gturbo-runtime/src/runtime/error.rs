@@ -115,4 +115,7 @@ pub enum InputError {
         /// The slot budget.
         slots: usize,
     },
+    /// A session handed to a model other than the one that made it.
+    #[error("input: the session belongs to another model")]
+    ForeignSession,
 }

@@ -95,6 +95,19 @@ impl CacheStats {
         let n = self.hits + self.misses;
         (n > 0).then(|| self.hits as f64 / n as f64)
     }
+
+    /// `98.0% hits (490 hits, 10 misses)`, or `unused`: the run footer's words.
+    pub fn text(&self) -> String {
+        match self.hit_rate() {
+            Some(r) => format!(
+                "{:.1}% hits ({} hits, {} misses)",
+                100.0 * r,
+                self.hits,
+                self.misses
+            ),
+            None => "unused".into(),
+        }
+    }
 }
 
 impl ExpertStore {

@@ -36,11 +36,24 @@ pub const PLE_NGRAM: &str = "pleNgramEmbedding";
 /// RMSNorm scaled by `1 + w` (zero-centred weights).
 pub const OFFSET_RMS_NORM: &str = "offsetRmsNorm";
 
-/// A runner: the families it reads and the axes it implements.
+/// The model a runner builds (`runtime::models::open` turns it into a loader).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// `models::decoder`: the transformer decoder parametrised by the install's axes.
+    Decoder,
+    /// `models::flash_next`: Qwen3.8-Flash-Next.
+    FlashNext,
+    /// `models::mixtral`: the decoder with Mixtral's names and routing.
+    Mixtral,
+}
+
+/// A runner: the families it reads, the axes it implements and the model it builds.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Runner {
     /// Name shown by `gturbo families` and the run footer.
     pub name: &'static str,
+    /// The model that runs these families.
+    pub arch: Arch,
     /// Family ids it accepts.
     pub families: &'static [&'static str],
     /// Axes it implements.
@@ -58,10 +71,12 @@ impl Runner {
 pub const FLASH_NEXT: &str = "flash-next";
 
 /// Every runner gturbo has. One decoder, parametrised by axes, covers the plain
-/// transformer families; `flash-next` runs Qwen3.8-Flash-Next.
+/// transformer families (Mixtral with its own names and routing); `flash-next` runs
+/// Qwen3.8-Flash-Next.
 pub const RUNNERS: &[Runner] = &[
     Runner {
         name: "decoder",
+        arch: Arch::Decoder,
         families: &["llama", "qwen3", "qwen3_moe"],
         axes: &[
             GQA_ATTENTION,
@@ -74,7 +89,14 @@ pub const RUNNERS: &[Runner] = &[
         ],
     },
     Runner {
+        name: "mixtral",
+        arch: Arch::Mixtral,
+        families: &["mixtral"],
+        axes: &[GQA_ATTENTION, ROPE, RMS_NORM, SWIGLU, ROUTED_MOE],
+    },
+    Runner {
         name: FLASH_NEXT,
+        arch: Arch::FlashNext,
         families: &["qwen38flashnext"],
         axes: &[
             GATED_ATTENTION,

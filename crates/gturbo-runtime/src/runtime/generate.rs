@@ -4,12 +4,10 @@
 use std::time::Instant;
 
 use super::error::{InputError, RunError};
-use super::kernels::Backend;
-use super::model::{Model, Session};
 
 /// What the generation loop and `gturbo eval` need of a runner: a session and a
-/// forward pass over it. The decoder ([`Model`]) and the Flash-Next runner implement
-/// it, each over any backend.
+/// forward pass over it. Each model implements it over any backend; `models::Model`
+/// is its object-safe face.
 pub trait LanguageModel {
     /// Per-sequence state (KV caches, recurrent state).
     type Session;
@@ -18,21 +16,29 @@ pub trait LanguageModel {
     /// Run `tokens` after the session's state: the logits of every position when
     /// `all`, else of the last one.
     fn run(&self, s: &mut Self::Session, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError>;
+    /// A copy of `s` that continues independently of it.
+    fn copy_session(&self, s: &Self::Session) -> Result<Self::Session, RunError>;
     /// Vocabulary size (the logits' width).
     fn vocab(&self) -> usize;
+    /// The backend's name.
+    fn backend_name(&self) -> String;
+    /// Device memory the backend holds, on a GPU.
+    fn device_memory_bytes(&self) -> Option<u64>;
+    /// The model's own footer figures after `positions` tokens (none by default).
+    fn stats(&self, _positions: usize) -> Vec<Stat> {
+        Vec::new()
+    }
 }
 
-impl<B: Backend> LanguageModel for Model<'_, B> {
-    type Session = Session<B>;
-    fn new_session(&self) -> Session<B> {
-        self.session()
-    }
-    fn run(&self, s: &mut Session<B>, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError> {
-        self.forward(s, tokens, all)
-    }
-    fn vocab(&self) -> usize {
-        self.cfg.vocab
-    }
+/// One figure a model adds to the run footer: its text, and its JSON key and value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stat {
+    /// Footer text (`row cache 98.0% hits (…)`).
+    pub text: String,
+    /// Key in `--json` output.
+    pub key: &'static str,
+    /// Value in `--json` output.
+    pub value: serde_json::Value,
 }
 
 /// Why generation stopped.
@@ -85,7 +91,7 @@ impl Generation {
 /// Generate after `prompt`: prefill in one batched forward pass, then one token at a
 /// time. `pick` chooses the next token from the logits; `on_token` sees each token as
 /// it is produced (to stream it). Stops after a token in `stop_ids` or `max_tokens`.
-pub fn generate<M: LanguageModel>(
+pub fn generate<M: LanguageModel + ?Sized>(
     model: &M,
     prompt: &[u32],
     max_tokens: usize,

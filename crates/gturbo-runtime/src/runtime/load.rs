@@ -14,11 +14,12 @@ use super::error::RunError;
 use super::experts::{ExpertMode, ExpertStore};
 use super::gate::{self, Runner};
 use super::kernels::{FloatDtype, Matrix};
+use super::paths::safe_join;
+use super::rows::RowCache;
 use crate::format::check::{self as verify, VerifyFailure};
-use crate::format::check_relative_path;
 use crate::format::dtype::Dtype;
 use crate::format::lock::InstallLock;
-use crate::format::manifest::{self, Manifest};
+use crate::format::manifest::Manifest;
 use crate::format::resident::{ResidentEntry, ResidentHead, ResidentIndex, Span, Storage};
 
 /// How to open an install.
@@ -26,15 +27,22 @@ use crate::format::resident::{ResidentEntry, ResidentHead, ResidentIndex, Span, 
 pub struct LoadOptions {
     /// Expert residency.
     pub experts: ExpertMode,
+    /// Rows each n-gram row cache keeps (at least 1).
+    pub row_cache_rows: usize,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
             experts: ExpertMode::Slots(16),
+            row_cache_rows: DEFAULT_ROW_CACHE_ROWS,
         }
     }
 }
+
+/// Rows each n-gram row cache keeps by default: 64 Ki rows, 20 MiB of Flash-Next's
+/// 320-byte rows per PLE layer.
+pub const DEFAULT_ROW_CACHE_ROWS: usize = 1 << 16;
 
 /// Read `manifest.json` (verify-install's cheap parser: size cap, known keys, safe
 /// paths) and apply the capability gate; opens no other file.
@@ -69,6 +77,8 @@ pub struct Install {
     pub resident_bytes: u64,
     /// Routed experts.
     pub experts: ExpertStore,
+    /// Row caches, one per row pool, with the pool's layer.
+    pub rows: Vec<(usize, RowCache)>,
     /// The install's shared lock, held while the install is open (see
     /// [`crate::format::lock`]): no overwrite replaces it under the maps.
     _lock: InstallLock,
@@ -141,6 +151,7 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
         let path = safe_join(dir, rel)?;
         File::open(&path).map_err(|e| RunError::io(rel, e))
     })?;
+    let rows = row_caches(dir, &manifest, opts.row_cache_rows)?;
     Ok(Install {
         dir: dir.to_path_buf(),
         manifest,
@@ -150,19 +161,35 @@ pub fn open(dir: &Path, opts: LoadOptions) -> Result<Install, RunError> {
         tensors,
         resident_bytes: len,
         experts,
+        rows,
         _lock: lock,
     })
 }
 
-/// `dir/rel`, refusing names that would leave the install ([`check_relative_path`]).
-pub(crate) fn safe_join(dir: &Path, rel: &str) -> Result<PathBuf, RunError> {
-    check_relative_path(rel).map_err(|why| {
-        RunError::invalid(
-            manifest::FILE_NAME,
-            format!("file name {rel:?} leaves the install directory: {why}"),
-        )
-    })?;
-    Ok(dir.join(rel))
+/// A row cache of `rows` rows for each row pool of `m`, with its layer.
+fn row_caches(dir: &Path, m: &Manifest, rows: usize) -> Result<Vec<(usize, RowCache)>, RunError> {
+    let mut caches: Vec<(usize, RowCache)> = Vec::new();
+    for p in &m.row_pools {
+        let layer = usize::try_from(p.layer)
+            .ok()
+            .filter(|&l| l < 1 << 20)
+            .ok_or_else(|| RunError::invalid(&p.file, format!("layer {} out of range", p.layer)))?;
+        if caches.iter().any(|(l, _)| *l == layer) {
+            return Err(RunError::invalid(
+                &p.file,
+                format!("a second row pool for layer {layer}"),
+            ));
+        }
+        caches.push((layer, RowCache::open(dir, p, rows)?));
+    }
+    Ok(caches)
+}
+
+impl Install {
+    /// The row cache of `layer`'s n-gram table.
+    pub fn row_cache(&self, layer: usize) -> Option<&RowCache> {
+        self.rows.iter().find(|(l, _)| *l == layer).map(|(_, r)| r)
+    }
 }
 
 /// The mapped index against the mapped payload: the same layout rule verify-install

@@ -14,13 +14,14 @@ pub mod kernels;
 pub mod sample;
 pub mod text;
 
-mod axes;
 pub mod error;
 pub mod experts;
-pub mod flash_next;
 pub mod gate;
 pub mod generate;
+pub mod layers;
 pub mod load;
-pub mod model;
+pub mod models;
+pub mod paths;
+pub mod rows;
 #[cfg(test)]
 mod testing;

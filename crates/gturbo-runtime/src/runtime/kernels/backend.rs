@@ -35,8 +35,8 @@
 //! Operations only one runner needs (Flash-Next's gated-delta-net step, its
 //! hyper-connection mix and inject, the PLE gather and conv, the indexer's block scores)
 //! go in an extension trait of that runner (Flash-Next's is
-//! [`FlashOps`](crate::runtime::flash_next::seam::FlashOps), which its runner requires:
-//! `FlashModel<'a, B: FlashOps>`), so the core trait does not grow per runner. The CPU
+//! [`Ops`](crate::runtime::models::flash_next::seam::Ops), which its runner requires:
+//! `FlashModel<'a, B: Ops>`), so the core trait does not grow per runner. The CPU
 //! implements such a trait over the runner's pure slice functions (its `Buf` is a
 //! `Vec<f32>`, its weights [`Matrix`] views), the GPU with kernels of its own
 //! (`gpu/flash.rs`).
@@ -44,6 +44,10 @@
 use std::ops::Range;
 
 use super::Matrix;
+pub use super::routing::Routing;
+use super::routing::RoutingSpec;
+#[cfg(doc)]
+use super::routing::route_logits;
 use crate::format::pools::ExpertPool;
 
 /// A backend operation that failed for a reason of the device (out of memory, device
@@ -88,6 +92,62 @@ pub enum NormGain {
     OnePlusWeight,
 }
 
+/// What one layer's attention is, fixed when its KV cache is made
+/// ([`Backend::kv_cache`]): the cache's head count and row widths, and which positions
+/// a query sees. Llama, Qwen3 and Flash-Next are [`AttentionSpec::dense`]; MLA
+/// (DeepSeek-V3, Kimi-K2) has `v_dim ≠ qk_dim`; gpt-oss and Mistral slide a `window`.
+/// Partial rotary dims (GLM, Qwen3-Next) need nothing here: [`Backend::rope`] rotates
+/// the first `rot` dims of each head and attention reads whole heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSpec {
+    /// KV heads; the query heads ([`Causal::heads`]) are a multiple of them.
+    pub kv_heads: usize,
+    /// Width of a query head and of a key head (`q·k` runs over it).
+    pub qk_dim: usize,
+    /// Width of a value head, so of each head's output.
+    pub v_dim: usize,
+    /// Sliding window: a query at position `p` sees positions `max(0, p + 1 − window)
+    /// ..= p` (`window` of them at most); `None` sees every earlier position. At least 1.
+    pub window: Option<usize>,
+}
+
+impl AttentionSpec {
+    /// `kv_heads` heads whose keys and values share one width `head_dim`, and no window.
+    pub fn dense(kv_heads: usize, head_dim: usize) -> AttentionSpec {
+        AttentionSpec {
+            kv_heads,
+            qk_dim: head_dim,
+            v_dim: head_dim,
+            window: None,
+        }
+    }
+
+    /// Width of a cache row of keys (`kv_heads·qk_dim`).
+    pub fn k_width(&self) -> usize {
+        self.kv_heads * self.qk_dim
+    }
+
+    /// Width of a cache row of values (`kv_heads·v_dim`).
+    pub fn v_width(&self) -> usize {
+        self.kv_heads * self.v_dim
+    }
+
+    /// The first position a query at position `p` sees (`0` without a window).
+    pub fn first_seen(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// Whether the spec can be a cache's: heads, widths and window positive.
+    pub fn check(&self) -> Result<(), String> {
+        if self.kv_heads == 0 || self.qk_dim == 0 || self.v_dim == 0 || self.window == Some(0) {
+            return Err(format!(
+                "{self:?}: heads, widths and window must be positive"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// One causal attention step: the new tokens' positions and the query heads.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Causal {
@@ -97,18 +157,6 @@ pub struct Causal {
     pub heads: usize,
     /// Factor on `q·k` before the softmax (`1/√head_dim` for the decoder).
     pub scale: f32,
-}
-
-/// The router's choice for `n` tokens, read back to the host (which reads the chosen
-/// experts' blobs).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Routing {
-    /// Experts chosen per token.
-    pub top_k: usize,
-    /// `[n, top_k]` expert ids, most probable first (ties to the lower id).
-    pub experts: Vec<u32>,
-    /// `[n, top_k]` routing weights, in the same order.
-    pub weights: Vec<f32>,
 }
 
 /// One expert blob as the host holds it, handed to [`Backend::expert`].
@@ -182,6 +230,8 @@ pub trait Backend {
     fn zero(&self, x: &mut Self::Buf) -> OpResult;
     /// Rows `rows` of the `width`-wide `x`, copied into a new tensor.
     fn copy_rows(&self, x: &Self::Buf, width: usize, rows: Range<usize>) -> OpResult<Self::Buf>;
+    /// A copy of `x` (a session snapshot's states).
+    fn copy(&self, x: &Self::Buf) -> OpResult<Self::Buf>;
     /// The elements of `x`, copied to the host (tests, diagnostics).
     fn read(&self, x: &Self::Buf) -> OpResult<Vec<f32>>;
     /// `x` handed to the host: the logits for sampling (no copy on the CPU).
@@ -211,6 +261,10 @@ pub trait Backend {
     ) -> OpResult;
     /// `x += y` (the residual connection).
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf) -> OpResult;
+    /// `x[t] += bias` for each `bias.len()`-wide row `x[t]` of `x`: a projection's bias
+    /// after [`Backend::linear`] (gpt-oss's q, k, v, o and router, GLM's q, k, v), kept
+    /// out of `linear` so the products of every other family stay as they are.
+    fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Buf) -> OpResult;
     /// SwiGLU's gating in place: `gate = silu(gate) · up`, `silu(g) = g / (1 + e^-g)`.
     fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf) -> OpResult;
     /// The dense MLP `out = down(silu(gate·x) · up·x)` for each row of `x`.
@@ -242,20 +296,28 @@ pub trait Backend {
         pos: usize,
     ) -> OpResult;
     /// An empty KV cache of one layer for up to `max_positions` positions (the CPU's
-    /// grows as tokens arrive).
-    fn kv_cache(
-        &self,
-        kv_heads: usize,
-        head_dim: usize,
-        max_positions: usize,
-    ) -> OpResult<Self::Kv>;
-    /// Store `k` and `v` (`[n, kv_heads·head_dim]`) at positions `at.pos..at.pos + n`
-    /// of `kv`, forgetting any positions after them (so a session whose last forward
+    /// grows as tokens arrive), holding key rows of `spec.k_width()` and value rows of
+    /// `spec.v_width()`; `spec` also fixes the window [`Backend::attention`] applies.
+    fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<Self::Kv>;
+    /// A copy of `kv` holding the same positions (a session snapshot).
+    fn copy_kv(&self, kv: &Self::Kv) -> OpResult<Self::Kv>;
+    /// Store `k` `[n, kv_heads·qk_dim]` and `v` `[n, kv_heads·v_dim]` at positions
+    /// `at.pos..at.pos + n` of `kv` (whose [`AttentionSpec`] gives the widths and the
+    /// window), forgetting any positions after them (so a session whose last forward
     /// pass failed halfway continues cleanly), then causal attention of `q`
-    /// `[n, at.heads·head_dim]` into `out`: query head `h` of token `i` attends over
-    /// positions `0..=at.pos + i` of KV head `h / (heads / kv_heads)` with
-    /// `softmax(at.scale · q·k)` weights on `v`. `at.pos` is at most the positions
-    /// the cache holds.
+    /// `[n, at.heads·qk_dim]` into `out` `[n, at.heads·v_dim]`: query head `h` of token
+    /// `i`, at position `p = at.pos + i`, attends over the positions `j` in
+    /// `first..=p` (`first = max(0, p + 1 − window)` with a window, else 0) of KV head
+    /// `h / (heads / kv_heads)`, with scores `s_j = at.scale · q·k_j`, `m = max_j s_j`
+    /// and weights on `v_j`
+    ///
+    /// `w_j = e^(s_j − m) / (Σ_j e^(s_j − m) + e^(sink_h − m))`,
+    ///
+    /// where the sink term is there only with `sinks` (`[at.heads]` learned logits,
+    /// gpt-oss): a logit that joins the softmax's denominator and carries no value, so
+    /// the weights sum to less than 1. Without sinks this is `softmax(s)`. `at.pos` is
+    /// at most the positions the cache holds.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         kv: &mut Self::Kv,
@@ -263,20 +325,25 @@ pub trait Backend {
         k: &Self::Buf,
         v: &Self::Buf,
         at: Causal,
+        sinks: Option<&Self::Buf>,
         out: &mut Self::Buf,
     ) -> OpResult;
 
     // ---------------------------------------------------------------- routed experts
 
-    /// MoE routing of each row of `x` by the `[experts, cols]` `router`:
-    /// `p = softmax(router · x)` over all experts, the `top_k` largest (ties to the
-    /// lower id), and as weights `p` itself or, with `renormalize`, `p / Σ_topk p`.
+    /// MoE routing of each row of `x` by the `[experts, cols]` `router`: the router
+    /// logits `router · x`, routed as `spec` says ([`route_logits`] is the reference:
+    /// softmax or sigmoid scores, the top-k with an optional selection `bias` and
+    /// group limit, the gathered weights renormalised and scaled). For
+    /// [`RoutingSpec::softmax_top_k`]: `p = softmax(router · x)` over all experts, the
+    /// `top_k` largest (ties to the lower id), and as weights `p` itself or, with
+    /// `renormalize`, `p / Σ_topk p`.
     fn route(
         &self,
         router: &Self::Weights<'_>,
         x: &Self::Buf,
-        top_k: usize,
-        renormalize: bool,
+        spec: &RoutingSpec,
+        bias: Option<&[f32]>,
     ) -> OpResult<Routing>;
     /// Storage for expert blobs of `pools` (every MoE layer's geometry), mirroring a
     /// host slot cache of `slots` slots, or `None` when the pools are mapped.
@@ -300,7 +367,8 @@ pub trait Backend {
     /// up_j x)` over each row's chosen experts, routed as [`Backend::route`] routes.
     /// `Ok(false)` (nothing done) where the backend does not do this (the default)
     /// or not for these operands; the runner then routes and runs the experts itself.
-    /// A GPU holding the whole pool needs no read-back of the choice per layer.
+    /// A GPU holding the whole pool needs no read-back of the choice per layer. A spec
+    /// with a selection bias is never handed here.
     #[allow(clippy::too_many_arguments)]
     fn moe_resident(
         &self,
@@ -308,8 +376,7 @@ pub trait Backend {
         _experts: LayerExperts<'_>,
         _router: &Self::Weights<'_>,
         _x: &Self::Buf,
-        _top_k: usize,
-        _renormalize: bool,
+        _spec: &RoutingSpec,
         _out: &mut Self::Buf,
     ) -> OpResult<bool> {
         Ok(false)

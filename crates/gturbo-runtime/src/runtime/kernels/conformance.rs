@@ -13,6 +13,8 @@
 //!   the largest `|v|`).
 //! - `rope`: `1e-6` of the head's largest value; the angle is the f32 product the op
 //!   defines, its sine and cosine exact.
+//! - `add_bias` after `linear`: the `linear` bound plus one f32 rounding of the sum
+//!   (`2⁻²³` of it).
 //! - `add`: f32 rounding of the exact sum; `swiglu`: `1e-5 · |silu(g)·u|` (`exp`
 //!   differs between libraries).
 //! - `route`: the same experts wherever the k-th and (k+1)-th logits differ by more
@@ -22,7 +24,8 @@
 //! - `ffn_swiglu`, `expert_ffn`: the linear bound carried through the MLP (the error of
 //!   `g` and `u` times the slopes of `silu(g)·u`, then through `down`), times two.
 
-use super::backend::{Backend, Causal, ExpertRef, NormGain};
+use super::backend::{AttentionSpec, Backend, Causal, ExpertRef, NormGain};
+use super::routing::{GroupLimit, Order, RoutingSpec, Scores, route_logits};
 use super::{Cpu, FloatDtype, GROUP, Matrix, bf16_at, quant_row_bytes};
 use crate::format::Scheme;
 use crate::format::dtype::Dtype;
@@ -251,6 +254,7 @@ fn check(got: &[f32], want: &[f64], bound: &[f64], what: &str) {
 pub(crate) fn all<B: Backend>(b: &B) {
     data(b);
     linear(b);
+    bias(b);
     embed(b);
     norms(b);
     elementwise(b);
@@ -258,6 +262,7 @@ pub(crate) fn all<B: Backend>(b: &B) {
     rope(b);
     attention(b);
     route(b);
+    route_specs(b);
     experts(b);
 }
 
@@ -322,6 +327,42 @@ pub(crate) fn linear<B: Backend>(b: &B) {
             for t in 0..n {
                 let (want, bound) = linear_bound(&w.apply(&f64s(&x[t * cols..(t + 1) * cols])));
                 let what = format!("linear {enc:?} {rows}x{cols} n={n} token {t}");
+                check(&got[t * rows..(t + 1) * rows], &want, &bound, &what);
+            }
+        }
+    }
+}
+
+/// The `bias` checks of [`all`]: `linear` then `add_bias` against `W x + bias`, for
+/// one token and several, at a width no tile divides.
+pub(crate) fn bias<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_000C);
+    let mut cases = Vec::new();
+    for enc in [Enc::Int4, Enc::Int8, Enc::Bf16, Enc::F32] {
+        cases.push((enc, 37, 192));
+    }
+    cases.push((Enc::F16, 1, 64));
+    cases.push((Enc::F32, 5, 7));
+    for (enc, rows, cols) in cases {
+        let w = Weights::new(enc, rows, cols, &mut rng);
+        let bw = b.weights(w.matrix()).unwrap();
+        let bias: Vec<f32> = rng.vec(rows).iter().map(|v| v * 2.0).collect();
+        let gb = up(b, &bias);
+        for n in [1, 3] {
+            let x = rng.vec(n * cols);
+            let mut y = b.zeros(n * rows).unwrap();
+            b.linear(&bw, &up(b, &x), &mut y).unwrap();
+            b.add_bias(&mut y, &gb).unwrap();
+            let got = down(b, &y);
+            for t in 0..n {
+                let (wx, bound) = linear_bound(&w.apply(&f64s(&x[t * cols..(t + 1) * cols])));
+                let want: Vec<f64> = wx.iter().zip(&bias).map(|(y, c)| y + *c as f64).collect();
+                let bound: Vec<f64> = bound
+                    .iter()
+                    .zip(&want)
+                    .map(|(e, w)| e + f32::EPSILON as f64 * w.abs())
+                    .collect();
+                let what = format!("linear + add_bias {enc:?} {rows}x{cols} n={n} token {t}");
                 check(&got[t * rows..(t + 1) * rows], &want, &bound, &what);
             }
         }
@@ -486,9 +527,24 @@ fn inv_freq(rot: usize, theta: f64) -> Vec<f32> {
 /// The `rope` checks of [`all`].
 pub(crate) fn rope<B: Backend>(b: &B) {
     let mut rng = Rng(0xC0FF_0007);
-    // Full (SmolLM2: 9 heads of 64), partial (a quarter of each head), tiny heads.
-    for (heads, hd, rot) in [(9, 64, 64), (3, 64, 16), (5, 2, 2)] {
-        let freqs = inv_freq(rot, 10_000.0);
+    // Full (SmolLM2: 9 heads of 64), partial (a quarter of each head), tiny heads, and
+    // a scaled table as YaRN and llama3 make them (high frequencies kept, low ones
+    // divided by the factor, a ramp between: the op takes any table).
+    for (heads, hd, rot, scaled) in [
+        (9, 64, 64, false),
+        (3, 64, 16, false),
+        (5, 2, 2, false),
+        (4, 64, 64, true),
+        (2, 128, 64, true),
+    ] {
+        let mut freqs = inv_freq(rot, 10_000.0);
+        if scaled {
+            let n = freqs.len();
+            for (j, f) in freqs.iter_mut().enumerate() {
+                let ramp = (j as f32 / (n - 1) as f32).clamp(0.0, 1.0);
+                *f /= 1.0 + 39.0 * ramp;
+            }
+        }
         let table = b.rope_table(&freqs, 4096).unwrap();
         for (pos, n) in [(0, 4), (1000, 1), (4093, 3)] {
             let x = rng.vec(n * heads * hd);
@@ -517,62 +573,214 @@ pub(crate) fn rope<B: Backend>(b: &B) {
     }
 }
 
-/// The `attention` checks of [`all`].
-pub(crate) fn attention<B: Backend>(b: &B) {
-    let mut rng = Rng(0xC0FF_0008);
-    // SmolLM2 (9 over 3 of 64), multi-head without grouping, one KV head of 48.
-    for (heads, kv_heads, hd) in [(9, 3, 64), (4, 4, 2), (6, 1, 48)] {
-        let kvw = kv_heads * hd;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut kv = b.kv_cache(kv_heads, hd, 64).unwrap();
+/// One query head's attention output as [`Backend::attention`]'s formula says, in
+/// f64, written apart from any backend: the positions `first..=p` the window leaves,
+/// scores `s_j = scale · q·k_j`, `m = max_j s_j`, weights `w_j = e^(s_j − m) / (Σ_j
+/// e^(s_j − m) + e^(sink − m))` (no sink term without a sink) on `v_j`.
+#[allow(clippy::too_many_arguments)]
+fn attention_want(
+    spec: &AttentionSpec,
+    keys: &[f32],
+    vals: &[f32],
+    qh: &[f32],
+    kvh: usize,
+    p: usize,
+    scale: f32,
+    sink: Option<f32>,
+) -> Vec<f64> {
+    let (qd, vd) = (spec.qk_dim, spec.v_dim);
+    let (kw, vw) = (spec.kv_heads * qd, spec.kv_heads * vd);
+    let first = match spec.window {
+        Some(w) if p + 1 > w => p + 1 - w,
+        _ => 0,
+    };
+    let scores: Vec<f64> = (first..=p)
+        .map(|j| {
+            let kj = &keys[j * kw + kvh * qd..j * kw + (kvh + 1) * qd];
+            let d: f64 = qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum();
+            d * scale as f64
+        })
+        .collect();
+    let mx = scores.iter().fold(f64::MIN, |m, v| m.max(*v));
+    let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum::<f64>()
+        + sink.map_or(0.0, |s| (s as f64 - mx).exp());
+    let mut want = vec![0f64; vd];
+    for (j, s) in (first..=p).zip(&scores) {
+        let p = (s - mx).exp() / z;
+        let vj = &vals[j * vw + kvh * vd..j * vw + (kvh + 1) * vd];
+        for (w, v) in want.iter_mut().zip(vj) {
+            *w += p * *v as f64;
+        }
+    }
+    want
+}
+
+/// One layer's attention over a run of steps, each checked against
+/// [`attention_want`]: `(pos, n)`, a rewind when `pos` is below the positions held.
+struct AttentionCase<'c> {
+    heads: usize,
+    spec: AttentionSpec,
+    sinks: Option<&'c [f32]>,
+    steps: &'c [(usize, usize)],
+    max_positions: usize,
+    /// After the steps, one more decode step both on a [`Backend::copy_kv`] of the
+    /// cache and on the cache itself.
+    snapshot: bool,
+}
+
+impl AttentionCase<'_> {
+    fn run<B: Backend>(&self, b: &B, rng: &mut Rng) {
+        let (heads, spec) = (self.heads, self.spec);
+        let (qd, vd) = (spec.qk_dim, spec.v_dim);
+        let (kw, vw) = (spec.k_width(), spec.v_width());
+        let scale = 1.0 / (qd as f32).sqrt();
+        let sinks = self.sinks.map(|s| up(b, s));
+        let mut kv = b.kv_cache(spec, self.max_positions).unwrap();
         // The reference cache, as the backend's should hold it.
         let (mut keys, mut vals): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
-        // Prefill, decode, a short batch, then a rewind to position 3 (a failed pass).
-        for (pos, n) in [(0, 5), (5, 1), (6, 2), (3, 2)] {
-            let q: Vec<f32> = rng.vec(n * heads * hd).iter().map(|v| v * 2.0).collect();
-            let k: Vec<f32> = rng.vec(n * kvw).iter().map(|v| v * 2.0).collect();
-            let v = rng.vec(n * kvw);
-            keys.truncate(pos * kvw);
-            vals.truncate(pos * kvw);
+        let what = format!(
+            "attention {heads}/{}x{qd}/{vd} window {:?} sinks {:?}",
+            spec.kv_heads, spec.window, self.sinks
+        );
+        let mut step = |kv: &mut B::Kv, keys: &mut Vec<f32>, vals: &mut Vec<f32>, pos, n| {
+            let q: Vec<f32> = rng.vec(n * heads * qd).iter().map(|v| v * 2.0).collect();
+            let k: Vec<f32> = rng.vec(n * kw).iter().map(|v| v * 2.0).collect();
+            let v = rng.vec(n * vw);
+            keys.truncate(pos * kw);
+            vals.truncate(pos * vw);
             keys.extend_from_slice(&k);
             vals.extend_from_slice(&v);
-            let mut out = b.zeros(q.len()).unwrap();
+            let mut out = b.zeros(n * heads * vd).unwrap();
             let at = Causal { pos, heads, scale };
-            b.attention(&mut kv, &up(b, &q), &up(b, &k), &up(b, &v), at, &mut out)
-                .unwrap();
+            b.attention(
+                kv,
+                &up(b, &q),
+                &up(b, &k),
+                &up(b, &v),
+                at,
+                sinks.as_ref(),
+                &mut out,
+            )
+            .unwrap();
             let got = down(b, &out);
             let vmax = vals.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
             for i in 0..n {
                 for hh in 0..heads {
-                    let kvh = hh / (heads / kv_heads);
-                    let qh = &q[(i * heads + hh) * hd..(i * heads + hh + 1) * hd];
-                    let upto = pos + i + 1;
-                    let scores: Vec<f64> = (0..upto)
-                        .map(|j| {
-                            let kj = &keys[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                            let d: f64 =
-                                qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum();
-                            d * scale as f64
-                        })
-                        .collect();
-                    let mx = scores.iter().fold(f64::MIN, |m, v| m.max(*v));
-                    let z: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
-                    let mut want = vec![0f64; hd];
-                    for (j, s) in scores.iter().enumerate() {
-                        let p = (s - mx).exp() / z;
-                        let vj = &vals[j * kvw + kvh * hd..j * kvw + (kvh + 1) * hd];
-                        for (w, v) in want.iter_mut().zip(vj) {
-                            *w += p * *v as f64;
-                        }
-                    }
-                    let at = (i * heads + hh) * hd;
-                    let what =
-                        format!("attention {heads}/{kv_heads}x{hd} pos {pos} token {i} head {hh}");
-                    check(&got[at..at + hd], &want, &vec![1e-5 * vmax; hd], &what);
+                    let kvh = hh / (heads / spec.kv_heads);
+                    let qh = &q[(i * heads + hh) * qd..(i * heads + hh + 1) * qd];
+                    let sink = self.sinks.map(|s| s[hh]);
+                    let want = attention_want(&spec, keys, vals, qh, kvh, pos + i, scale, sink);
+                    let at = (i * heads + hh) * vd;
+                    let what = format!("{what} pos {pos} token {i} head {hh}");
+                    check(&got[at..at + vd], &want, &vec![1e-5 * vmax; vd], &what);
                 }
             }
+        };
+        for &(pos, n) in self.steps {
+            step(&mut kv, &mut keys, &mut vals, pos, n);
+        }
+        if self.snapshot {
+            let pos = keys.len() / kw;
+            let mut copy = b.copy_kv(&kv).unwrap();
+            let (mut ck, mut cv) = (keys.clone(), vals.clone());
+            step(&mut copy, &mut ck, &mut cv, pos, 1);
+            step(&mut kv, &mut keys, &mut vals, pos, 1);
         }
     }
+}
+
+/// The `attention` checks of [`all`].
+pub(crate) fn attention<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0008);
+    // Prefill, decode, a short batch, then a rewind to position 3 (a failed pass).
+    let steps = [(0, 5), (5, 1), (6, 2), (3, 2)];
+    // SmolLM2 (9 over 3 of 64), multi-head without grouping, one KV head of 48.
+    for (heads, kv_heads, hd) in [(9, 3, 64), (4, 4, 2), (6, 1, 48)] {
+        AttentionCase {
+            heads,
+            spec: AttentionSpec::dense(kv_heads, hd),
+            sinks: None,
+            steps: &steps,
+            max_positions: 64,
+            snapshot: false,
+        }
+        .run(b, &mut rng);
+    }
+    // Sinks of each sign (one joining the softmax as its largest logit, one that is
+    // no weight at all), values wider than keys, a window of 3 that the prefill and
+    // the decode steps cross.
+    let sinks = [5.0, -1e4, 0.0, 2.0, -3.0, 8.0];
+    AttentionCase {
+        heads: 6,
+        spec: AttentionSpec {
+            kv_heads: 2,
+            qk_dim: 16,
+            v_dim: 40,
+            window: Some(3),
+        },
+        sinks: Some(&sinks),
+        steps: &[(0, 5), (5, 1), (6, 2), (8, 1), (3, 2)],
+        max_positions: 64,
+        snapshot: true,
+    }
+    .run(b, &mut rng);
+    // MLA's shape (values narrower than keys), no window, no sinks; SmolLM2's heads
+    // under a window of 4.
+    let mla = AttentionSpec {
+        kv_heads: 4,
+        qk_dim: 48,
+        v_dim: 32,
+        window: None,
+    };
+    let windowed = AttentionSpec {
+        window: Some(4),
+        ..AttentionSpec::dense(3, 64)
+    };
+    for (heads, spec) in [(4, mla), (9, windowed)] {
+        AttentionCase {
+            heads,
+            spec,
+            sinks: None,
+            steps: &steps,
+            max_positions: 64,
+            snapshot: false,
+        }
+        .run(b, &mut rng);
+    }
+    // Long contexts, where a GPU splits a decode step's positions across workgroups
+    // (`gpu::tuning::split_chunk`: fewer than 256 (token, head) pairs, more than 64
+    // positions seen) and grows its cache past the 256 positions it starts with: a
+    // window of 100 after a prefill of 150 (the chunks start where the window does),
+    // and the whole context with sinks and values wider than keys, snapshot included.
+    let sinks4 = [3.0, -1e4, 0.5, -2.0];
+    AttentionCase {
+        heads: 4,
+        spec: AttentionSpec {
+            kv_heads: 1,
+            qk_dim: 64,
+            v_dim: 32,
+            window: Some(100),
+        },
+        sinks: Some(&sinks4),
+        steps: &[(0, 150), (150, 1), (151, 1), (152, 3)],
+        max_positions: 512,
+        snapshot: false,
+    }
+    .run(b, &mut rng);
+    AttentionCase {
+        heads: 2,
+        spec: AttentionSpec {
+            kv_heads: 1,
+            qk_dim: 32,
+            v_dim: 64,
+            window: None,
+        },
+        sinks: Some(&sinks4[..2]),
+        steps: &[(0, 200), (200, 100), (300, 1), (301, 1)],
+        max_positions: 512,
+        snapshot: true,
+    }
+    .run(b, &mut rng);
 }
 
 /// The `route` checks of [`all`].
@@ -590,7 +798,8 @@ pub(crate) fn route<B: Backend>(b: &B) {
         let n = 5;
         let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 4.0).collect();
         for renormalize in [false, true] {
-            let r = b.route(&bw, &up(b, &x), top_k, renormalize).unwrap();
+            let spec = RoutingSpec::softmax_top_k(top_k, renormalize);
+            let r = b.route(&bw, &up(b, &x), &spec, None).unwrap();
             assert_eq!(r.top_k, top_k);
             assert_eq!((r.experts.len(), r.weights.len()), (n * top_k, n * top_k));
             for t in 0..n {
@@ -635,14 +844,120 @@ pub(crate) fn route<B: Backend>(b: &B) {
         .route(
             &b.weights(w.matrix()).unwrap(),
             &up(b, &rng.vec(2 * 64)),
-            3,
-            true,
+            &RoutingSpec::softmax_top_k(3, true),
+            None,
         )
         .unwrap();
     assert_eq!(r.experts, [0, 1, 2, 0, 1, 2], "ties go to the lower id");
     for g in &r.weights {
         assert!((*g as f64 - 1.0 / 3.0).abs() <= 1e-6, "tied weights {g}");
     }
+}
+
+/// The routing spec's options ([`RoutingSpec`]: sigmoid scores with a selection bias,
+/// a group limit and a scaling factor; top-k of the logits then a softmax over the k)
+/// against [`route_logits`] on the exact logits: the same experts wherever the choice
+/// is clear by more than the product's error bound, and weights within the bound.
+pub(crate) fn route_specs<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0024);
+    let (experts, cols, n) = (16, 128, 6);
+    let bias: Vec<f32> = rng.vec(experts).iter().map(|v| v * 0.5).collect();
+    let specs = [
+        (
+            RoutingSpec {
+                top_k: 4,
+                scores: Scores::Sigmoid,
+                order: Order::ScoreThenTopK,
+                selection_bias: true,
+                groups: Some(GroupLimit {
+                    n_group: 4,
+                    topk_group: 2,
+                }),
+                renormalize: true,
+                scaling: 2.5,
+            },
+            Some(&bias[..]),
+        ),
+        (
+            RoutingSpec {
+                top_k: 2,
+                scores: Scores::Softmax,
+                order: Order::TopKThenSoftmax,
+                selection_bias: false,
+                groups: None,
+                renormalize: false,
+                scaling: 1.0,
+            },
+            None,
+        ),
+        (
+            RoutingSpec {
+                top_k: 3,
+                scores: Scores::Sigmoid,
+                order: Order::ScoreThenTopK,
+                selection_bias: false,
+                groups: None,
+                renormalize: false,
+                scaling: 1.0,
+            },
+            None,
+        ),
+    ];
+    let (mut compared, mut tokens) = (0, 0);
+    for enc in [Enc::Int8, Enc::Bf16] {
+        let w = Weights::new(enc, experts, cols, &mut rng);
+        let bw = b.weights(w.matrix()).unwrap();
+        let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 4.0).collect();
+        let mut exact = Vec::new();
+        let mut err = 0.0f64;
+        for t in 0..n {
+            for (v, mag) in w.apply(&f64s(&x[t * cols..(t + 1) * cols])) {
+                exact.push(v as f32);
+                err = err.max(2e-5 * mag);
+            }
+        }
+        for (spec, bias) in &specs {
+            let got = b.route(&bw, &up(b, &x), spec, *bias).unwrap();
+            let want = route_logits(spec, &exact, *bias, experts).unwrap();
+            // The logits moved apart and together by 4 × `err` (alternate signs): a
+            // choice that flips under either is within the backend's rounding of a
+            // tie; compare the rest.
+            let moved = |s: f32| -> super::Routing {
+                let l: Vec<f32> = exact
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v + if i % 2 == 0 { s } else { -s } * 4.0 * err as f32)
+                    .collect();
+                route_logits(spec, &l, *bias, experts).unwrap()
+            };
+            let (up_, down) = (moved(1.0), moved(-1.0));
+            for t in 0..n {
+                tokens += 1;
+                let k = spec.top_k;
+                let ids = |r: &super::Routing| {
+                    let mut v = r.experts[t * k..(t + 1) * k].to_vec();
+                    v.sort_unstable();
+                    v
+                };
+                if ids(&want) != ids(&up_) || ids(&want) != ids(&down) {
+                    continue;
+                }
+                compared += 1;
+                assert_eq!(ids(&got), ids(&want), "route {spec:?} token {t}");
+                for j in 0..k {
+                    let e = want.experts[t * k + j];
+                    let at = (0..k).find(|&i| got.experts[t * k + i] == e).unwrap();
+                    let (g, w) = (got.weights[t * k + at], want.weights[t * k + j]);
+                    let bound = (8.0 * err as f32 + 1e-5) * w.abs().max(1.0) * spec.scaling;
+                    assert!((g - w).abs() <= bound, "{spec:?} weight {g} vs {w}");
+                }
+            }
+        }
+    }
+    assert!(
+        compared * 10 >= tokens * 8,
+        "only {compared} of {tokens} tokens had a clear choice"
+    );
 }
 
 /// An expert pool of `experts` blobs (gate, up, down) and its layout.
@@ -783,6 +1098,7 @@ macro_rules! cpu_checks {
 cpu_checks!(
     data,
     linear,
+    bias,
     embed,
     norms,
     elementwise,
@@ -790,6 +1106,7 @@ cpu_checks!(
     rope,
     attention,
     route,
+    route_specs,
     experts
 );
 

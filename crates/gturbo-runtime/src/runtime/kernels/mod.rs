@@ -43,17 +43,23 @@ use rayon::prelude::*;
 mod backend;
 #[cfg(test)]
 mod conformance;
-mod cpu;
+pub mod cpu;
 #[cfg(feature = "gpu")]
 pub mod gpu;
+pub mod ops;
 mod portable;
+pub mod rope;
+pub mod routing;
 #[cfg(test)]
 mod tests;
+pub mod topk;
 
 pub use backend::{
-    Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult, Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
+    Routing,
 };
-pub use cpu::{CpuKv, CpuRope};
+pub use cpu::{CpuAttnCache, CpuKv, CpuRope};
+pub use ops::Ops;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

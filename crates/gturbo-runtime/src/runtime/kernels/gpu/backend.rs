@@ -18,8 +18,10 @@ use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable
 use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{
-    Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult, Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
+    Routing,
 };
+use crate::runtime::kernels::routing::{RoutingSpec, route_logits};
 
 /// An expert's gate, up and down on the device, shared by the uses of one blob.
 type ExpertMats = Arc<[GpuMatrix; 3]>;
@@ -348,6 +350,10 @@ impl Backend for Gpu {
         Ok(out)
     }
 
+    fn copy(&self, x: &GpuBuf) -> OpResult<GpuBuf> {
+        self.copy_rows(x, x.len(), 0..1)
+    }
+
     fn read(&self, x: &GpuBuf) -> OpResult<Vec<f32>> {
         self.ctx.download_f32(&x.t).map_err(|e| self.err("read", e))
     }
@@ -380,6 +386,12 @@ impl Backend for Gpu {
 
     fn add(&self, x: &mut GpuBuf, y: &GpuBuf) -> OpResult {
         self.ctx.add(&x.t, &y.t).map_err(|e| self.err("add", e))
+    }
+
+    fn add_bias(&self, x: &mut GpuBuf, bias: &GpuBuf) -> OpResult {
+        self.ctx
+            .add_bias(&x.t, &bias.t)
+            .map_err(|e| self.err("add_bias", e))
     }
 
     fn swiglu(&self, gate: &mut GpuBuf, up: &GpuBuf) -> OpResult {
@@ -431,14 +443,25 @@ impl Backend for Gpu {
             .map_err(|e| self.err("rope", e))
     }
 
-    fn kv_cache(&self, kv_heads: usize, head_dim: usize, max_positions: usize) -> OpResult<GpuKv> {
+    fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<GpuKv> {
         let cap = max_positions.clamp(1, KV_START);
-        let cache = KvCache::new(&self.ctx, cap, kv_heads, head_dim)
-            .map_err(|e| self.err("kv_cache", e))?;
+        let cache = KvCache::new(&self.ctx, cap, spec).map_err(|e| self.err("kv_cache", e))?;
         Ok(GpuKv {
             cache,
             max: max_positions.max(1),
             len: 0,
+        })
+    }
+
+    fn copy_kv(&self, kv: &GpuKv) -> OpResult<GpuKv> {
+        let c = &kv.cache;
+        let cache =
+            KvCache::new(&self.ctx, c.capacity(), c.spec).map_err(|e| self.err("copy_kv", e))?;
+        c.copy_into(&self.ctx, &cache, kv.len);
+        Ok(GpuKv {
+            cache,
+            max: kv.max,
+            len: kv.len,
         })
     }
 
@@ -449,11 +472,11 @@ impl Backend for Gpu {
         k: &GpuBuf,
         v: &GpuBuf,
         at: Causal,
+        sinks: Option<&GpuBuf>,
         out: &mut GpuBuf,
     ) -> OpResult {
         let run = |kv: &mut GpuKv| -> Result<()> {
-            let kvw = kv.cache.kv_heads * kv.cache.head_dim;
-            let n = k.len() / kvw.max(1);
+            let n = k.len() / kv.cache.spec.k_width();
             if at.pos > kv.len || at.pos + n > kv.max {
                 return Err(GpuError::Shape {
                     op: "attention",
@@ -465,18 +488,14 @@ impl Backend for Gpu {
             }
             if at.pos + n > kv.cache.capacity() {
                 let cap = (2 * kv.cache.capacity()).max(at.pos + n).min(kv.max);
-                let grown = KvCache::new(&self.ctx, cap, kv.cache.kv_heads, kv.cache.head_dim)?;
-                let bytes = (at.pos * kvw * 4) as u64;
-                if bytes > 0 {
-                    self.ctx.copy(&kv.cache.k.buf, 0, &grown.k.buf, 0, bytes);
-                    self.ctx.copy(&kv.cache.v.buf, 0, &grown.v.buf, 0, bytes);
-                }
+                let grown = KvCache::new(&self.ctx, cap, kv.cache.spec)?;
+                kv.cache.copy_into(&self.ctx, &grown, at.pos);
                 kv.cache = grown;
             }
             self.ctx.kv_append(&kv.cache, &k.t, &v.t, at.pos)?;
             kv.len = at.pos + n;
             self.ctx
-                .attention(&q.t, &kv.cache, at.heads, at.pos, at.scale, &out.t)
+                .attention(&q.t, &kv.cache, at, sinks.map(|s| &s.t), &out.t)
         };
         run(kv).map_err(|e| self.err("attention", e))
     }
@@ -485,14 +504,24 @@ impl Backend for Gpu {
         &self,
         router: &GpuMatrix,
         x: &GpuBuf,
-        top_k: usize,
-        renormalize: bool,
+        spec: &RoutingSpec,
+        bias: Option<&[f32]>,
     ) -> OpResult<Routing> {
+        let top_k = spec.top_k;
         let run = || -> Result<Routing> {
             let experts = router.rows();
             let n = x.len() / router.cols().max(1);
             let logits = self.scratch(n * experts)?;
             self.ctx.matmul(router, &x.t, &logits.t)?;
+            let Some(renormalize) = spec.plain_softmax() else {
+                // Other routers choose on the host from the logits (`n × experts`
+                // floats, read back as the choice would be): the reference itself.
+                let l = self.ctx.download_f32(&logits.t)?;
+                return route_logits(spec, &l, bias, experts).map_err(|e| GpuError::Shape {
+                    op: "route",
+                    message: e.to_string(),
+                });
+            };
             let r = self
                 .ctx
                 .router_topk(&logits.t, experts, top_k, renormalize)?;
@@ -532,10 +561,13 @@ impl Backend for Gpu {
         experts: LayerExperts<'_>,
         router: &GpuMatrix,
         x: &GpuBuf,
-        top_k: usize,
-        renormalize: bool,
+        spec: &RoutingSpec,
         out: &mut GpuBuf,
     ) -> OpResult<bool> {
+        let (top_k, Some(renormalize)) = (spec.top_k, spec.plain_softmax()) else {
+            // The fused kernel routes by softmax top-k only.
+            return Ok(false);
+        };
         let run = || -> Result<bool> {
             if !self.ctx.fuse_moe {
                 return Ok(false);

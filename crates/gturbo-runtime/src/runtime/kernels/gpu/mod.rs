@@ -99,7 +99,6 @@
 mod backend;
 mod context;
 mod error;
-mod flash;
 mod ops;
 mod shaders;
 mod tensor;
@@ -110,7 +109,6 @@ mod tuning;
 pub use backend::{Gpu, GpuBuf, GpuExpert, GpuKv, GpuRope, GpuSlots};
 pub use context::{AdapterSummary, GpuContext, GpuOptions, GpuStats, list_adapters};
 pub use error::{GpuError, Result};
-pub use flash::GpuAttnCache;
-pub use ops::{PACKED_X_WORDS, RouterOutput};
+pub use ops::{GpuAttnCache, PACKED_X_WORDS, RouterOutput};
 pub use tensor::{DType, Encoding, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable};
 pub use tuning::x24_lanes;

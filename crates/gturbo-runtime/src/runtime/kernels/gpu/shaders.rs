@@ -256,7 +256,7 @@ impl Kernel {
         v.push(Kernel::plain(Shader::Attn, "attention_combine"));
         v.push(Kernel::plain(Shader::Softmax, "softmax"));
         v.push(Kernel::plain(Shader::Softmax, "router_topk"));
-        for e in ["swiglu", "add", "gather_rows", "scatter_add"] {
+        for e in ["swiglu", "add", "add_bias", "gather_rows", "scatter_add"] {
             v.push(Kernel::plain(Shader::Elementwise, e));
         }
         v.extend(FlashShader::variants());
@@ -331,8 +331,8 @@ params! {
     RopeParams { n: u32, heads: u32, head_dim: u32, rot: u32, pos0: u32, x_off: u32 }
 }
 params! {
-    /// `attn.wgsl`.
-    AttnParams { n: u32, heads: u32, kv_heads: u32, head_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32, chunk: u32, chunks: u32 }
+    /// `attn.wgsl`: `window` 0 for none, `sinks` 1 when bound.
+    AttnParams { n: u32, heads: u32, kv_heads: u32, qk_dim: u32, v_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32, chunk: u32, chunks: u32, window: u32, sinks: u32 }
 }
 params! {
     /// `softmax.wgsl`.

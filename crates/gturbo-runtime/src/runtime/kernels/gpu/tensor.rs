@@ -9,7 +9,7 @@ use super::tuning;
 use crate::format::dtype::Dtype;
 use crate::format::pools::ExpertPool;
 use crate::format::quant::GROUP;
-use crate::runtime::kernels::{FloatDtype, Matrix};
+use crate::runtime::kernels::{AttentionSpec, FloatDtype, Matrix};
 
 /// Element type of a [`GpuTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -406,37 +406,53 @@ impl RopeTable {
     }
 }
 
-/// One layer's KV cache: keys and values `[capacity, kv_heads·head_dim]`, f32.
+/// One layer's KV cache: keys `[capacity, kv_heads·qk_dim]` and values `[capacity,
+/// kv_heads·v_dim]`, f32, for attention as `spec` says.
 #[derive(Debug, Clone)]
 pub struct KvCache {
     pub(crate) k: GpuTensor,
     pub(crate) v: GpuTensor,
     pub(crate) capacity: usize,
-    pub(crate) kv_heads: usize,
-    pub(crate) head_dim: usize,
+    pub(crate) spec: AttentionSpec,
 }
 
 impl KvCache {
     /// An empty cache for `capacity` positions.
-    pub fn new(
-        ctx: &GpuContext,
-        capacity: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    ) -> Result<KvCache> {
-        let shape = [capacity, kv_heads * head_dim];
+    pub fn new(ctx: &GpuContext, capacity: usize, spec: AttentionSpec) -> Result<KvCache> {
+        spec.check().map_err(|message| GpuError::Shape {
+            op: "kv_cache",
+            message,
+        })?;
         Ok(KvCache {
-            k: ctx.zeros(&shape, DType::F32)?,
-            v: ctx.zeros(&shape, DType::F32)?,
+            k: ctx.zeros(&[capacity, spec.k_width()], DType::F32)?,
+            v: ctx.zeros(&[capacity, spec.v_width()], DType::F32)?,
             capacity,
-            kv_heads,
-            head_dim,
+            spec,
         })
     }
 
     /// Positions it holds at most.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// What it was made for.
+    pub fn spec(&self) -> AttentionSpec {
+        self.spec
+    }
+
+    /// Copy positions `0..positions` of `self` into `to` (recorded in order), both
+    /// widths.
+    pub(crate) fn copy_into(&self, ctx: &GpuContext, to: &KvCache, positions: usize) {
+        for (from, into, width) in [
+            (&self.k, &to.k, self.spec.k_width()),
+            (&self.v, &to.v, self.spec.v_width()),
+        ] {
+            let bytes = (positions * width * 4) as u64;
+            if bytes > 0 {
+                ctx.copy(&from.buf, 0, &into.buf, 0, bytes);
+            }
+        }
     }
 }
 

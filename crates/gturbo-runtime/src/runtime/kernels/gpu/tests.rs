@@ -17,7 +17,7 @@ use crate::format::quant::{Bits, Group, Spec, f32_to_bf16, quantize_rows};
 use crate::format::{PAGE, Scheme, align_up};
 use crate::runtime::kernels::expert_matrices;
 use crate::runtime::kernels::{
-    Cpu, FloatDtype, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace,
+    AttentionSpec, Causal, Cpu, FloatDtype, Matrix, axpy, dot, rms_norm, silu_mul, softmax_inplace,
 };
 use crate::runtime::testing::Rng;
 
@@ -144,7 +144,7 @@ fn or_skip<T>(test: &str, r: &'static std::result::Result<T, String>) -> Option<
     match r {
         Ok(c) => Some(c),
         Err(e) => {
-            if std::env::var("GTURBO_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            if std::env::var(gturbo_testkit::skip::GTURBO_REQUIRE_GPU).is_ok_and(|v| v == "1") {
                 panic!("{test}: GTURBO_REQUIRE_GPU=1 but no GPU: {e}");
             }
             gturbo_testkit::skip::require_or_skip(test, Err(format!("no GPU adapter ({e})")))
@@ -195,6 +195,7 @@ macro_rules! seam_checks {
 seam_checks!(
     data,
     linear,
+    bias,
     embed,
     norms,
     elementwise,
@@ -202,8 +203,30 @@ seam_checks!(
     rope,
     attention,
     route,
+    route_specs,
     experts
 );
+
+/// A bias that is not whole rows of its input is a shape error naming the op, not a
+/// panic or an out-of-bounds read on the device; so is a bias that is the input.
+#[test]
+fn add_bias_of_a_partial_row_is_an_error() {
+    use crate::runtime::kernels::Backend;
+    let Some(g) = gpu_backend("add_bias_of_a_partial_row_is_an_error") else {
+        return;
+    };
+    let mut x = g.upload(&[1.0; 10]).unwrap();
+    let bias = g.upload(&[1.0; 3]).unwrap();
+    let err = g.add_bias(&mut x, &bias).unwrap_err();
+    assert_eq!(err.op, "add_bias");
+    assert!(err.to_string().contains("add_bias"), "{err}");
+    let empty = g.upload(&[]).map(|e| g.add_bias(&mut x, &e));
+    assert!(!matches!(empty, Ok(Ok(()))), "an empty bias is refused");
+    let ctx = g.context();
+    let t = ctx.upload_f32(&[4], &[1.0; 4]).unwrap();
+    assert!(ctx.add_bias(&t, &t).is_err(), "an aliased bias is refused");
+    assert_eq!(g.read(&x).unwrap(), vec![1.0; 10], "x is left alone");
+}
 
 /// A matrix's bytes as the install stores them, plus what the tolerance needs: per
 /// element `|s·q| + |b|` (quantized) or `|w|` (float).
@@ -927,7 +950,7 @@ fn attention_matches_cpu_prefill_then_decode() {
     for (heads, kv_heads, hd) in [(9, 3, 64), (4, 1, 128)] {
         let kvw = kv_heads * hd;
         let cap = 160;
-        let cache = KvCache::new(ctx, cap, kv_heads, hd).unwrap();
+        let cache = KvCache::new(ctx, cap, AttentionSpec::dense(kv_heads, hd)).unwrap();
         let (mut kc, mut vc) = (Vec::new(), Vec::new());
         let mut pos = 0;
         // A prefill longer than one block of 64 keys, then decode steps, then a
@@ -948,8 +971,12 @@ fn attention_matches_cpu_prefill_then_decode() {
             );
             ctx.kv_append(&cache, &gk, &gv, pos).unwrap();
             let out = ctx.zeros(&[n, heads * hd], DType::F32).unwrap();
-            ctx.attention(&gq, &cache, heads, pos, 1.0 / (hd as f32).sqrt(), &out)
-                .unwrap();
+            let at = Causal {
+                pos,
+                heads,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            ctx.attention(&gq, &cache, at, None, &out).unwrap();
             let got = ctx.download_f32(&out).unwrap();
             assert_close(
                 &format!("attention heads={heads}/{kv_heads} hd={hd} pos0={pos} n={n}"),
@@ -961,13 +988,18 @@ fn attention_matches_cpu_prefill_then_decode() {
         }
         let q = ctx.zeros(&[cap, heads * hd], DType::F32).unwrap();
         let out = ctx.zeros(&[cap, heads * hd], DType::F32).unwrap();
-        assert!(ctx.attention(&q, &cache, heads, 1, 0.125, &out).is_err());
+        let at = Causal {
+            pos: 1,
+            heads,
+            scale: 0.125,
+        };
+        assert!(ctx.attention(&q, &cache, at, None, &out).is_err());
     }
     // A long context: decode splits it into chunks of 96 positions (more than one
     // 64-key block each, the last one partial), combined across 22 workgroups.
     let (heads, kv_heads, hd, pos) = (2, 1, 64, 2100);
     assert_eq!(tuning::split_chunk(1, heads, pos + 1), Some(96));
-    let cache = KvCache::new(ctx, pos + 1, kv_heads, hd).unwrap();
+    let cache = KvCache::new(ctx, pos + 1, AttentionSpec::dense(kv_heads, hd)).unwrap();
     let k = rng.vec((pos + 1) * hd);
     let v = rng.vec((pos + 1) * hd);
     let (gk, gv) = (
@@ -979,10 +1011,70 @@ fn attention_matches_cpu_prefill_then_decode() {
     let want = attention_ref(&q, &k, &v, 1, pos, heads, kv_heads, hd);
     let gq = ctx.upload_f32(&[1, heads * hd], &q).unwrap();
     let out = ctx.zeros(&[1, heads * hd], DType::F32).unwrap();
-    ctx.attention(&gq, &cache, heads, pos, 1.0 / (hd as f32).sqrt(), &out)
-        .unwrap();
+    let at = Causal {
+        pos,
+        heads,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    ctx.attention(&gq, &cache, at, None, &out).unwrap();
     let got = ctx.download_f32(&out).unwrap();
     assert_close("attention split over 2101 positions", &got, &want, |_| 1e-5);
+}
+
+#[test]
+fn attention_spec_limits_are_errors() {
+    let Some(ctx) = gpu("attention_spec_limits_are_errors") else {
+        return;
+    };
+    let f32s = |shape: &[usize]| ctx.zeros(shape, DType::F32).unwrap();
+    let spec = |qk_dim, v_dim, window| AttentionSpec {
+        kv_heads: 1,
+        qk_dim,
+        v_dim,
+        window,
+    };
+    let e = KvCache::new(ctx, 4, spec(8, 8, Some(0)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("must be positive"), "{e}");
+    let at = Causal {
+        pos: 0,
+        heads: 2,
+        scale: 1.0,
+    };
+    // Past what a workgroup holds: the query in workgroup memory, the values in lanes.
+    for (qk, v, what) in [
+        (257, 8, "query and key head width 257 is not in 1..=256"),
+        (8, 257, "value head width 257 is not in 1..=256"),
+    ] {
+        let cache = KvCache::new(ctx, 4, spec(qk, v, None)).unwrap();
+        let e = ctx
+            .attention(&f32s(&[1, 2 * qk]), &cache, at, None, &f32s(&[1, 2 * v]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(what), "{e}");
+    }
+    let cache = KvCache::new(ctx, 4, spec(8, 16, Some(2))).unwrap();
+    let (q, out) = (f32s(&[1, 16]), f32s(&[1, 32]));
+    let e = ctx
+        .attention(&q, &cache, at, Some(&f32s(&[3])), &out)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("3 sinks for 2 query heads"), "{e}");
+    // An output of the key width, and values of the key width.
+    let e = ctx
+        .attention(&q, &cache, at, None, &f32s(&[1, 16]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("out of 16 elements"), "{e}");
+    let e = ctx
+        .kv_append(&cache, &f32s(&[1, 8]), &f32s(&[1, 8]), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("v has 8 elements for 1 rows of 16"), "{e}");
+    ctx.attention(&q, &cache, at, Some(&f32s(&[2])), &out)
+        .unwrap();
+    ctx.flush().unwrap();
 }
 
 // ---------------------------------------------------------------- element-wise

@@ -1,10 +1,10 @@
-// Element-wise and row-moving kernels: SwiGLU's gating, residual adds, and the MoE
-// gather / weighted scatter-add. One invocation per element, f32.
+// Element-wise and row-moving kernels: SwiGLU's gating, residual adds, a projection's
+// bias, and the MoE gather / weighted scatter-add. One invocation per element, f32.
 
 struct Params {
-    // Elements (swiglu, add) or rows (gather, scatter).
+    // Elements (swiglu, add, add_bias) or rows (gather, scatter).
     n: u32,
-    // Row width (gather, scatter).
+    // Row width (add_bias: the bias's length; gather, scatter).
     d: u32,
     a_off: u32,
     b_off: u32,
@@ -38,6 +38,15 @@ fn add(@builtin(global_invocation_id) gid: vec3<u32>,
     let i = index(gid, nwg);
     if (i >= p.n) { return; }
     a[p.a_off + i] += b[p.b_off + i];
+}
+
+// a[i] += b[i % d]: the d-wide bias b added to every row of a.
+@compute @workgroup_size(256)
+fn add_bias(@builtin(global_invocation_id) gid: vec3<u32>,
+            @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = index(gid, nwg);
+    if (i >= p.n) { return; }
+    a[p.a_off + i] += b[p.b_off + i % p.d];
 }
 
 // Row r of a = row rows[r] of b.

@@ -1,0 +1,68 @@
+//! The CPU's [`ElementwiseOps`].
+
+use std::ops::Range;
+
+use super::math::{offset_rms_norm, sigmoid, silu};
+use super::rows_of;
+use crate::runtime::kernels::Cpu;
+use crate::runtime::kernels::OpResult;
+use crate::runtime::kernels::ops::{Act, ElementwiseOps};
+
+impl ElementwiseOps for Cpu {
+    fn norm_grouped(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        group: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        offset_rms_norm(x, w, group, eps, out);
+        Ok(())
+    }
+
+    fn act(&self, x: &mut Vec<f32>, act: Act) -> OpResult {
+        match act {
+            Act::SiluOver(d) => x.iter_mut().for_each(|v| *v = silu(*v / d)),
+            Act::Sigmoid => x.iter_mut().for_each(|v| *v = sigmoid(*v)),
+            Act::TwoSigmoidOver(d) => x.iter_mut().for_each(|v| *v = 2.0 * sigmoid(*v / d)),
+        }
+        Ok(())
+    }
+
+    fn sigmoid_mul(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> OpResult {
+        assert_eq!(x.len(), gate.len(), "sigmoid_mul: lengths");
+        for (x, &g) in x.iter_mut().zip(gate) {
+            *x *= sigmoid(g);
+        }
+        Ok(())
+    }
+
+    fn scale_rows_sigmoid(&self, x: &mut Vec<f32>, g: &Vec<f32>) -> OpResult {
+        let width = x.len() / g.len().max(1);
+        assert_eq!(width * g.len(), x.len(), "scale_rows_sigmoid: lengths");
+        for (row, &g) in x.chunks_exact_mut(width.max(1)).zip(g) {
+            let s = sigmoid(g);
+            for v in row {
+                *v *= s;
+            }
+        }
+        Ok(())
+    }
+
+    fn gather_cols(
+        &self,
+        x: &Vec<f32>,
+        width: usize,
+        cols: Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        let n = rows_of("gather_cols", x.len(), width);
+        assert!(cols.end <= width, "gather_cols: columns past the row");
+        assert_eq!(out.len(), n * cols.len(), "gather_cols: out length");
+        for (row, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(cols.len())) {
+            o.copy_from_slice(&row[cols.clone()]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,125 @@
+//! The GPU's [`ElementwiseOps`] (`shaders/flash_elementwise.wgsl`, `flash_norm.wgsl`).
+
+use super::launch::*;
+use crate::runtime::kernels::backend::OpResult;
+use crate::runtime::kernels::gpu::backend::{Gpu, GpuBuf};
+use crate::runtime::kernels::gpu::error::Result;
+use std::ops::Range;
+
+use crate::runtime::kernels::gpu::shaders::{FlashElementwiseParams, FlashNormParams};
+use crate::runtime::kernels::ops::{Act, ElementwiseOps};
+
+impl ElementwiseOps for Gpu {
+    fn norm_grouped(
+        &self,
+        x: &GpuBuf,
+        w: &GpuBuf,
+        group: usize,
+        eps: f32,
+        out: &mut GpuBuf,
+    ) -> OpResult {
+        const OP: &str = "norm_grouped";
+        let run = || -> Result<()> {
+            need(
+                OP,
+                group > 0 && w.len().is_multiple_of(group) && !w.is_empty(),
+                || format!("a weight of {} is not pieces of {group}", w.len()),
+            )?;
+            rows(OP, "x", x.len(), w.len())?;
+            need(OP, out.len() == x.len(), || {
+                format!("out has {} elements, x {}", out.len(), x.len())
+            })?;
+            let p = FlashNormParams {
+                n: u32_of(OP, x.len() / group)?,
+                d: u32_of(OP, group)?,
+                wd: u32_of(OP, w.len())?,
+                eps,
+                ..FlashNormParams::default()
+            };
+            self.norm_kernel(
+                "norm_grouped",
+                p,
+                &[(1, buf(x)), (2, buf(w)), (3, buf(out))],
+            )
+        };
+        self.flash(OP, run())
+    }
+
+    fn act(&self, x: &mut GpuBuf, act: Act) -> OpResult {
+        let (mode, c) = match act {
+            Act::SiluOver(d) => (0, d),
+            Act::Sigmoid => (1, 1.0),
+            Act::TwoSigmoidOver(d) => (2, d),
+        };
+        let run = || -> Result<()> {
+            let p = FlashElementwiseParams {
+                n: u32_of("act", x.len())?,
+                mode,
+                c,
+                ..FlashElementwiseParams::default()
+            };
+            self.elementwise("act", p, &[(1, buf(x))])
+        };
+        self.flash("act", run())
+    }
+
+    fn sigmoid_mul(&self, x: &mut GpuBuf, gate: &GpuBuf) -> OpResult {
+        const OP: &str = "sigmoid_mul";
+        let run = || -> Result<()> {
+            need(OP, x.len() == gate.len(), || {
+                format!("lengths differ: {} and {}", x.len(), gate.len())
+            })?;
+            let p = FlashElementwiseParams {
+                n: u32_of(OP, x.len())?,
+                ..FlashElementwiseParams::default()
+            };
+            self.elementwise("sigmoid_mul", p, &[(1, buf(x)), (2, buf(gate))])
+        };
+        self.flash(OP, run())
+    }
+
+    fn scale_rows_sigmoid(&self, x: &mut GpuBuf, g: &GpuBuf) -> OpResult {
+        const OP: &str = "scale_rows_sigmoid";
+        let run = || -> Result<()> {
+            if x.is_empty() {
+                return Ok(());
+            }
+            rows(OP, "x", x.len(), g.len())?;
+            let p = FlashElementwiseParams {
+                n: u32_of(OP, x.len())?,
+                d: u32_of(OP, x.len() / g.len())?,
+                ..FlashElementwiseParams::default()
+            };
+            self.elementwise("scale_rows", p, &[(1, buf(x)), (2, buf(g))])
+        };
+        self.flash(OP, run())
+    }
+
+    fn gather_cols(
+        &self,
+        x: &GpuBuf,
+        width: usize,
+        cols: Range<usize>,
+        out: &mut GpuBuf,
+    ) -> OpResult {
+        const OP: &str = "gather_cols";
+        let run = || -> Result<()> {
+            let n = rows(OP, "x", x.len(), width)?;
+            need(OP, cols.start <= cols.end && cols.end <= width, || {
+                format!("columns {cols:?} of rows of {width}")
+            })?;
+            need(OP, out.len() == n * cols.len(), || {
+                format!("out has {} elements for {n} rows of {cols:?}", out.len())
+            })?;
+            let p = FlashElementwiseParams {
+                n: u32_of(OP, out.len())?,
+                d: u32_of(OP, width)?,
+                s: u32_of(OP, cols.len())?,
+                mode: u32_of(OP, cols.start)?,
+                c: 0.0,
+            };
+            self.elementwise("gather_cols", p, &[(1, buf(out)), (2, buf(x))])
+        };
+        self.flash(OP, run())
+    }
+}

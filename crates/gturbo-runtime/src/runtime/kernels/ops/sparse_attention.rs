@@ -1,0 +1,77 @@
+//! Sparse attention: an indexer that scores blocks of pooled keys, and attention over
+//! the chosen blocks plus the causal tail (Flash-Next's QSA).
+
+use crate::runtime::kernels::{Backend, Causal, OpResult};
+
+/// Indexer geometry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IndexerDims {
+    /// Query heads `n_i`.
+    pub heads: usize,
+    /// Head width `d_i` (at least the rotary width).
+    pub head_dim: usize,
+    /// Token budget (a multiple of `cr`).
+    pub budget: usize,
+    /// Tokens per block `cr`.
+    pub compress: usize,
+}
+
+impl IndexerDims {
+    /// Blocks selected at most: `budget / cr`.
+    pub fn block_topk(&self) -> usize {
+        self.budget / self.compress
+    }
+}
+
+/// Sparse-attention operations over a backend's tensors. `Self::AttnCache` is one
+/// indexed attention layer's cache: keys after norm and RoPE, values, the indexer's raw
+/// keys and the pooled block keys.
+pub trait SparseAttentionOps: Backend {
+    /// One indexed-attention layer's cache.
+    type AttnCache;
+
+    /// A copy of `cache` holding the same positions (a session snapshot).
+    fn copy_cache(&self, cache: &Self::AttnCache) -> OpResult<Self::AttnCache>;
+    /// An empty indexed-attention cache for `kv_heads` heads of `head_dim` and the
+    /// indexer's geometry.
+    fn attn_cache(
+        &self,
+        kv_heads: usize,
+        head_dim: usize,
+        indexer: IndexerDims,
+    ) -> OpResult<Self::AttnCache>;
+    /// Append the indexer's raw keys `raw` (`[n, d_i]`, no norm, no RoPE) of tokens
+    /// `pos..pos + n` (forgetting any cached after `pos`), pool every block they
+    /// complete (`rope(k_norm_offset(mean_f32(raw keys of the block)), block start)`),
+    /// and return for each new token at `p` the relu-sum scores of its query heads
+    /// `iq` (`[n, n_i·d_i]`, normed and rotated) against the `(p + 1) / cr` complete
+    /// blocks: `Σ_h relu(q_h · key_b) / √d_i`.
+    #[allow(clippy::too_many_arguments)]
+    fn indexer_scores(
+        &self,
+        cache: &mut Self::AttnCache,
+        iq: &Self::Buf,
+        raw: &Self::Buf,
+        k_norm: &Self::Buf,
+        eps: f32,
+        rope: &Self::Rope,
+        pos: usize,
+    ) -> OpResult<Vec<Vec<f32>>>;
+    /// Store `k`, `v` (`[n, kv_heads·head_dim]`) at positions `at.pos..` of `cache`
+    /// (forgetting any after), then attention of `q` (`[n, heads·head_dim]`) where the
+    /// query at `p = at.pos + i` reads the tokens of the complete blocks `blocks[i]`
+    /// and its incomplete tail block (`n_b·cr ..= p`, `n_b = (p + 1) / cr`), in
+    /// ascending block order then the tail: `softmax(at.scale · q·k)` over exactly
+    /// those keys, on their values.
+    #[allow(clippy::too_many_arguments)]
+    fn indexed_attention(
+        &self,
+        cache: &mut Self::AttnCache,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        at: Causal,
+        blocks: &[Vec<usize>],
+        out: &mut Self::Buf,
+    ) -> OpResult;
+}

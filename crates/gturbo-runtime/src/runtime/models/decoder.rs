@@ -1,0 +1,577 @@
+//! The decoder runner: one transformer decoder parametrised by the install's axes,
+//! covering `llama` (tied head), `qwen3` (QK-norm) and `qwen3_moe` (routed experts).
+//!
+//! Numerics follow mlx-lm's models with f32 activations: RMSNorm
+//! `x · rsqrt(mean(x²) + ε) · w`; RoPE in the rotate-half (Hugging Face) layout,
+//! `inv_freq_i = θ^(-2i/d)`; softmax attention scaled by `1/√head_dim`; SwiGLU
+//! `down(silu(gate x) · up x)`; MoE routing `softmax(router x)` over all experts,
+//! top-k, optionally renormalised to sum 1 (`norm_topk_prob`).
+//!
+//! The runner is written once against [`Backend`]: weights, norms, activations and the
+//! KV cache are the backend's tensors, and each step is one of its operations, so the
+//! same code runs on the CPU and on a device. The host keeps what only it can do: the
+//! input checks, the expert store (blobs pinned in the slot cache while an expert
+//! runs) and the logits handed back for sampling.
+
+use crate::format::manifest::{self, Manifest};
+use crate::format::pools::ExpertPool;
+use crate::runtime::error::{InputError, RunError};
+use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
+use crate::runtime::generate::LanguageModel;
+use crate::runtime::kernels::routing::RoutingSpec;
+use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain};
+use crate::runtime::layers::axes::{Axes, axis_err};
+use crate::runtime::layers::mlp::SwiGlu;
+use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
+use crate::runtime::layers::rope::{Layout, RopeSpec, Scaling};
+use crate::runtime::load::Install;
+
+/// What differs between the families the decoder runs beyond their axes: names and
+/// routing rules that are not in the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Variant {
+    /// The router's tensor under `model.layers.{l}.`.
+    pub router: &'static str,
+    /// Renormalise the chosen experts' probabilities whatever the config says, or
+    /// (`None`) as its `norm_topk_prob` says.
+    pub renormalize: Option<bool>,
+}
+
+/// llama, qwen3 and qwen3_moe.
+pub const QWEN: Variant = Variant {
+    router: "mlp.gate.weight",
+    renormalize: None,
+};
+
+/// Architecture numbers read from the manifest's `arch.axes`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Model width.
+    pub hidden: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Dense MLP width (0 for MoE models).
+    pub intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Per-head RMSNorm of q and k.
+    pub qk_norm: bool,
+    /// Routed experts, when the install has them.
+    pub moe: Option<MoeConfig>,
+    /// Longest sequence (prompt + generated), from `max_position_embeddings`.
+    pub max_positions: usize,
+    /// Rotary embeddings as the config describes them (`layers::rope`): partial rotary
+    /// dims and RoPE scaling (linear, YaRN, llama3).
+    pub rope: RopeSpec,
+}
+
+/// Routed-expert settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per layer.
+    pub experts: usize,
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// Expert MLP width.
+    pub intermediate: usize,
+    /// Renormalise the top-k probabilities to sum 1.
+    pub norm_topk_prob: bool,
+}
+
+/// The decoder runner reads integer axes below 2^32.
+const AXIS_BELOW: u64 = 1 << 32;
+
+impl Config {
+    /// Read the decoder's numbers from the manifest. Defaults follow the Hugging Face
+    /// configs: `head_dim = hidden / heads`, `norm_topk_prob = false`,
+    /// `rms_norm_eps = 1e-6`, `rope_theta = 10000`.
+    pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
+        Config::of(m, &QWEN)
+    }
+
+    /// [`Config::from_manifest`] for `variant`.
+    pub fn of(m: &Manifest, variant: &Variant) -> Result<Config, RunError> {
+        let a = Axes::new(m, AXIS_BELOW, "missing");
+        // The install's own rules first (the planner checked the config with them).
+        crate::format::axes::check(&m.arch.axes).map_err(|e| a.err(&e.axis, &e.detail))?;
+        let max_positions = a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16);
+        if let Some(w) = a.opt_usize("sliding_window")?
+            && w < max_positions
+        {
+            return Err(a.err(
+                "sliding_window",
+                &format!(
+                    "{w}: sliding-window attention is not implemented by the decoder runner \
+                     (it attends over all {max_positions} positions)"
+                ),
+            ));
+        }
+        let hidden = a.usize("hidden_size")?;
+        let heads = a.usize("num_attention_heads")?;
+        let kv_heads = a.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        if heads % kv_heads != 0 {
+            return Err(a.err(
+                "num_key_value_heads",
+                &format!("{kv_heads} does not divide num_attention_heads {heads}"),
+            ));
+        }
+        let head_dim = a.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+        if head_dim % 2 != 0 || head_dim == 0 {
+            return Err(a.err("head_dim", "RoPE needs an even head width"));
+        }
+        let moe = if m.arch.required_axes.iter().any(|a| a == ROUTED_MOE) {
+            Some(MoeConfig {
+                experts: a.usize("num_experts")?,
+                top_k: a.usize("num_experts_per_tok")?,
+                intermediate: a.usize("moe_intermediate_size")?,
+                norm_topk_prob: match variant.renormalize {
+                    Some(r) => r,
+                    None => a.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                },
+            })
+        } else {
+            None
+        };
+        if let Some(moe) = &moe
+            && moe.top_k > moe.experts
+        {
+            return Err(a.err("num_experts_per_tok", "more than num_experts"));
+        }
+        Ok(Config {
+            hidden,
+            layers: a.usize("num_layers")?,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate: if moe.is_some() {
+                0
+            } else {
+                a.usize("intermediate_size")?
+            },
+            vocab: a.usize("vocab_size")?,
+            rope_theta: a.opt_f64("rope_theta")?.unwrap_or(10_000.0),
+            eps: a.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM),
+            moe,
+            max_positions,
+            rope: decoder_rope(m, head_dim)?,
+        })
+    }
+}
+
+/// The RoPE the decoder can run: the backends rotate the half-split layout, and a
+/// frequency table is made once at load (so dynamic NTK scaling, which changes the
+/// frequencies as the sequence grows, is refused); YaRN's attention factor scales q and
+/// k alike, so with every dim rotating it is a factor² on the softmax scale.
+fn decoder_rope(m: &Manifest, head_dim: usize) -> Result<RopeSpec, RunError> {
+    let rope = RopeSpec::from_manifest(m, head_dim)?;
+    let refuse = |why: &str| Err(axis_err(m, "rope_scaling", why));
+    if rope.layout != Layout::HalfSplit {
+        return refuse("interleaved RoPE is not implemented by the decoder runner");
+    }
+    if matches!(rope.scaling, Scaling::Dynamic { .. }) {
+        return refuse("dynamic NTK RoPE scaling is not implemented by the decoder runner");
+    }
+    if rope.attention_scaling() != 1.0 && rope.rotary_dim != head_dim {
+        return refuse("YaRN's attention factor with partial rotary dims is not implemented");
+    }
+    Ok(rope)
+}
+
+enum Mlp<'a, B: Backend> {
+    Dense(SwiGlu<'a, B>),
+    Moe { router: B::Weights<'a> },
+}
+
+struct Layer<'a, B: Backend> {
+    input_norm: B::Buf,
+    post_norm: B::Buf,
+    q: B::Weights<'a>,
+    k: B::Weights<'a>,
+    v: B::Weights<'a>,
+    o: B::Weights<'a>,
+    q_norm: Option<B::Buf>,
+    k_norm: Option<B::Buf>,
+    mlp: Mlp<'a, B>,
+}
+
+/// A loaded decoder over an install's mapped weights, computing on `B`.
+pub struct Model<'a, B: Backend> {
+    /// Architecture numbers.
+    pub cfg: Config,
+    install: &'a Install,
+    backend: &'a B,
+    embed: B::Weights<'a>,
+    /// `None` when the head is tied to the embedding (no second upload).
+    head: Option<B::Weights<'a>>,
+    final_norm: B::Buf,
+    layers: Vec<Layer<'a, B>>,
+    rope: B::Rope,
+    slots: B::Slots,
+}
+
+/// Per-sequence state: the KV cache of every layer.
+pub struct Session<B: Backend> {
+    kv: Vec<B::Kv>,
+    /// Tokens already in the cache.
+    pub pos: usize,
+}
+
+/// The install and the backend its tensors are bound on.
+struct Bind<'a, 'b, B: Backend> {
+    install: &'a Install,
+    b: &'b B,
+    variant: &'b Variant,
+}
+
+impl<'a, B: Backend> Bind<'a, '_, B> {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weights<'a>, RunError> {
+        Ok(self.b.weights(self.install.matrix(name, rows, cols)?)?)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<B::Buf, RunError> {
+        Ok(self.b.upload(&self.install.vector(name, len)?)?)
+    }
+
+    /// Layer `l`'s weights; its expert pool (checked against the config) goes to
+    /// `pools`.
+    fn layer(
+        &self,
+        cfg: &Config,
+        l: usize,
+        pools: &mut Vec<&'a ExpertPool>,
+    ) -> Result<Layer<'a, B>, RunError> {
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let p = format!("model.layers.{l}.");
+        let t = |n: &str| format!("{p}{n}");
+        let mlp = match &cfg.moe {
+            Some(moe) => {
+                pools.push(expert_pool(self.install, moe, h, l)?);
+                Mlp::Moe {
+                    router: self.matrix(&t(self.variant.router), moe.experts, h)?,
+                }
+            }
+            None => Mlp::Dense(SwiGlu {
+                gate: self.matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
+                up: self.matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
+                down: self.matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
+            }),
+        };
+        Ok(Layer {
+            input_norm: self.vector(&t("input_layernorm.weight"), h)?,
+            post_norm: self.vector(&t("post_attention_layernorm.weight"), h)?,
+            q: self.matrix(&t("self_attn.q_proj.weight"), cfg.heads * hd, h)?,
+            k: self.matrix(&t("self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
+            v: self.matrix(&t("self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
+            o: self.matrix(&t("self_attn.o_proj.weight"), h, cfg.heads * hd)?,
+            q_norm: cfg
+                .qk_norm
+                .then(|| self.vector(&t("self_attn.q_norm.weight"), hd))
+                .transpose()?,
+            k_norm: cfg
+                .qk_norm
+                .then(|| self.vector(&t("self_attn.k_norm.weight"), hd))
+                .transpose()?,
+            mlp,
+        })
+    }
+}
+
+/// Layer `l`'s expert pool, checked against the config's count and shapes.
+fn expert_pool<'a>(
+    install: &'a Install,
+    moe: &MoeConfig,
+    h: usize,
+    l: usize,
+) -> Result<&'a ExpertPool, RunError> {
+    let pool = install.experts.pool(l).ok_or_else(|| {
+        RunError::invalid(manifest::FILE_NAME, format!("no expert pool for layer {l}"))
+    })?;
+    let i = moe.intermediate as u64;
+    let want = [(i, h as u64), (i, h as u64), (h as u64, i)];
+    let got: Vec<(u64, u64)> = pool.parts.iter().map(|b| (b.rows, b.cols)).collect();
+    if pool.experts != moe.experts as u64 || got != want {
+        return Err(RunError::invalid(
+            &pool.file,
+            format!(
+                "{} experts of shapes {got:?}, the config implies {} of {want:?}",
+                pool.experts, moe.experts
+            ),
+        ));
+    }
+    Ok(pool)
+}
+
+/// The `num_layers` axis against the tensors present (a layer past the last is a
+/// manifest that lies about its depth), and room for that many layers.
+fn layer_vec<T>(install: &Install, cfg: &Config) -> Result<Vec<T>, RunError> {
+    if install.has(&format!(
+        "model.layers.{}.input_layernorm.weight",
+        cfg.layers
+    )) {
+        return Err(axis_err(
+            &install.manifest,
+            "num_layers",
+            &format!(
+                "{}, but the install holds tensors of layer {}",
+                cfg.layers, cfg.layers
+            ),
+        ));
+    }
+    let mut layers = Vec::new();
+    layers.try_reserve_exact(cfg.layers).map_err(|_| {
+        axis_err(
+            &install.manifest,
+            "num_layers",
+            &format!("{} layers do not fit in memory", cfg.layers),
+        )
+    })?;
+    Ok(layers)
+}
+
+impl<'a, B: Backend> Model<'a, B> {
+    /// Bind the install's tensors (no weight bytes are read here beyond norms; a
+    /// device backend uploads them).
+    pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
+        Model::with(install, backend, &QWEN)
+    }
+
+    /// Bind the install's tensors for `variant`'s names and routing.
+    pub fn with(
+        install: &'a Install,
+        backend: &'a B,
+        variant: &Variant,
+    ) -> Result<Model<'a, B>, RunError> {
+        let cfg = Config::of(&install.manifest, variant)?;
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let b = backend;
+        let bind = Bind {
+            install,
+            b,
+            variant,
+        };
+        let embed = bind.matrix("model.embed_tokens.weight", cfg.vocab, h)?;
+        // A checkpoint without `lm_head.weight` ties the head to the embedding.
+        let head = if install.has("lm_head.weight") {
+            Some(bind.matrix("lm_head.weight", cfg.vocab, h)?)
+        } else {
+            None
+        };
+        let mut layers = layer_vec(install, &cfg)?;
+        let mut pools = Vec::new();
+        for l in 0..cfg.layers {
+            layers.push(bind.layer(&cfg, l, &mut pools)?);
+        }
+        let inv_freq: Vec<f32> = match cfg.rope.scaling {
+            // Plain RoPE over the whole head keeps the f64 formula the goldens were made
+            // against (`RopeSpec::inv_freq` follows torch's f32 steps: 1 ulp apart).
+            Scaling::None if cfg.rope.rotary_dim == hd => (0..hd / 2)
+                .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
+                .collect(),
+            _ => cfg.rope.inv_freq(cfg.max_positions),
+        };
+        let expert_slots = expert_slots(b, &install.experts, &pools, cfg.layers)?;
+        Ok(Model {
+            final_norm: bind.vector("model.norm.weight", h)?,
+            rope: b.rope_table(&inv_freq, cfg.max_positions)?,
+            slots: expert_slots,
+            cfg,
+            install,
+            backend,
+            embed,
+            head,
+            layers,
+        })
+    }
+
+    /// An empty session; its KV caches are made by the first forward pass (which can
+    /// report a device's allocation failure).
+    pub fn session(&self) -> Session<B> {
+        Session {
+            kv: Vec::new(),
+            pos: 0,
+        }
+    }
+
+    /// The backend the model computes on.
+    pub fn backend(&self) -> &'a B {
+        self.backend
+    }
+
+    /// A copy of `s` that continues independently (its KV caches copied on the
+    /// backend).
+    pub fn copy_session(&self, s: &Session<B>) -> Result<Session<B>, RunError> {
+        let kv =
+            s.kv.iter()
+                .map(|kv| self.backend.copy_kv(kv))
+                .collect::<Result<Vec<_>, _>>()?;
+        Ok(Session { kv, pos: s.pos })
+    }
+
+    /// Run `tokens` (appended after the session's cache) through the model. Returns
+    /// the logits of every position (`tokens.len() × vocab`) when `all` is true, else
+    /// those of the last position only.
+    pub fn forward(
+        &self,
+        s: &mut Session<B>,
+        tokens: &[u32],
+        all: bool,
+    ) -> Result<Vec<f32>, RunError> {
+        let c = &self.cfg;
+        let b = self.backend;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if s.pos + n > c.max_positions {
+            // The install is fine: the prompt plus what was generated is too long.
+            return Err(InputError::SequenceTooLong {
+                tokens: s.pos + n,
+                max: c.max_positions,
+            }
+            .into());
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(InputError::TokenOutsideVocabulary {
+                token: t,
+                vocab: c.vocab,
+            }
+            .into());
+        }
+        if s.kv.len() != c.layers {
+            s.kv = (0..c.layers)
+                .map(|_| {
+                    b.kv_cache(
+                        AttentionSpec::dense(c.kv_heads, c.head_dim),
+                        c.max_positions,
+                    )
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qw, kvw) = (c.heads * hd, c.kv_heads * hd);
+        let mut x = b.zeros(n * h)?;
+        b.embed(&self.embed, tokens, &mut x)?;
+        let mut xn = b.zeros(n * h)?;
+        let mut q = b.zeros(n * qw)?;
+        let mut k = b.zeros(n * kvw)?;
+        let mut v = b.zeros(n * kvw)?;
+        // QK-norm writes into these, then they trade places with q and k.
+        let (mut qn, mut kn) = if c.qk_norm {
+            (b.zeros(n * qw)?, b.zeros(n * kvw)?)
+        } else {
+            (b.zeros(0)?, b.zeros(0)?)
+        };
+        let mut att = b.zeros(n * qw)?;
+        let mut out = b.zeros(n * h)?;
+        let at = Causal {
+            pos: s.pos,
+            heads: c.heads,
+            scale: c.rope.attention_scaling().powi(2) / (hd as f32).sqrt(),
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&x, &layer.input_norm, c.eps, NormGain::Weight, &mut xn)?;
+            b.linear(&layer.q, &xn, &mut q)?;
+            b.linear(&layer.k, &xn, &mut k)?;
+            b.linear(&layer.v, &xn, &mut v)?;
+            if let (Some(qnw), Some(knw)) = (&layer.q_norm, &layer.k_norm) {
+                b.rms_norm(&q, qnw, c.eps, NormGain::Weight, &mut qn)?;
+                b.rms_norm(&k, knw, c.eps, NormGain::Weight, &mut kn)?;
+                std::mem::swap(&mut q, &mut qn);
+                std::mem::swap(&mut k, &mut kn);
+            }
+            b.rope(&self.rope, &mut q, c.heads, hd, s.pos)?;
+            b.rope(&self.rope, &mut k, c.kv_heads, hd, s.pos)?;
+            b.attention(&mut s.kv[l], &q, &k, &v, at, None, &mut att)?;
+            b.linear(&layer.o, &att, &mut out)?;
+            b.add(&mut x, &out)?;
+            b.rms_norm(&x, &layer.post_norm, c.eps, NormGain::Weight, &mut xn)?;
+            match &layer.mlp {
+                Mlp::Dense(mlp) => mlp.forward(b, &xn, &mut out)?,
+                Mlp::Moe { router } => self.moe(l, router, &xn, &mut out)?,
+            }
+            b.add(&mut x, &out)?;
+        }
+        s.pos += n;
+        let (rows, m) = if all {
+            (x, n)
+        } else {
+            (b.copy_rows(&x, h, n - 1..n)?, 1)
+        };
+        let mut normed = b.zeros(m * h)?;
+        b.rms_norm(
+            &rows,
+            &self.final_norm,
+            c.eps,
+            NormGain::Weight,
+            &mut normed,
+        )?;
+        let mut logits = b.zeros(m * c.vocab)?;
+        b.linear(
+            self.head.as_ref().unwrap_or(&self.embed),
+            &normed,
+            &mut logits,
+        )?;
+        Ok(b.read_owned(logits)?)
+    }
+
+    /// Routed experts for the rows of `xn` (`layers::moe`).
+    fn moe(
+        &self,
+        l: usize,
+        router: &B::Weights<'a>,
+        xn: &B::Buf,
+        out: &mut B::Buf,
+    ) -> Result<(), RunError> {
+        let moe = self
+            .cfg
+            .moe
+            .as_ref()
+            .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
+        let spec = RouterSpec {
+            experts: moe.experts,
+            routing: RoutingSpec::softmax_top_k(moe.top_k, moe.norm_topk_prob),
+            bias: None,
+        };
+        let experts = RoutedExperts {
+            b: self.backend,
+            store: &self.install.experts,
+            slots: &self.slots,
+            layer: l,
+        };
+        experts.forward(router, spec, xn, out, false)?;
+        Ok(())
+    }
+}
+
+impl<B: Backend> LanguageModel for Model<'_, B> {
+    type Session = Session<B>;
+    fn new_session(&self) -> Session<B> {
+        self.session()
+    }
+    fn run(&self, s: &mut Session<B>, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError> {
+        self.forward(s, tokens, all)
+    }
+    fn copy_session(&self, s: &Session<B>) -> Result<Session<B>, RunError> {
+        self.copy_session(s)
+    }
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+    fn backend_name(&self) -> String {
+        self.backend().name().to_string()
+    }
+    fn device_memory_bytes(&self) -> Option<u64> {
+        self.backend().device_memory_bytes()
+    }
+}
