@@ -148,6 +148,16 @@ impl AttentionSpec {
     }
 }
 
+/// Which dims of a head's rotary part form RoPE's rotated pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Pairs `(j, j + rot/2)`: transformers' `rotate_half`, its default (Llama, Qwen).
+    HalfSplit,
+    /// Pairs `(2j, 2j + 1)`: GPT-J, GLM's original layout, DeepSeek-V3 checkpoints with
+    /// `rope_interleave`.
+    Interleaved,
+}
+
 /// One causal attention step: the new tokens' positions and the query heads.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Causal {
@@ -280,13 +290,19 @@ pub trait Backend {
     // ---------------------------------------------------------------- attention
 
     /// Frequencies `inv_freq` (`rot/2` of them: the first `rot` dims of each head
-    /// rotate) for positions `0..positions`.
-    fn rope_table(&self, inv_freq: &[f32], positions: usize) -> OpResult<Self::Rope>;
-    /// RoPE in place on `x` `[n, heads, head_dim]`, token `i` at position `pos + i`, in
-    /// the rotate-half layout: for `j < rot/2`, with the angle `θ = p·inv_freq_j`
-    /// rounded to f32 (`p` the position as f32), `s = sin θ` and `c = cos θ`, the pair
-    /// `(a, b) = (x_j, x_{j+rot/2})` becomes `(a·c − b·s, b·c + a·s)`; dims from `rot`
-    /// on are left alone.
+    /// rotate) for positions `0..positions`, rotating the pairs `layout` names.
+    fn rope_table(
+        &self,
+        inv_freq: &[f32],
+        positions: usize,
+        layout: RopeLayout,
+    ) -> OpResult<Self::Rope>;
+    /// RoPE in place on `x` `[n, heads, head_dim]`, token `i` at position `pos + i`: for
+    /// `j < rot/2`, with the angle `θ = p·inv_freq_j` rounded to f32 (`p` the position
+    /// as f32), `s = sin θ` and `c = cos θ`, the pair `(a, b)` becomes
+    /// `(a·c − b·s, b·c + a·s)`, where the pair is `(x_j, x_{j+rot/2})` in the
+    /// rotate-half layout and `(x_{2j}, x_{2j+1})` interleaved (the table's layout);
+    /// dims from `rot` on are left alone.
     fn rope(
         &self,
         rope: &Self::Rope,

@@ -530,12 +530,16 @@ pub(crate) fn rope<B: Backend>(b: &B) {
     // Full (SmolLM2: 9 heads of 64), partial (a quarter of each head), tiny heads, and
     // a scaled table as YaRN and llama3 make them (high frequencies kept, low ones
     // divided by the factor, a ramp between: the op takes any table).
-    for (heads, hd, rot, scaled) in [
-        (9, 64, 64, false),
-        (3, 64, 16, false),
-        (5, 2, 2, false),
-        (4, 64, 64, true),
-        (2, 128, 64, true),
+    use super::RopeLayout::{HalfSplit, Interleaved};
+    for (heads, hd, rot, scaled, layout) in [
+        (9, 64, 64, false, HalfSplit),
+        (3, 64, 16, false, HalfSplit),
+        (5, 2, 2, false, HalfSplit),
+        (4, 64, 64, true, HalfSplit),
+        (2, 128, 64, true, HalfSplit),
+        // DeepSeek-V3's rotary part: 64 dims of a 192-wide head, pairs (2j, 2j + 1).
+        (3, 192, 64, true, Interleaved),
+        (2, 64, 64, false, Interleaved),
     ] {
         let mut freqs = inv_freq(rot, 10_000.0);
         if scaled {
@@ -545,7 +549,7 @@ pub(crate) fn rope<B: Backend>(b: &B) {
                 *f /= 1.0 + 39.0 * ramp;
             }
         }
-        let table = b.rope_table(&freqs, 4096).unwrap();
+        let table = b.rope_table(&freqs, 4096, layout).unwrap();
         for (pos, n) in [(0, 4), (1000, 1), (4093, 3)] {
             let x = rng.vec(n * heads * hd);
             let mut t = up(b, &x);
@@ -558,15 +562,19 @@ pub(crate) fn rope<B: Backend>(b: &B) {
                         // The angle is the f32 product the op defines.
                         let ang = ((pos + i) as f32 * f) as f64;
                         let (s, c) = ang.sin_cos();
-                        let (a, bb) = (head[j], head[j + rot / 2]);
-                        head[j] = a * c - bb * s;
-                        head[j + rot / 2] = bb * c + a * s;
+                        let (ia, ib) = match layout {
+                            HalfSplit => (j, j + rot / 2),
+                            Interleaved => (2 * j, 2 * j + 1),
+                        };
+                        let (a, bb) = (head[ia], head[ib]);
+                        head[ia] = a * c - bb * s;
+                        head[ib] = bb * c + a * s;
                     }
                 }
             }
             for (r, (g, w)) in got.chunks_exact(hd).zip(want.chunks_exact(hd)).enumerate() {
                 let max = w.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-                let what = format!("rope {heads}x{hd} rot {rot} pos {pos} head-row {r}");
+                let what = format!("rope {layout:?} {heads}x{hd} rot {rot} pos {pos} head-row {r}");
                 check(g, w, &vec![1e-6 * max; hd], &what);
             }
         }

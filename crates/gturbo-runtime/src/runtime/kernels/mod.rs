@@ -56,7 +56,7 @@ pub mod topk;
 
 pub use backend::{
     AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
-    Routing,
+    RopeLayout, Routing,
 };
 pub use cpu::{CpuAttnCache, CpuKv, CpuRope};
 pub use ops::Ops;

@@ -53,15 +53,13 @@ const AXIS_BELOW: u64 = 1 << 32;
 /// Added to YaRN's ramp end when it equals its start (transformers' singularity guard).
 const YARN_RAMP_EPS: f64 = 0.001;
 
-/// Which dims of a head's rotary part form the rotated pairs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Layout {
-    /// Pairs `(j, j + rotary_dim/2)`: transformers' `rotate_half`, its default.
-    HalfSplit,
-    /// Pairs `(2j, 2j + 1)`: GPT-J, GLM's original layout, DeepSeek-V3 checkpoints
-    /// with `rope_interleave` (transformers' default for that family).
-    Interleaved,
-}
+/// Which dims of a head's rotary part form the rotated pairs: the backends' own
+/// [`RopeLayout`] (`HalfSplit`: transformers' `rotate_half`, its default;
+/// `Interleaved`: GPT-J, GLM's original layout, DeepSeek-V3 checkpoints with
+/// `rope_interleave`, transformers' default for that family).
+pub use crate::runtime::kernels::RopeLayout as Layout;
+#[cfg(doc)]
+use crate::runtime::kernels::RopeLayout;
 
 /// How the frequencies are changed for a context longer than pretraining.
 #[derive(Debug, Clone, PartialEq)]

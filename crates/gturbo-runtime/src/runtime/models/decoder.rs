@@ -23,7 +23,7 @@ use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mlp::SwiGlu;
 use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
-use crate::runtime::layers::rope::{Layout, RopeSpec, Scaling};
+use crate::runtime::layers::rope::{RopeSpec, Scaling};
 use crate::runtime::load::Install;
 
 /// What differs between the families the decoder runs beyond their axes: names and
@@ -169,16 +169,12 @@ impl Config {
     }
 }
 
-/// The RoPE the decoder can run: the backends rotate the half-split layout, and a
-/// frequency table is made once at load (so dynamic NTK scaling, which changes the
+/// The RoPE the decoder can run: a frequency table is made once at load (so dynamic NTK scaling, which changes the
 /// frequencies as the sequence grows, is refused); YaRN's attention factor scales q and
 /// k alike, so with every dim rotating it is a factor² on the softmax scale.
 fn decoder_rope(m: &Manifest, head_dim: usize) -> Result<RopeSpec, RunError> {
     let rope = RopeSpec::from_manifest(m, head_dim)?;
     let refuse = |why: &str| Err(axis_err(m, "rope_scaling", why));
-    if rope.layout != Layout::HalfSplit {
-        return refuse("interleaved RoPE is not implemented by the decoder runner");
-    }
     if matches!(rope.scaling, Scaling::Dynamic { .. }) {
         return refuse("dynamic NTK RoPE scaling is not implemented by the decoder runner");
     }
@@ -383,7 +379,7 @@ impl<'a, B: Backend> Model<'a, B> {
         let expert_slots = expert_slots(b, &install.experts, &pools, cfg.layers)?;
         Ok(Model {
             final_norm: bind.vector("model.norm.weight", h)?,
-            rope: b.rope_table(&inv_freq, cfg.max_positions)?,
+            rope: b.rope_table(&inv_freq, cfg.max_positions, cfg.rope.layout)?,
             slots: expert_slots,
             cfg,
             install,

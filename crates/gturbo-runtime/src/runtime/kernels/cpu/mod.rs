@@ -6,7 +6,8 @@
 use std::ops::Range;
 
 use super::backend::{
-    AttentionSpec, Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, RopeLayout,
+    Routing,
 };
 use super::routing::{RoutingSpec, route_logits};
 use super::{Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace};
@@ -26,6 +27,7 @@ pub use sparse_attention::{CpuAttnCache, allowed_positions, block_scores};
 #[derive(Debug, Clone)]
 pub struct CpuRope {
     inv_freq: Vec<f32>,
+    layout: RopeLayout,
 }
 
 /// One layer's keys `[positions, kv_heads·qk_dim]` and values `[positions,
@@ -199,9 +201,15 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn rope_table(&self, inv_freq: &[f32], _positions: usize) -> OpResult<CpuRope> {
+    fn rope_table(
+        &self,
+        inv_freq: &[f32],
+        _positions: usize,
+        layout: RopeLayout,
+    ) -> OpResult<CpuRope> {
         Ok(CpuRope {
             inv_freq: inv_freq.to_vec(),
+            layout,
         })
     }
 
@@ -219,13 +227,16 @@ impl Backend for Cpu {
         for (i, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
             let p = pos + i;
             for head in token.chunks_exact_mut(head_dim) {
-                let (a, b) = head[..2 * half].split_at_mut(half);
                 for j in 0..half {
                     let ang = p as f32 * rope.inv_freq[j];
                     let (s, c) = ang.sin_cos();
-                    let (x1, x2) = (a[j], b[j]);
-                    a[j] = x1 * c - x2 * s;
-                    b[j] = x2 * c + x1 * s;
+                    let (ia, ib) = match rope.layout {
+                        RopeLayout::HalfSplit => (j, j + half),
+                        RopeLayout::Interleaved => (2 * j, 2 * j + 1),
+                    };
+                    let (x1, x2) = (head[ia], head[ib]);
+                    head[ia] = x1 * c - x2 * s;
+                    head[ib] = x2 * c + x1 * s;
                 }
             }
         }

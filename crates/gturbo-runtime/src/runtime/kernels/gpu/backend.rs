@@ -19,7 +19,7 @@ use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{
     AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
-    Routing,
+    RopeLayout, Routing,
 };
 use crate::runtime::kernels::routing::{RoutingSpec, route_logits};
 
@@ -424,9 +424,14 @@ impl Backend for Gpu {
         run().map_err(|e| self.err("ffn_swiglu", e))
     }
 
-    fn rope_table(&self, inv_freq: &[f32], positions: usize) -> OpResult<GpuRope> {
+    fn rope_table(
+        &self,
+        inv_freq: &[f32],
+        positions: usize,
+        layout: RopeLayout,
+    ) -> OpResult<GpuRope> {
         RopeTable::from_inv_freq(&self.ctx, inv_freq, positions)
-            .map(GpuRope)
+            .map(|t| GpuRope(t.with_layout(layout)))
             .map_err(|e| self.err("rope_table", e))
     }
 

@@ -328,7 +328,7 @@ params! {
 }
 params! {
     /// `rope.wgsl`.
-    RopeParams { n: u32, heads: u32, head_dim: u32, rot: u32, pos0: u32, x_off: u32 }
+    RopeParams { n: u32, heads: u32, head_dim: u32, rot: u32, pos0: u32, x_off: u32, interleaved: u32 }
 }
 params! {
     /// `attn.wgsl`: `window` 0 for none, `sinks` 1 when bound.

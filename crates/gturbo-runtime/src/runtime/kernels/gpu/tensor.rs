@@ -1,6 +1,7 @@
 //! Device-owned data: activation tensors, uploaded weight matrices, the RoPE table,
 //! the KV cache and the expert slot buffer.
 
+use crate::runtime::kernels::RopeLayout;
 use std::sync::{Arc, Mutex};
 
 use super::context::GpuContext;
@@ -347,6 +348,9 @@ pub struct RopeTable {
     pub(crate) table: GpuTensor,
     pub(crate) rot: usize,
     positions: usize,
+    /// Which dims pair up (`ctx.rope` reads it; the Flash-Next ops, half-split only,
+    /// read the table alone).
+    pub(crate) layout: RopeLayout,
 }
 
 impl RopeTable {
@@ -392,7 +396,13 @@ impl RopeTable {
             table: ctx.upload_f32(&[positions, inv_freq.len(), 2], &t)?,
             rot,
             positions,
+            layout: RopeLayout::HalfSplit,
         })
+    }
+
+    /// The same table rotating the pairs `layout` names.
+    pub fn with_layout(self, layout: RopeLayout) -> RopeTable {
+        RopeTable { layout, ..self }
     }
 
     /// Rotated dims per head.

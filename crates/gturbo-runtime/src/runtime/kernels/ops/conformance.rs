@@ -38,7 +38,7 @@ use crate::runtime::kernels::ops::{
 };
 use crate::runtime::kernels::rope::inv_freq;
 use crate::runtime::kernels::topk::select_blocks;
-use crate::runtime::kernels::{Backend, Causal, Cpu};
+use crate::runtime::kernels::{Backend, Causal, Cpu, RopeLayout};
 use crate::runtime::testing::Rng;
 
 fn cpu() -> Cpu {
@@ -435,8 +435,8 @@ pub(crate) fn indexer<B: Ops>(b: &B) {
         let (qw, kvw) = (case.heads * case.head_dim, case.kv_heads * case.head_dim);
         let freqs = inv_freq(1e4, case.rot);
         let (grope, crope) = (
-            b.rope_table(&freqs, 64).unwrap(),
-            c.rope_table(&freqs, 64).unwrap(),
+            b.rope_table(&freqs, 64, RopeLayout::HalfSplit).unwrap(),
+            c.rope_table(&freqs, 64, RopeLayout::HalfSplit).unwrap(),
         );
         let k_norm = rng.scaled(di, 0.3);
         let gk = up(b, &k_norm);

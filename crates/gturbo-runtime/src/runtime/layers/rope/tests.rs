@@ -443,3 +443,57 @@ fn rope_extremes_stay_finite() {
         }
     }
 }
+
+/// The backends' `rope` op rotates as [`RopeSpec::apply_with`] does (the rotation the
+/// transformers goldens check), in both layouts and with partial rotary dims: a
+/// DeepSeek-V3-shaped YaRN spec (interleaved, 64 of 192 dims) and a half-split one.
+#[test]
+fn the_backend_rope_op_rotates_as_the_spec_does() {
+    use crate::runtime::kernels::{Backend, Cpu};
+    let cpu = Cpu::new(1);
+    let yarn = Scaling::Yarn {
+        factor: 40.0,
+        original_max: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: Some(1.0),
+        mscale_all_dim: Some(1.0),
+        attention_factor: None,
+        truncate: true,
+    };
+    for (layout, head_dim, rotary_dim) in
+        [(Layout::Interleaved, 192, 64), (Layout::HalfSplit, 128, 32)]
+    {
+        let spec = RopeSpec {
+            head_dim,
+            rotary_dim,
+            theta: 10_000.0,
+            layout,
+            scaling: yarn.clone(),
+        };
+        assert_eq!(
+            spec.attention_scaling(),
+            1.0,
+            "mscale 1 over mscale_all_dim 1"
+        );
+        let freqs = spec.inv_freq(8192);
+        let (heads, pos, n) = (3, 5000, 2);
+        let x: Vec<f32> = (0..n * heads * head_dim)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let mut want = x.clone();
+        spec.apply_with(&freqs, &mut want, heads, pos);
+        let table = cpu.rope_table(&freqs, pos + n, layout).unwrap();
+        let mut got = x;
+        cpu.rope(&table, &mut got, heads, head_dim, pos).unwrap();
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst <= 1e-5,
+            "{layout:?}: the op and the spec differ by {worst}"
+        );
+    }
+}

@@ -31,7 +31,7 @@ use crate::runtime::experts::CacheStats;
 use crate::runtime::generate::{LanguageModel, Stat};
 use crate::runtime::kernels::ops::Ops;
 use crate::runtime::kernels::rope::inv_freq;
-use crate::runtime::kernels::{Backend, OpResult};
+use crate::runtime::kernels::{Backend, OpResult, RopeLayout};
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 use crate::runtime::layers::moe::expert_slots;
 
@@ -491,7 +491,11 @@ impl<'a, B: Ops> FlashModel<'a, B> {
                 &format!("{LM}hyper_connection_mixer."),
                 false,
             )?,
-            rope: b.rope_table(&inv_freq(cfg.rope_theta, cfg.rotary_dim), cfg.max_positions)?,
+            rope: b.rope_table(
+                &inv_freq(cfg.rope_theta, cfg.rotary_dim),
+                cfg.max_positions,
+                RopeLayout::HalfSplit,
+            )?,
             slots,
             cfg,
             kinds,

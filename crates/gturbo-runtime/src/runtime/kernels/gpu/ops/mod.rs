@@ -13,6 +13,7 @@ mod sparse_attention;
 
 pub use sparse_attention::GpuAttnCache;
 
+use crate::runtime::kernels::RopeLayout;
 use std::sync::Arc;
 
 use wgpu::util::DeviceExt;
@@ -441,7 +442,7 @@ impl GpuContext {
     }
 
     /// RoPE in place on `x` `[n, heads, head_dim]` at positions `pos0..pos0 + n`:
-    /// the first `table.rot()` dims of each head rotated in the rotate-half layout.
+    /// the first `table.rot()` dims of each head rotated in the table's layout.
     pub fn rope(
         &self,
         table: &RopeTable,
@@ -476,6 +477,7 @@ impl GpuContext {
             rot: u32_of(OP, table.rot)?,
             pos0: u32_of(OP, pos0)?,
             x_off: 0,
+            interleaved: u32::from(table.layout == RopeLayout::Interleaved),
         };
         let threads = n * heads * table.rot / 2;
         self.dispatch(

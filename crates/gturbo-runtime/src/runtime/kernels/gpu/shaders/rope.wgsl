@@ -1,6 +1,7 @@
-// Rotary position embedding in place, rotate-half (Hugging Face / NeoX) layout: in each
-// head the first `rot` dims are rotated as pairs (i, i + rot/2); dims past `rot` pass
-// through (partial RoPE). cos and sin come from a host-built table `[positions,
+// Rotary position embedding in place: in each head the first `rot` dims are rotated as
+// pairs (i, i + rot/2) in the rotate-half (Hugging Face / NeoX) layout, or (2i, 2i + 1)
+// interleaved (GPT-J, DeepSeek-V3's `rope_interleave`); dims past `rot` pass through
+// (partial RoPE). cos and sin come from a host-built table `[positions,
 // rot/2]` computed exactly as the CPU runner computes them, so the angles agree
 // bit for bit (WGSL's sin and cos are only accurate to 2^-11 near ±π, and unbounded
 // past it).
@@ -12,6 +13,8 @@ struct Params {
     rot: u32,
     pos0: u32,
     x_off: u32,
+    // 1: pairs (2i, 2i + 1); 0: pairs (i, i + rot/2).
+    interleaved: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -32,8 +35,14 @@ fn rope(@builtin(global_invocation_id) gid: vec3<u32>,
     let t = 2u * ((p.pos0 + tok) * half + i);
     let c = table[t];
     let s = table[t + 1u];
-    let x1 = x[base + i];
-    let x2 = x[base + half + i];
-    x[base + i] = x1 * c - x2 * s;
-    x[base + half + i] = x2 * c + x1 * s;
+    var ia = base + i;
+    var ib = base + half + i;
+    if (p.interleaved != 0u) {
+        ia = base + 2u * i;
+        ib = ia + 1u;
+    }
+    let x1 = x[ia];
+    let x2 = x[ib];
+    x[ia] = x1 * c - x2 * s;
+    x[ib] = x2 * c + x1 * s;
 }
