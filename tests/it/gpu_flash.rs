@@ -41,6 +41,15 @@ fn prompt(vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The install at `dir` opened with `experts`.
+fn open(dir: &Path, experts: ExpertMode) -> install::FlashInstall {
+    let opts = FlashOptions {
+        experts,
+        row_cache_rows: DEFAULT_ROW_CACHE_ROWS,
+    };
+    install::open(dir, opts).unwrap()
+}
+
 /// Greedy decoding of `steps` tokens after `prompt`, with the logits of every
 /// position (the prompt's, then each decode step's).
 fn greedy<B: Ops>(
@@ -50,14 +59,7 @@ fn greedy<B: Ops>(
     prompt: &[u32],
     steps: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let fi = install::open(
-        dir,
-        FlashOptions {
-            experts,
-            row_cache_rows: DEFAULT_ROW_CACHE_ROWS,
-        },
-    )
-    .unwrap();
+    let fi = open(dir, experts);
     let model = FlashModel::new(&fi, b).unwrap();
     let mut s = model.session();
     rollout(model.cfg.vocab, prompt, steps, |ids, prefill| {
@@ -169,14 +171,7 @@ fn flash_next_on_the_gpu_takes_the_resident_expert_path() {
     let mut reads = Vec::new();
     let mut tokens = Vec::new();
     for experts in [ExpertMode::Slots(2), ExpertMode::Resident] {
-        let fi = install::open(
-            dir,
-            FlashOptions {
-                experts,
-                row_cache_rows: DEFAULT_ROW_CACHE_ROWS,
-            },
-        )
-        .unwrap();
+        let fi = open(dir, experts);
         let model = FlashModel::new(&fi, &g).unwrap();
         let mut s = model.session();
         let logits = model.forward(&mut s, &prompt, false).unwrap();
