@@ -31,15 +31,12 @@
 //! (and `exp`/`sin` rounding) within the tolerances `kernels::conformance` holds every
 //! backend to.
 //!
-//! # Runner-specific operations
-//! Operations only one runner needs (Flash-Next's gated-delta-net step, its
-//! hyper-connection mix and inject, the PLE gather and conv, the indexer's block scores)
-//! go in an extension trait of that runner (Flash-Next's is
-//! [`Ops`](crate::runtime::models::flash_next::seam::Ops), which its runner requires:
-//! `FlashModel<'a, B: Ops>`), so the core trait does not grow per runner. The CPU
-//! implements such a trait over the runner's pure slice functions (its `Buf` is a
-//! `Vec<f32>`, its weights [`Matrix`] views), the GPU with kernels of its own
-//! (`gpu/flash.rs`).
+//! # Operations beyond the core
+//! Operations not every model needs (the gated delta rule, hyper-connections, the
+//! n-gram gate, the indexer's block scores) go in op-family traits named by their math
+//! (`kernels::ops`), each implemented by every backend (the CPU in `kernels/cpu/`, the
+//! GPU in `kernels/gpu/ops/`), so the core trait does not grow per model and no kernel
+//! knows a model. [`Ops`](super::ops::Ops) is all of them: what a model loader takes.
 
 use std::ops::Range;
 

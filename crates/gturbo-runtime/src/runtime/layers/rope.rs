@@ -190,7 +190,7 @@ impl RopeSpec {
         }
     }
 
-    /// [`RopeSpec::from_axes`] on `m`'s axes, integer axes below 2^32 (the decoder
+    /// `RopeSpec::from_axes` on `m`'s axes, integer axes below 2^32 (the decoder
     /// runner's bound).
     pub fn from_manifest(m: &Manifest, head_dim: usize) -> Result<RopeSpec, RunError> {
         RopeSpec::from_axes(&Axes::new(m, AXIS_BELOW, "missing"), head_dim)

@@ -847,7 +847,7 @@ fn rms_norm_matches_cpu() {
     }
 }
 
-/// The CPU runner's RoPE (`Model::rope` in runtime/model.rs), extended to a
+/// The CPU runner's RoPE (`Backend::rope` of `kernels/cpu`), extended to a
 /// partial rotary width the way Hugging Face's partial RoPE does it: the first `rot`
 /// dims are rotated in the rotate-half layout with `inv_freq_i = θ^(-2i/rot)`.
 fn rope_ref(x: &mut [f32], head_dim: usize, rot: usize, theta: f64, pos: usize) {
@@ -904,7 +904,7 @@ fn rope_matches_cpu_full_and_partial() {
 
 // ---------------------------------------------------------------- attention
 
-/// The CPU runner's attention loop (runtime/model.rs `forward`), over f32 caches.
+/// The CPU runner's attention loop (`kernels/cpu` `attention`), over f32 caches.
 #[allow(clippy::too_many_arguments)]
 fn attention_ref(
     q: &[f32],
@@ -1138,7 +1138,7 @@ fn softmax_tol(x_minus_max: f32, d: usize) -> f32 {
     (8.0 + 2.0 * x_minus_max.abs() + 4.0 * (d as f32).sqrt()) * f32::EPSILON
 }
 
-/// The CPU runner's routing (runtime/model.rs `moe`): softmax, a sort by
+/// The CPU runner's routing (`layers::moe` over `kernels/cpu`): softmax, a sort by
 /// probability with ties to the lower id, the first k, optionally renormalised.
 fn route_ref(logits: &[f32], k: usize, renorm: bool) -> (Vec<u32>, Vec<f32>) {
     let mut p = logits.to_vec();
@@ -1256,7 +1256,7 @@ fn pool_fixture(experts: usize, h: usize, i: usize, rng: &mut Rng) -> (ExpertPoo
     (pool, blobs)
 }
 
-/// The CPU runner's expert step (runtime/model.rs `moe`): gather, gate and up,
+/// The CPU runner's expert step (`layers::moe` over `kernels/cpu`): gather, gate and up,
 /// SwiGLU, down, weighted add.
 fn expert_ref(
     pool: &ExpertPool,
