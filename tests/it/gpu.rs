@@ -147,6 +147,24 @@ fn tiny_qwen3_moe_on_the_gpu_with_2_expert_slots_gives_the_cpu_tokens() {
     assert!(worst <= LOGIT_RTOL, "position {at}: {worst:.2e}");
 }
 
+/// The dense qwen3 decoder (QK-norm, untied head) on the GPU: the CPU's greedy tokens
+/// and logits.
+#[test]
+fn tiny_qwen3_on_the_gpu_gives_the_cpu_tokens_and_logits() {
+    const TEST: &str = "tiny_qwen3_on_the_gpu_gives_the_cpu_tokens_and_logits";
+    let Some(g) = gpu(TEST) else {
+        return;
+    };
+    let tmp = temp_dir();
+    let out = crate::runtime::qwen3_install(tmp.path(), 7);
+    let prompt = [5, 17, 200, 33, 9, 48, 310, 2, 77, 120, 64, 1];
+    let (cpu_tokens, cpu_logits) = greedy(&out, ExpertMode::Slots(2), &Cpu::new(2), &prompt, 16);
+    let (gpu_tokens, gpu_logits) = greedy(&out, ExpertMode::Slots(2), &g, &prompt, 16);
+    assert_eq!(gpu_tokens, cpu_tokens, "greedy tokens");
+    let (worst, at) = worst_relative(&gpu_logits, &cpu_logits);
+    assert!(worst <= LOGIT_RTOL, "position {at}: {worst:.2e}");
+}
+
 fn run(args: &[&str]) -> std::process::Output {
     gturbo().arg("run").args(args).output().unwrap()
 }

@@ -67,7 +67,7 @@ fn a_flash_next_install_requiring_an_axis_its_runner_lacks_is_refused_before_any
 }
 
 /// A tiny qwen3 install in `tmp`, from the golden's seed.
-fn qwen3_install(tmp: &Path, seed: u64) -> PathBuf {
+pub(crate) fn qwen3_install(tmp: &Path, seed: u64) -> PathBuf {
     let snap = tmp.join("snap");
     replica::write_qwen3(
         &snap,
