@@ -429,31 +429,8 @@ impl<'a, B: Backend> Model<'a, B> {
         if n == 0 {
             return Ok(Vec::new());
         }
-        if s.pos + n > c.max_positions {
-            // The install is fine: the prompt plus what was generated is too long.
-            return Err(InputError::SequenceTooLong {
-                tokens: s.pos + n,
-                max: c.max_positions,
-            }
-            .into());
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(InputError::TokenOutsideVocabulary {
-                token: t,
-                vocab: c.vocab,
-            }
-            .into());
-        }
-        if s.kv.len() != c.layers {
-            s.kv = (0..c.layers)
-                .map(|_| {
-                    b.kv_cache(
-                        AttentionSpec::dense(c.kv_heads, c.head_dim),
-                        c.max_positions,
-                    )
-                })
-                .collect::<Result<_, _>>()?;
-        }
+        self.check_input(s, tokens)?;
+        self.ensure_caches(s)?;
         let (h, hd) = (c.hidden, c.head_dim);
         let (qw, kvw) = (c.heads * hd, c.kv_heads * hd);
         let mut x = b.zeros(n * h)?;
@@ -519,6 +496,40 @@ impl<'a, B: Backend> Model<'a, B> {
             &mut logits,
         )?;
         Ok(b.read_owned(logits)?)
+    }
+
+    /// The input a forward pass refuses: a sequence past `max_position_embeddings` (the
+    /// install is fine, the prompt plus what was generated is too long) or a token id
+    /// outside the vocabulary.
+    fn check_input(&self, s: &Session<B>, tokens: &[u32]) -> Result<(), RunError> {
+        let c = &self.cfg;
+        if s.pos + tokens.len() > c.max_positions {
+            return Err(InputError::SequenceTooLong {
+                tokens: s.pos + tokens.len(),
+                max: c.max_positions,
+            }
+            .into());
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(InputError::TokenOutsideVocabulary {
+                token: t,
+                vocab: c.vocab,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// The session's KV caches, made by its first forward pass.
+    fn ensure_caches(&self, s: &mut Session<B>) -> Result<(), RunError> {
+        let c = &self.cfg;
+        if s.kv.len() != c.layers {
+            let spec = AttentionSpec::dense(c.kv_heads, c.head_dim);
+            s.kv = (0..c.layers)
+                .map(|_| self.backend.kv_cache(spec, c.max_positions))
+                .collect::<Result<_, _>>()?;
+        }
+        Ok(())
     }
 
     /// Routed experts for the rows of `xn` (`layers::moe`).
