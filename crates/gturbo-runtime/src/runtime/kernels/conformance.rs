@@ -862,15 +862,11 @@ pub(crate) fn route<B: Backend>(b: &B) {
     }
 }
 
-/// The routing spec's options ([`RoutingSpec`]: sigmoid scores with a selection bias,
-/// a group limit and a scaling factor; top-k of the logits then a softmax over the k)
-/// against [`route_logits`] on the exact logits: the same experts wherever the choice
-/// is clear by more than the product's error bound, and weights within the bound.
-pub(crate) fn route_specs<B: Backend>(b: &B) {
-    let mut rng = Rng(0xC0FF_0024);
-    let (experts, cols, n) = (16, 128, 6);
-    let bias: Vec<f32> = rng.vec(experts).iter().map(|v| v * 0.5).collect();
-    let specs = [
+/// The options [`route_specs`] checks: sigmoid scores with `bias` for selection, a
+/// group limit and a scaling factor; top-k of the logits then a softmax over the k;
+/// sigmoid scores without renormalisation.
+fn route_spec_cases(bias: &[f32]) -> [(RoutingSpec, Option<&[f32]>); 3] {
+    [
         (
             RoutingSpec {
                 top_k: 4,
@@ -884,7 +880,7 @@ pub(crate) fn route_specs<B: Backend>(b: &B) {
                 renormalize: true,
                 scaling: 2.5,
             },
-            Some(&bias[..]),
+            Some(bias),
         ),
         (
             RoutingSpec {
@@ -910,7 +906,18 @@ pub(crate) fn route_specs<B: Backend>(b: &B) {
             },
             None,
         ),
-    ];
+    ]
+}
+
+/// The routing spec's options ([`RoutingSpec`]: sigmoid scores with a selection bias,
+/// a group limit and a scaling factor; top-k of the logits then a softmax over the k)
+/// against [`route_logits`] on the exact logits: the same experts wherever the choice
+/// is clear by more than the product's error bound, and weights within the bound.
+pub(crate) fn route_specs<B: Backend>(b: &B) {
+    let mut rng = Rng(0xC0FF_0024);
+    let (experts, cols, n) = (16, 128, 6);
+    let bias: Vec<f32> = rng.vec(experts).iter().map(|v| v * 0.5).collect();
+    let specs = route_spec_cases(&bias);
     let (mut compared, mut tokens) = (0, 0);
     for enc in [Enc::Int8, Enc::Bf16] {
         let w = Weights::new(enc, experts, cols, &mut rng);
