@@ -310,3 +310,36 @@ fn eval_record_signs_a_quality_result_that_run_accepts_and_verify_install_checks
         text(&o)
     );
 }
+
+/// The gate picks the Flash-Next model by family; a manifest whose `arch.model_type`
+/// is not qwen4_exp is refused by the model itself, naming the field, on `run` (the
+/// registry's path) as on the library's `install::open` + `FlashModel::new`.
+#[test]
+fn a_flash_next_install_of_another_model_type_is_refused_naming_the_field() {
+    let tmp = temp_dir();
+    let b = tmp.path().join("toy-bf16.gturbo");
+    install(Path::new(TOY), &b, &["--quant", "bf16"]);
+    let mut m = manifest(&b);
+    m["arch"]["model_type"] = Value::from("qwen3_next");
+    std::fs::write(
+        b.join("manifest.json"),
+        serde_json::to_vec_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    let o = gturbo_args(&[
+        "run",
+        b.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains(
+            "arch.model_type is \"qwen3_next\"; the Flash-Next runner runs \"qwen4_exp\""
+        ),
+        "{}",
+        text(&o)
+    );
+}

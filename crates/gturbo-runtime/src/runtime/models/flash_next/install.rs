@@ -33,21 +33,21 @@ impl Default for FlashOptions {
 /// An opened qwen4_exp install: the loader's install, row caches included.
 pub type FlashInstall = Install;
 
-/// Open `dir` through the loader (gate, layout, resident map, experts, row pools) and
-/// check that it holds a qwen4_exp model.
+/// Open `dir` through the loader (gate, layout, resident map, experts, row pools); the
+/// model type is checked by [`FlashModel::new`](super::model::FlashModel::new), the one
+/// way in for this open and for `models::open`.
 pub fn open(dir: &Path, opts: FlashOptions) -> Result<FlashInstall, RunError> {
-    let install = load::open(
+    load::open(
         dir,
         LoadOptions {
             experts: opts.experts,
             row_cache_rows: opts.row_cache_rows,
         },
-    )?;
-    check_model_type(&install)?;
-    Ok(install)
+    )
 }
 
-/// Whether `install` holds the model type this runner implements.
+/// Whether `install` holds the model type this runner implements (the gate chose the
+/// runner by family; a manifest whose `arch.model_type` disagrees is refused here).
 pub fn check_model_type(install: &Install) -> Result<(), RunError> {
     let m = &install.manifest;
     if m.arch.model_type != MODEL_TYPE {

@@ -447,6 +447,7 @@ impl<'a, B: Ops> FlashModel<'a, B> {
     /// Bind the install's tensors on `backend`, checking every shape against the
     /// config and the PLE tables against what the config implies.
     pub fn new(install: &'a FlashInstall, backend: &'a B) -> Result<FlashModel<'a, B>, RunError> {
+        super::install::check_model_type(install)?;
         let cfg = FlashConfig::from_manifest(&install.manifest)?;
         let (inst, b) = (install, backend);
         let bind = Bind { inst, b };
