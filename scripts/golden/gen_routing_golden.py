@@ -9,6 +9,9 @@ it on the CPU in float32, and records
 - `logits`: the router logits `[8, E]` the module returns (gpt-oss: with its linear
   bias already added, since that bias is part of the linear, not of the routing);
 - `bias`: the selection bias `e_score_correction_bias`, or null;
+- for a router whose linear has a bias (gpt-oss): `hidden` `[8, 32]`, `router_weight`
+  `[E, 32]` and `logit_bias` `[E]`, so the backend's `route` (router matrix, hidden
+  states and the logit bias) is checked against the module end to end;
 - `experts` / `weights`: the chosen ids and weights `[8, k]` exactly as the module
   returns them (DeepSeek-V3 and GLM use `topk(sorted=False)`, so their order is
   torch's; the Rust test pairs ids with weights before comparing);
@@ -141,6 +144,12 @@ def run_case(name, module, config_cls, router_cls, kwargs, seed, sel_bias, lin_b
         experts=experts.flatten().tolist(),
         weights=weights.float().flatten().tolist(),
     )
+    if lin_bias is not None:
+        case.update(
+            hidden=h.flatten().tolist(),
+            router_weight=router.weight.float().flatten().tolist(),
+            logit_bias=router.bias.float().tolist(),
+        )
     return case
 
 

@@ -1,5 +1,6 @@
 //! One integration-test binary; each module covers one user-facing concern.
 
+mod decoder_variants;
 mod doctor;
 mod dry_run;
 mod flash_next;

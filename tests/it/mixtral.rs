@@ -17,9 +17,9 @@ use gturbo::runtime::models;
 use serde_json::Value;
 
 use crate::support::cli::{self, gturbo, gturbo_args, text};
-use crate::support::temp_dir;
+use crate::support::{f32_safetensors, temp_dir};
 
-const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mixtral_toy");
+pub(crate) const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mixtral_toy");
 
 /// Largest `|gturbo − transformers|` accepted on a logit. Both compute in f32 from the
 /// same BF16 weights; only the order of the sums differs (a few ulps of values up to
@@ -53,28 +53,9 @@ fn meta() -> Meta {
     }
 }
 
-/// The F32 tensors of a golden safetensors file: name → (shape, values).
+/// The F32 tensors of a golden safetensors file under the toy.
 fn f32_tensors(rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
-    let bytes = std::fs::read(Path::new(TOY).join(rel)).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: BTreeMap<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    header
-        .into_iter()
-        .filter(|(_, v)| v["dtype"] == "F32")
-        .map(|(k, v)| {
-            let (a, b) = (
-                v["data_offsets"][0].as_u64().unwrap() as usize,
-                v["data_offsets"][1].as_u64().unwrap() as usize,
-            );
-            let vals = data[a..b]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            let shape = ids(&v["shape"]).into_iter().map(|d| d as usize).collect();
-            (k, (shape, vals))
-        })
-        .collect()
+    f32_safetensors(&Path::new(TOY).join(rel))
 }
 
 /// The golden logits of every position: the prompt's 17 rows, then the 23 decode

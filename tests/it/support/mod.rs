@@ -216,3 +216,36 @@ impl Replica {
         (8 + n + a as usize, (b - a) as usize)
     }
 }
+
+/// The F32 tensors of a safetensors file (a golden): name → (shape, values).
+pub fn f32_safetensors(
+    path: &std::path::Path,
+) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let usize_of = |v: &serde_json::Value| v.as_u64().unwrap() as usize;
+    header
+        .into_iter()
+        .filter(|(_, v)| v["dtype"] == "F32")
+        .map(|(k, v)| {
+            let (a, b) = (
+                usize_of(&v["data_offsets"][0]),
+                usize_of(&v["data_offsets"][1]),
+            );
+            let vals = data[a..b]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let shape = v["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(usize_of)
+                .collect();
+            (k, (shape, vals))
+        })
+        .collect()
+}

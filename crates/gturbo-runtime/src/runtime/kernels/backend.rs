@@ -42,9 +42,9 @@ use std::ops::Range;
 
 use super::Matrix;
 pub use super::routing::Routing;
-use super::routing::RoutingSpec;
 #[cfg(doc)]
 use super::routing::route_logits;
+use super::routing::{RouterBias, RoutingSpec};
 use crate::format::pools::ExpertPool;
 
 /// A backend operation that failed for a reason of the device (out of memory, device
@@ -287,14 +287,18 @@ pub trait Backend {
     // ---------------------------------------------------------------- attention
 
     /// Frequencies `inv_freq` (`rot/2` of them: the first `rot` dims of each head
-    /// rotate) for positions `0..positions`, rotating the pairs `layout` names.
+    /// rotate) for the absolute positions `positions`, rotating the pairs `layout`
+    /// names. A model makes one table for `0..max` at load; a table for a later range
+    /// alone serves one call whose frequencies are its own (dynamic NTK scaling changes
+    /// them as the sequence grows), at the cost of that range only.
     fn rope_table(
         &self,
         inv_freq: &[f32],
-        positions: usize,
+        positions: Range<usize>,
         layout: RopeLayout,
     ) -> OpResult<Self::Rope>;
-    /// RoPE in place on `x` `[n, heads, head_dim]`, token `i` at position `pos + i`: for
+    /// RoPE in place on `x` `[n, heads, head_dim]`, token `i` at position `pos + i`
+    /// (`pos..pos + n` within the table's positions): for
     /// `j < rot/2`, with the angle `θ = p·inv_freq_j` rounded to f32 (`p` the position
     /// as f32), `s = sin θ` and `c = cos θ`, the pair `(a, b)` becomes
     /// `(a·c − b·s, b·c + a·s)`, where the pair is `(x_j, x_{j+rot/2})` in the
@@ -345,9 +349,10 @@ pub trait Backend {
     // ---------------------------------------------------------------- routed experts
 
     /// MoE routing of each row of `x` by the `[experts, cols]` `router`: the router
-    /// logits `router · x`, routed as `spec` says ([`route_logits`] is the reference:
-    /// softmax or sigmoid scores, the top-k with an optional selection `bias` and
-    /// group limit, the gathered weights renormalised and scaled). For
+    /// logits `router · x` plus `bias.logits` when there is one, routed as `spec` says
+    /// ([`route_logits`] is the reference: softmax or sigmoid scores, the top-k with
+    /// an optional selection bias `bias.selection` and group limit, the gathered
+    /// weights renormalised and scaled). For
     /// [`RoutingSpec::softmax_top_k`]: `p = softmax(router · x)` over all experts, the
     /// `top_k` largest (ties to the lower id), and as weights `p` itself or, with
     /// `renormalize`, `p / Σ_topk p`.
@@ -356,7 +361,7 @@ pub trait Backend {
         router: &Self::Weights<'_>,
         x: &Self::Buf,
         spec: &RoutingSpec,
-        bias: Option<&[f32]>,
+        bias: RouterBias<'_>,
     ) -> OpResult<Routing>;
     /// Storage for expert blobs of `pools` (every MoE layer's geometry), mirroring a
     /// host slot cache of `slots` slots, or `None` when the pools are mapped.

@@ -25,7 +25,7 @@
 //!   `g` and `u` times the slopes of `silu(g)·u`, then through `down`), times two.
 
 use super::backend::{AttentionSpec, Backend, Causal, ExpertRef, NormGain};
-use super::routing::{GroupLimit, Order, RoutingSpec, Scores, route_logits};
+use super::routing::{GroupLimit, Order, RouterBias, RoutingSpec, Scores, route_logits};
 use super::{Cpu, FloatDtype, GROUP, Matrix, bf16_at, quant_row_bytes};
 use crate::format::Scheme;
 use crate::format::dtype::Dtype;
@@ -549,12 +549,18 @@ pub(crate) fn rope<B: Backend>(b: &B) {
                 *f /= 1.0 + 39.0 * ramp;
             }
         }
-        let table = b.rope_table(&freqs, 4096, layout).unwrap();
+        let table = b.rope_table(&freqs, 0..4096, layout).unwrap();
         for (pos, n) in [(0, 4), (1000, 1), (4093, 3)] {
             let x = rng.vec(n * heads * hd);
             let mut t = up(b, &x);
             b.rope(&table, &mut t, heads, hd, pos).unwrap();
             let got = down(b, &t);
+            // A table of this call's positions alone (dynamic NTK's per-call table)
+            // rotates as the whole one: the same f32 angles.
+            let part = b.rope_table(&freqs, pos..pos + n, layout).unwrap();
+            let mut t = up(b, &x);
+            b.rope(&part, &mut t, heads, hd, pos).unwrap();
+            assert_eq!(down(b, &t), got, "rope table from position {pos}");
             let mut want = f64s(&x);
             for (i, tok) in want.chunks_exact_mut(heads * hd).enumerate() {
                 for head in tok.chunks_exact_mut(hd) {
@@ -807,7 +813,7 @@ pub(crate) fn route<B: Backend>(b: &B) {
         let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 4.0).collect();
         for renormalize in [false, true] {
             let spec = RoutingSpec::softmax_top_k(top_k, renormalize);
-            let r = b.route(&bw, &up(b, &x), &spec, None).unwrap();
+            let r = b.route(&bw, &up(b, &x), &spec, RouterBias::NONE).unwrap();
             assert_eq!(r.top_k, top_k);
             assert_eq!((r.experts.len(), r.weights.len()), (n * top_k, n * top_k));
             for t in 0..n {
@@ -853,7 +859,7 @@ pub(crate) fn route<B: Backend>(b: &B) {
             &b.weights(w.matrix()).unwrap(),
             &up(b, &rng.vec(2 * 64)),
             &RoutingSpec::softmax_top_k(3, true),
-            None,
+            RouterBias::NONE,
         )
         .unwrap();
     assert_eq!(r.experts, [0, 1, 2, 0, 1, 2], "ties go to the lower id");
@@ -864,8 +870,16 @@ pub(crate) fn route<B: Backend>(b: &B) {
 
 /// The options [`route_specs`] checks: sigmoid scores with `bias` for selection, a
 /// group limit and a scaling factor; top-k of the logits then a softmax over the k;
-/// sigmoid scores without renormalisation.
-fn route_spec_cases(bias: &[f32]) -> [(RoutingSpec, Option<&[f32]>); 3] {
+/// sigmoid scores without renormalisation; gpt-oss's router (top-k then softmax of
+/// logits carrying the router linear's bias, `logit_bias`).
+fn route_spec_cases<'a>(
+    bias: &'a [f32],
+    logit_bias: &'a [f32],
+) -> [(RoutingSpec, RouterBias<'a>); 4] {
+    let selection = |bias| RouterBias {
+        logits: None,
+        selection: Some(bias),
+    };
     [
         (
             RoutingSpec {
@@ -880,7 +894,7 @@ fn route_spec_cases(bias: &[f32]) -> [(RoutingSpec, Option<&[f32]>); 3] {
                 renormalize: true,
                 scaling: 2.5,
             },
-            Some(bias),
+            selection(bias),
         ),
         (
             RoutingSpec {
@@ -892,7 +906,7 @@ fn route_spec_cases(bias: &[f32]) -> [(RoutingSpec, Option<&[f32]>); 3] {
                 renormalize: false,
                 scaling: 1.0,
             },
-            None,
+            RouterBias::NONE,
         ),
         (
             RoutingSpec {
@@ -904,7 +918,22 @@ fn route_spec_cases(bias: &[f32]) -> [(RoutingSpec, Option<&[f32]>); 3] {
                 renormalize: false,
                 scaling: 1.0,
             },
-            None,
+            RouterBias::NONE,
+        ),
+        (
+            RoutingSpec {
+                top_k: 4,
+                scores: Scores::Softmax,
+                order: Order::TopKThenSoftmax,
+                selection_bias: false,
+                groups: None,
+                renormalize: false,
+                scaling: 1.0,
+            },
+            RouterBias {
+                logits: Some(logit_bias),
+                selection: None,
+            },
         ),
     ]
 }
@@ -917,7 +946,9 @@ pub(crate) fn route_specs<B: Backend>(b: &B) {
     let mut rng = Rng(0xC0FF_0024);
     let (experts, cols, n) = (16, 128, 6);
     let bias: Vec<f32> = rng.vec(experts).iter().map(|v| v * 0.5).collect();
-    let specs = route_spec_cases(&bias);
+    // Large enough to change choices (the logits' spread is a few units).
+    let logit_bias: Vec<f32> = rng.vec(experts).iter().map(|v| v * 3.0).collect();
+    let specs = route_spec_cases(&bias, &logit_bias);
     let (mut compared, mut tokens) = (0, 0);
     for enc in [Enc::Int8, Enc::Bf16] {
         let w = Weights::new(enc, experts, cols, &mut rng);
@@ -933,7 +964,26 @@ pub(crate) fn route_specs<B: Backend>(b: &B) {
         }
         for (spec, bias) in &specs {
             let got = b.route(&bw, &up(b, &x), spec, *bias).unwrap();
-            let want = route_logits(spec, &exact, *bias, experts).unwrap();
+            // The reference adds the logit bias to the exact logits (in f64, then
+            // rounded once).
+            let plain = exact.clone();
+            let exact: Vec<f32> = match bias.logits {
+                None => plain.clone(),
+                Some(lb) => plain
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| (f64::from(v) + f64::from(lb[i % experts])) as f32)
+                    .collect(),
+            };
+            let want = route_logits(spec, &exact, bias.selection, experts).unwrap();
+            if bias.logits.is_some() {
+                // The bias is tested: without it the choice differs.
+                let unbiased = route_logits(spec, &plain, bias.selection, experts).unwrap();
+                assert_ne!(
+                    unbiased.experts, want.experts,
+                    "the logit bias changes nothing"
+                );
+            }
             // The logits moved apart and together by 4 × `err` (alternate signs): a
             // choice that flips under either is within the backend's rounding of a
             // tie; compare the rest.
@@ -943,7 +993,7 @@ pub(crate) fn route_specs<B: Backend>(b: &B) {
                     .enumerate()
                     .map(|(i, v)| v + if i % 2 == 0 { s } else { -s } * 4.0 * err as f32)
                     .collect();
-                route_logits(spec, &l, *bias, experts).unwrap()
+                route_logits(spec, &l, bias.selection, experts).unwrap()
             };
             let (up_, down) = (moved(1.0), moved(-1.0));
             for t in 0..n {

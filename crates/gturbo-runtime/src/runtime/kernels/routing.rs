@@ -218,6 +218,14 @@ pub enum RoutingError {
         /// Experts.
         experts: usize,
     },
+    /// A router logit bias of the wrong length.
+    #[error("router bias: {len} values for {experts} experts")]
+    LogitBias {
+        /// The length given.
+        len: usize,
+        /// Experts.
+        experts: usize,
+    },
     /// A selection bias missing, unexpected, or of the wrong length.
     #[error(
         "e_score_correction_bias: the spec {wants} a selection bias; given one of {given:?} values for {experts} experts"
@@ -230,6 +238,52 @@ pub enum RoutingError {
         /// Experts.
         experts: usize,
     },
+}
+
+/// A router's per-expert biases. They are different things and a router may have
+/// either: `logits` is the router linear's own bias (gpt-oss: `router(x) = W·x + b`),
+/// part of the logits every later step sees; `selection` is DeepSeek-V3's
+/// `e_score_correction_bias`, added to the keys for choosing only.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RouterBias<'a> {
+    /// Added to each token's router logits (`[experts]`).
+    pub logits: Option<&'a [f32]>,
+    /// The selection bias (`[experts]`), given exactly when the spec has
+    /// [`RoutingSpec::selection_bias`].
+    pub selection: Option<&'a [f32]>,
+}
+
+impl RouterBias<'_> {
+    /// A router without biases (every family before gpt-oss and DeepSeek-V3).
+    pub const NONE: RouterBias<'static> = RouterBias {
+        logits: None,
+        selection: None,
+    };
+
+    /// Whether either bias is present.
+    pub fn any(&self) -> bool {
+        self.logits.is_some() || self.selection.is_some()
+    }
+
+    /// `logits[t][e] += bias[e]` for each token row (f32, as the router linear's
+    /// `addmm` adds it), when there is a logit bias.
+    pub fn add_to_logits(&self, logits: &mut [f32], experts: usize) -> Result<(), RoutingError> {
+        let Some(b) = self.logits else {
+            return Ok(());
+        };
+        if b.len() != experts || !logits.len().is_multiple_of(experts) {
+            return Err(RoutingError::LogitBias {
+                len: b.len(),
+                experts,
+            });
+        }
+        for row in logits.chunks_exact_mut(experts) {
+            for (l, b) in row.iter_mut().zip(b) {
+                *l += b;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Routes `n` tokens from their router logits `[n, experts]` as `spec` says (the module

@@ -12,7 +12,7 @@ use crate::format::manifest;
 use crate::format::pools::ExpertPool;
 use crate::runtime::RunError;
 use crate::runtime::experts::{ExpertMode, ExpertStore};
-use crate::runtime::kernels::routing::RoutingSpec;
+use crate::runtime::kernels::routing::{RouterBias, RoutingSpec};
 use crate::runtime::kernels::{Backend, BackendError, ExpertRef, LayerExperts, Routing};
 
 /// How a layer's router picks its experts.
@@ -22,8 +22,8 @@ pub struct RouterSpec<'r> {
     pub experts: usize,
     /// The routing rule (`kernels::routing`).
     pub routing: RoutingSpec,
-    /// The selection bias (`e_score_correction_bias`), when the rule has one.
-    pub bias: Option<&'r [f32]>,
+    /// The router's logit and selection biases (`kernels::routing::RouterBias`).
+    pub bias: RouterBias<'r>,
 }
 
 /// The backend's storage for the expert pools `pools` of `store` (a device mirror of
@@ -80,7 +80,7 @@ impl<B: Backend> RoutedExperts<'_, B> {
     ) -> Result<Option<Routing>, RunError> {
         let (b, l) = (self.b, self.layer);
         if !want_routes
-            && spec.bias.is_none()
+            && !spec.bias.any()
             && let (Some(bytes), Some(pool)) = (self.store.mapped(l), self.store.pool(l))
         {
             let layer = LayerExperts {

@@ -18,7 +18,7 @@ use crate::format::pools::ExpertPool;
 use crate::runtime::error::{InputError, RunError};
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
-use crate::runtime::kernels::routing::RoutingSpec;
+use crate::runtime::kernels::routing::{RouterBias, RoutingSpec};
 use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mlp::SwiGlu;
@@ -68,8 +68,12 @@ pub struct Config {
     pub qk_norm: bool,
     /// Routed experts, when the install has them.
     pub moe: Option<MoeConfig>,
-    /// Longest sequence (prompt + generated), from `max_position_embeddings`.
+    /// Longest sequence (prompt + generated): `max_position_embeddings`, or for
+    /// dynamic NTK RoPE that times its factor ([`context_length`]).
     pub max_positions: usize,
+    /// Sliding window of every layer's attention (`sliding_window`), when shorter than
+    /// the context.
+    pub window: Option<usize>,
     /// Rotary embeddings as the config describes them (`layers::rope`): partial rotary
     /// dims and RoPE scaling (linear, YaRN, llama3).
     pub rope: RopeSpec,
@@ -104,18 +108,7 @@ impl Config {
         let a = Axes::new(m, AXIS_BELOW, "missing");
         // The install's own rules first (the planner checked the config with them).
         crate::format::axes::check(&m.arch.axes).map_err(|e| a.err(&e.axis, &e.detail))?;
-        let max_positions = a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16);
-        if let Some(w) = a.opt_usize("sliding_window")?
-            && w < max_positions
-        {
-            return Err(a.err(
-                "sliding_window",
-                &format!(
-                    "{w}: sliding-window attention is not implemented by the decoder runner \
-                     (it attends over all {max_positions} positions)"
-                ),
-            ));
-        }
+        let trained = a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16);
         let hidden = a.usize("hidden_size")?;
         let heads = a.usize("num_attention_heads")?;
         let kv_heads = a.opt_usize("num_key_value_heads")?.unwrap_or(heads);
@@ -129,6 +122,17 @@ impl Config {
         if head_dim % 2 != 0 || head_dim == 0 {
             return Err(a.err("head_dim", "RoPE needs an even head width"));
         }
+        let rope = decoder_rope(m, head_dim)?;
+        let max_positions = context_length(&rope, trained);
+        // Mistral and Mixtral slide every layer's window (`sliding_window`, null for
+        // none); a window as long as the context changes nothing.
+        let window = match a.opt_usize("sliding_window")? {
+            Some(0) => {
+                return Err(a.err("sliding_window", "0: a window sees at least one position"));
+            }
+            Some(w) if w < max_positions => Some(w),
+            _ => None,
+        };
         let moe = if m.arch.required_axes.iter().any(|a| a == ROUTED_MOE) {
             Some(MoeConfig {
                 experts: a.usize("num_experts")?,
@@ -164,24 +168,37 @@ impl Config {
             qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM),
             moe,
             max_positions,
-            rope: decoder_rope(m, head_dim)?,
+            window,
+            rope,
         })
     }
 }
 
-/// The RoPE the decoder can run: a frequency table is made once at load (so dynamic NTK scaling, which changes the
-/// frequencies as the sequence grows, is refused); YaRN's attention factor scales q and
-/// k alike, so with every dim rotating it is a factor² on the softmax scale.
+/// The RoPE the decoder can run. YaRN's attention factor scales q and k alike, so
+/// with every dim rotating it is a factor² on the softmax scale.
 fn decoder_rope(m: &Manifest, head_dim: usize) -> Result<RopeSpec, RunError> {
     let rope = RopeSpec::from_manifest(m, head_dim)?;
     let refuse = |why: &str| Err(axis_err(m, "rope_scaling", why));
-    if matches!(rope.scaling, Scaling::Dynamic { .. }) {
-        return refuse("dynamic NTK RoPE scaling is not implemented by the decoder runner");
-    }
     if rope.attention_scaling() != 1.0 && rope.rotary_dim != head_dim {
         return refuse("YaRN's attention factor with partial rotary dims is not implemented");
     }
     Ok(rope)
+}
+
+/// How long a sequence the model runs. Dynamic NTK scaling exists to run past the
+/// pretraining context (`max_position_embeddings`) and has no end of its own; the
+/// config's factor says how far it was meant to stretch, so the decoder runs to
+/// `factor × max_position_embeddings` and refuses longer sequences as it refuses
+/// them past `max_position_embeddings` for every other scaling.
+pub fn context_length(rope: &RopeSpec, trained: usize) -> usize {
+    match rope.scaling {
+        Scaling::Dynamic { factor, .. } if factor > 1.0 => {
+            // `factor` is a checked positive real below the axis bound; the product
+            // saturates rather than overflows.
+            (trained as f64 * factor).min(usize::MAX as f64) as usize
+        }
+        _ => trained,
+    }
 }
 
 enum Mlp<'a, B: Backend> {
@@ -374,12 +391,14 @@ impl<'a, B: Backend> Model<'a, B> {
             Scaling::None if cfg.rope.rotary_dim == hd => (0..hd / 2)
                 .map(|i| (1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)) as f32)
                 .collect(),
-            _ => cfg.rope.inv_freq(cfg.max_positions),
+            // Dynamic NTK's frequencies up to its pretraining context (`call_rope`
+            // makes the later ones); the other scalings do not depend on the length.
+            _ => cfg.rope.inv_freq(0),
         };
         let expert_slots = expert_slots(b, &install.experts, &pools, cfg.layers)?;
         Ok(Model {
             final_norm: bind.vector("model.norm.weight", h)?,
-            rope: b.rope_table(&inv_freq, cfg.max_positions, cfg.rope.layout)?,
+            rope: b.rope_table(&inv_freq, 0..cfg.max_positions, cfg.rope.layout)?,
             slots: expert_slots,
             cfg,
             install,
@@ -447,6 +466,8 @@ impl<'a, B: Backend> Model<'a, B> {
         };
         let mut att = b.zeros(n * qw)?;
         let mut out = b.zeros(n * h)?;
+        let call_rope = self.call_rope(s.pos, n)?;
+        let rope = call_rope.as_ref().unwrap_or(&self.rope);
         let at = Causal {
             pos: s.pos,
             heads: c.heads,
@@ -463,8 +484,8 @@ impl<'a, B: Backend> Model<'a, B> {
                 std::mem::swap(&mut q, &mut qn);
                 std::mem::swap(&mut k, &mut kn);
             }
-            b.rope(&self.rope, &mut q, c.heads, hd, s.pos)?;
-            b.rope(&self.rope, &mut k, c.kv_heads, hd, s.pos)?;
+            b.rope(rope, &mut q, c.heads, hd, s.pos)?;
+            b.rope(rope, &mut k, c.kv_heads, hd, s.pos)?;
             b.attention(&mut s.kv[l], &q, &k, &v, at, None, &mut att)?;
             b.linear(&layer.o, &att, &mut out)?;
             b.add(&mut x, &out)?;
@@ -520,11 +541,30 @@ impl<'a, B: Backend> Model<'a, B> {
         Ok(())
     }
 
+    /// The RoPE table of a call whose frequencies are not the load-time table's:
+    /// with dynamic NTK scaling, a call reaching past the pretraining context rotates
+    /// its new tokens by the frequencies of its own length, as transformers'
+    /// `dynamic_rope_update` does (`seq_len = max(position_ids) + 1`; the cached keys
+    /// keep the frequencies they were rotated with). `None`: the load-time table.
+    fn call_rope(&self, pos: usize, n: usize) -> Result<Option<B::Rope>, RunError> {
+        let c = &self.cfg;
+        match c.rope.scaling {
+            Scaling::Dynamic { original_max, .. } if pos + n > original_max => Ok(Some(
+                self.backend
+                    .rope_table(&c.rope.inv_freq(pos + n), pos..pos + n, c.rope.layout)?,
+            )),
+            _ => Ok(None),
+        }
+    }
+
     /// The session's KV caches, made by its first forward pass.
     fn ensure_caches(&self, s: &mut Session<B>) -> Result<(), RunError> {
         let c = &self.cfg;
         if s.kv.len() != c.layers {
-            let spec = AttentionSpec::dense(c.kv_heads, c.head_dim);
+            let spec = AttentionSpec {
+                window: c.window,
+                ..AttentionSpec::dense(c.kv_heads, c.head_dim)
+            };
             s.kv = (0..c.layers)
                 .map(|_| self.backend.kv_cache(spec, c.max_positions))
                 .collect::<Result<_, _>>()?;
@@ -548,7 +588,7 @@ impl<'a, B: Backend> Model<'a, B> {
         let spec = RouterSpec {
             experts: moe.experts,
             routing: RoutingSpec::softmax_top_k(moe.top_k, moe.norm_topk_prob),
-            bias: None,
+            bias: RouterBias::NONE,
         };
         let experts = RoutedExperts {
             b: self.backend,

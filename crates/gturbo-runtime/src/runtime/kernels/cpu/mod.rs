@@ -9,7 +9,7 @@ use super::backend::{
     AttentionSpec, Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, RopeLayout,
     Routing,
 };
-use super::routing::{RoutingSpec, route_logits};
+use super::routing::{RouterBias, RoutingSpec, route_logits};
 use super::{Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace};
 use crate::format::pools::ExpertPool;
 
@@ -28,6 +28,9 @@ pub use sparse_attention::{CpuAttnCache, allowed_positions, block_scores};
 pub struct CpuRope {
     inv_freq: Vec<f32>,
     layout: RopeLayout,
+    /// The positions the table is for: the angles are computed per call, but a call
+    /// outside them is the caller's error on every backend.
+    positions: Range<usize>,
 }
 
 /// One layer's keys `[positions, kv_heads·qk_dim]` and values `[positions,
@@ -204,12 +207,13 @@ impl Backend for Cpu {
     fn rope_table(
         &self,
         inv_freq: &[f32],
-        _positions: usize,
+        positions: Range<usize>,
         layout: RopeLayout,
     ) -> OpResult<CpuRope> {
         Ok(CpuRope {
             inv_freq: inv_freq.to_vec(),
             layout,
+            positions,
         })
     }
 
@@ -223,7 +227,13 @@ impl Backend for Cpu {
     ) -> OpResult {
         let half = rope.inv_freq.len();
         assert!(2 * half <= head_dim, "rope: rotary width exceeds the head");
-        rows_of("rope", x.len(), heads * head_dim);
+        let n = rows_of("rope", x.len(), heads * head_dim);
+        assert!(
+            pos >= rope.positions.start && pos + n <= rope.positions.end,
+            "rope: positions {pos}..{} outside the table's {:?}",
+            pos + n,
+            rope.positions
+        );
         for (i, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
             let p = pos + i;
             for head in token.chunks_exact_mut(head_dim) {
@@ -329,13 +339,14 @@ impl Backend for Cpu {
         router: &Matrix<'_>,
         x: &Vec<f32>,
         spec: &RoutingSpec,
-        bias: Option<&[f32]>,
+        bias: RouterBias<'_>,
     ) -> OpResult<Routing> {
         let experts = router.rows();
         let n = rows_of("route", x.len(), router.cols());
         let mut logits = vec![0f32; n * experts];
         self.matmul(router, x, n, &mut logits);
-        route_logits(spec, &logits, bias, experts)
+        bias.add_to_logits(&mut logits, experts)
+            .and_then(|()| route_logits(spec, &logits, bias.selection, experts))
             .map_err(|e| BackendError::new(self.name(), "route", e))
     }
 

@@ -21,7 +21,7 @@ use crate::runtime::kernels::backend::{
     AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
     RopeLayout, Routing,
 };
-use crate::runtime::kernels::routing::{RoutingSpec, route_logits};
+use crate::runtime::kernels::routing::{RouterBias, RoutingSpec, route_logits};
 
 /// An expert's gate, up and down on the device, shared by the uses of one blob.
 type ExpertMats = Arc<[GpuMatrix; 3]>;
@@ -427,7 +427,7 @@ impl Backend for Gpu {
     fn rope_table(
         &self,
         inv_freq: &[f32],
-        positions: usize,
+        positions: Range<usize>,
         layout: RopeLayout,
     ) -> OpResult<GpuRope> {
         RopeTable::from_inv_freq(&self.ctx, inv_freq, positions)
@@ -510,7 +510,7 @@ impl Backend for Gpu {
         router: &GpuMatrix,
         x: &GpuBuf,
         spec: &RoutingSpec,
-        bias: Option<&[f32]>,
+        bias: RouterBias<'_>,
     ) -> OpResult<Routing> {
         let top_k = spec.top_k;
         let run = || -> Result<Routing> {
@@ -518,14 +518,18 @@ impl Backend for Gpu {
             let n = x.len() / router.cols().max(1);
             let logits = self.scratch(n * experts)?;
             self.ctx.matmul(router, &x.t, &logits.t)?;
-            let Some(renormalize) = spec.plain_softmax() else {
+            let plain = spec.plain_softmax().filter(|_| bias.logits.is_none());
+            let Some(renormalize) = plain else {
                 // Other routers choose on the host from the logits (`n × experts`
                 // floats, read back as the choice would be): the reference itself.
-                let l = self.ctx.download_f32(&logits.t)?;
-                return route_logits(spec, &l, bias, experts).map_err(|e| GpuError::Shape {
-                    op: "route",
-                    message: e.to_string(),
-                });
+                let mut l = self.ctx.download_f32(&logits.t)?;
+                return bias
+                    .add_to_logits(&mut l, experts)
+                    .and_then(|()| route_logits(spec, &l, bias.selection, experts))
+                    .map_err(|e| GpuError::Shape {
+                        op: "route",
+                        message: e.to_string(),
+                    });
             };
             let r = self
                 .ctx

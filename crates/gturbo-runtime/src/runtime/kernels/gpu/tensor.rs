@@ -347,6 +347,9 @@ fn half_index(bytes: usize) -> Result<u32> {
 pub struct RopeTable {
     pub(crate) table: GpuTensor,
     pub(crate) rot: usize,
+    /// Row 0's position.
+    first: usize,
+    /// The end (exclusive) of the positions covered.
     positions: usize,
     /// Which dims pair up (`ctx.rope` reads it; the Flash-Next ops, half-split only,
     /// read the table alone).
@@ -367,15 +370,16 @@ impl RopeTable {
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| (1.0 / theta.powf(2.0 * i as f64 / rot as f64)) as f32)
             .collect();
-        RopeTable::from_inv_freq(ctx, &inv_freq, positions)
+        RopeTable::from_inv_freq(ctx, &inv_freq, 0..positions)
     }
 
     /// A table for the frequencies `inv_freq` (the first `2·inv_freq.len()` dims of
-    /// each head rotate) at positions `0..positions`.
+    /// each head rotate) at the absolute positions `positions` (row `i` is position
+    /// `positions.start + i`).
     pub fn from_inv_freq(
         ctx: &GpuContext,
         inv_freq: &[f32],
-        positions: usize,
+        positions: std::ops::Range<usize>,
     ) -> Result<RopeTable> {
         let rot = 2 * inv_freq.len();
         if rot == 0 {
@@ -384,8 +388,9 @@ impl RopeTable {
                 message: "no frequencies".into(),
             });
         }
-        let mut t = Vec::with_capacity(positions * rot);
-        for pos in 0..positions {
+        let (first, rows) = (positions.start, positions.len());
+        let mut t = Vec::with_capacity(rows * rot);
+        for pos in positions {
             for f in inv_freq {
                 let (s, c) = (pos as f32 * f).sin_cos();
                 t.push(c);
@@ -393,9 +398,10 @@ impl RopeTable {
             }
         }
         Ok(RopeTable {
-            table: ctx.upload_f32(&[positions, inv_freq.len(), 2], &t)?,
+            table: ctx.upload_f32(&[rows, inv_freq.len(), 2], &t)?,
             rot,
-            positions,
+            first,
+            positions: first + rows,
             layout: RopeLayout::HalfSplit,
         })
     }
@@ -410,9 +416,14 @@ impl RopeTable {
         self.rot
     }
 
-    /// Positions covered.
+    /// The end of the positions covered (exclusive).
     pub fn positions(&self) -> usize {
         self.positions
+    }
+
+    /// The first position covered (its row 0).
+    pub fn first(&self) -> usize {
+        self.first
     }
 }
 

@@ -435,8 +435,8 @@ pub(crate) fn indexer<B: Ops>(b: &B) {
         let (qw, kvw) = (case.heads * case.head_dim, case.kv_heads * case.head_dim);
         let freqs = inv_freq(1e4, case.rot);
         let (grope, crope) = (
-            b.rope_table(&freqs, 64, RopeLayout::HalfSplit).unwrap(),
-            c.rope_table(&freqs, 64, RopeLayout::HalfSplit).unwrap(),
+            b.rope_table(&freqs, 0..64, RopeLayout::HalfSplit).unwrap(),
+            c.rope_table(&freqs, 0..64, RopeLayout::HalfSplit).unwrap(),
         );
         let k_norm = rng.scaled(di, 0.3);
         let gk = up(b, &k_norm);

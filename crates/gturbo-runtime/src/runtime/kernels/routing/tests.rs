@@ -72,7 +72,7 @@ fn softmax_top_k_is_bit_identical_to_the_previous_cpu_route() {
         for renormalize in [false, true] {
             let want = previous_route(&logits, experts, top_k, renormalize);
             let spec = RoutingSpec::softmax_top_k(top_k, renormalize);
-            let backend = cpu.route(&m, &x, &spec, None).unwrap();
+            let backend = cpu.route(&m, &x, &spec, RouterBias::NONE).unwrap();
             assert_eq!(bits(&backend), bits(&want), "the CPU backend's route");
             let got = route_logits(&spec, &logits, None, experts).unwrap();
             assert_eq!(bits(&got), bits(&want), "{experts}/{top_k} n {n}");
@@ -303,6 +303,11 @@ struct GoldenCase {
     bias: Option<Vec<f32>>,
     experts: Vec<u32>,
     weights: Vec<f32>,
+    /// The router linear, for a router whose linear has a bias (gpt-oss): the hidden
+    /// states `[tokens, hidden]`, the weight `[E, hidden]` and the bias `[E]`.
+    hidden: Option<Vec<f32>>,
+    router_weight: Option<Vec<f32>>,
+    logit_bias: Option<Vec<f32>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -442,4 +447,56 @@ fn every_family_routes_as_transformers_routes() {
             );
         }
     }
+}
+
+/// gpt-oss's router end to end: the CPU backend's `route` over transformers' router
+/// weight, hidden states and linear bias (`RouterBias::logits`) chooses the module's
+/// experts with its weights; without the bias some token's choice changes.
+#[test]
+fn a_router_with_a_linear_bias_routes_as_transformers_from_the_hidden_states() {
+    let golden: Golden = serde_json::from_str(include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/routing_golden.json"
+    )))
+    .expect("parse tests/data/routing_golden.json");
+    let cpu = Cpu::new(1);
+    let mut checked = 0;
+    for c in &golden.cases {
+        let (Some(h), Some(w), Some(b)) = (&c.hidden, &c.router_weight, &c.logit_bias) else {
+            continue;
+        };
+        let (e, n) = (c.n_experts, golden.tokens);
+        let cols = h.len() / n;
+        assert_eq!((w.len(), b.len()), (e * cols, e), "{}", c.name);
+        let data: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let m = Matrix::Float {
+            dtype: FloatDtype::F32,
+            data: &data,
+            rows: e,
+            cols,
+        };
+        let spec = golden_spec(c);
+        let bias = RouterBias {
+            logits: Some(b),
+            selection: None,
+        };
+        let got = cpu.route(&m, h, &spec, bias).unwrap();
+        let worst = golden_diff(c, &got, n);
+        println!("{} from hidden states: max |Δw| {worst:.3e}", c.name);
+        assert!(worst <= GOLDEN_TOL, "{}: weights off by {worst}", c.name);
+        let unbiased = cpu.route(&m, h, &spec, RouterBias::NONE).unwrap();
+        assert_ne!(
+            unbiased.experts, got.experts,
+            "{}: the bias matters",
+            c.name
+        );
+        let short = RouterBias {
+            logits: Some(&b[1..]),
+            selection: None,
+        };
+        let err = cpu.route(&m, h, &spec, short).unwrap_err().to_string();
+        assert!(err.contains("router bias"), "{err}");
+        checked += 1;
+    }
+    assert_eq!(checked, 1, "the gpt-oss case carries its router linear");
 }

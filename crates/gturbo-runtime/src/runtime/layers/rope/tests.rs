@@ -483,7 +483,7 @@ fn the_backend_rope_op_rotates_as_the_spec_does() {
             .collect();
         let mut want = x.clone();
         spec.apply_with(&freqs, &mut want, heads, pos);
-        let table = cpu.rope_table(&freqs, pos + n, layout).unwrap();
+        let table = cpu.rope_table(&freqs, pos..pos + n, layout).unwrap();
         let mut got = x;
         cpu.rope(&table, &mut got, heads, head_dim, pos).unwrap();
         let worst = got

@@ -494,7 +494,7 @@ impl<'a, B: Ops> FlashModel<'a, B> {
             )?,
             rope: b.rope_table(
                 &inv_freq(cfg.rope_theta, cfg.rotary_dim),
-                cfg.max_positions,
+                0..cfg.max_positions,
                 RopeLayout::HalfSplit,
             )?,
             slots,

@@ -14,7 +14,7 @@
 use crate::runtime::RunError;
 use crate::runtime::experts::ExpertStore;
 use crate::runtime::kernels::ops::Ops;
-use crate::runtime::kernels::routing::RoutingSpec;
+use crate::runtime::kernels::routing::{RouterBias, RoutingSpec};
 use crate::runtime::kernels::{Backend, Routing};
 use crate::runtime::layers::mlp::SharedExpert;
 use crate::runtime::layers::moe::{RoutedExperts, RouterSpec};
@@ -104,7 +104,7 @@ pub fn moe_forward<B: Ops>(
     let spec = RouterSpec {
         experts: d.experts,
         routing: RoutingSpec::softmax_top_k(d.top_k, d.norm_topk_prob),
-        bias: None,
+        bias: RouterBias::NONE,
     };
     let routed = RoutedExperts {
         b,

@@ -460,12 +460,13 @@ impl GpuContext {
                 format!("rotary width {} exceeds head width {head_dim}", table.rot),
             ));
         }
-        if pos0 + n > table.positions() {
+        if pos0 < table.first() || pos0 + n > table.positions() {
             return Err(shape_err(
                 OP,
                 format!(
-                    "positions up to {} but the table covers {}",
+                    "positions {pos0}..{} but the table covers {}..{}",
                     pos0 + n,
+                    table.first(),
                     table.positions()
                 ),
             ));
@@ -475,7 +476,8 @@ impl GpuContext {
             heads: u32_of(OP, heads)?,
             head_dim: u32_of(OP, head_dim)?,
             rot: u32_of(OP, table.rot)?,
-            pos0: u32_of(OP, pos0)?,
+            // The kernel reads the table's row `pos0 + i`.
+            pos0: u32_of(OP, pos0 - table.first())?,
             x_off: 0,
             interleaved: u32::from(table.layout == RopeLayout::Interleaved),
         };

@@ -201,6 +201,13 @@ impl SparseAttentionOps for Gpu {
             let ix = cache.indexer;
             let (di, cr, ni) = (ix.head_dim, ix.compress, ix.heads);
             let table = rope.table();
+            if table.first() != 0 {
+                // The block pooling reads the table at absolute positions.
+                return Err(shape(
+                    OP,
+                    format!("a RoPE table from position {}", table.first()),
+                ));
+            }
             let (rot, positions) = (table.rot(), table.positions());
             let t = indexer_tokens(cache, iq, raw, k_norm, (rot, positions), pos)?;
             // Forget what was cached after `pos` (a failed pass leaves a clean state).
