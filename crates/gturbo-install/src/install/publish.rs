@@ -405,7 +405,7 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
                 overrides,
                 parity_gate: format!(
                     "quant profile {} ({}); bit-exact with MLX 0.32.4 mx.quantize \
-                     (tests/data/mlx_q4g64_golden.json, tests/data/mlx_quant_widths_golden.json){}",
+                     (tests/data/mlx_q4g64_golden.json, tests/data/mlx_quant_widths_golden.json){}{}",
                     plan.options.quant,
                     crate::plan::profile::PROFILES_FILE,
                     // --requantize: what the profile was applied to.
@@ -416,7 +416,14 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
                          dequantized as mx.dequantize",
                             q.format,
                             q.scheme.label()
-                        ))
+                        )),
+                    // An FP8 source: what the profile was applied to.
+                    if plan.tensors.iter().any(|t| t.fp8.is_some()) {
+                        "; from an FP8 e4m3 source with 128×128 block scales, dequantized \
+                         to BF16 as MLX-LM's deepseek_v3 `sanitize`"
+                    } else {
+                        ""
+                    }
                 ),
                 // FORMAT.md "quality.json": the family's requirement travels with the
                 // install (a passthrough install is its own reference and needs none).

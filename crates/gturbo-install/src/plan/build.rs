@@ -10,9 +10,10 @@ use super::policy::Policy;
 use super::profile::{AutoChoice, QuantMode};
 use super::types::{
     COPIED_FILES, Census, CopiedFile, Dest, MAX_COPIED_BYTES, Outputs, PLAN_SCHEMA, PackedPart,
-    Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, SourcePart,
+    Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, ScaledFp8,
+    SourcePart,
 };
-use super::{coalesce, experts, mlx, profile, rows};
+use super::{coalesce, experts, fp8, mlx, profile, rows};
 use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
 
@@ -133,7 +134,8 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
-    let sources = mlx::sources(input.headers, quant.as_ref())?;
+    let fp8 = fp8::read_fp8(input.config)?;
+    let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref())?;
     let policy = Policy {
         family,
         profile,
@@ -265,6 +267,17 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                     biases: b,
                 }
             });
+            // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its
+            // FP8 codes; its block scales are staged by the executor.
+            let fp8 = d.fp8.map(|p| ScaledFp8 {
+                scale_inv: SourcePart {
+                    name: p.name,
+                    shard: p.shard,
+                    dtype: p.dtype,
+                    shape: p.shape,
+                    src: p.src,
+                },
+            });
             out.push(PlannedTensor {
                 name: d.name,
                 shard: d.shard,
@@ -275,6 +288,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 dest,
                 packed: None,
                 requant,
+                fp8,
             });
             continue;
         };
@@ -305,6 +319,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                     cols,
                 }),
                 requant: None,
+                fp8: None,
             });
         }
     }
