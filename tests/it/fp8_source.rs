@@ -455,6 +455,20 @@ fn a_nan_code_or_a_non_finite_scale_is_refused_naming_the_tensor() {
         )),
         "{t}"
     );
+    // --requantize is MLX sources' flag: an FP8 source is always dequantized.
+    let o = try_install(
+        "llama",
+        &snap,
+        &work.path().join("c.gturbo"),
+        &["-q", "--quant", "int8", "--requantize"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        text(&o)
+            .contains("field `quantization_config`: --requantize: the source is FP8 block-scaled"),
+        "{}",
+        text(&o)
+    );
     let snap = work.path().join("inf");
     write_fp8_snapshot(&snap, |f| f.get_mut(bad).unwrap().scales[1] = f32::INFINITY);
     let o = try_install(

@@ -109,6 +109,18 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
+    let fp8 = fp8::read_fp8(input.config)?;
+    if fp8.is_some() && options.requantize {
+        return Err(PlanError::Config {
+            field: fp8::KEY.into(),
+            detail: format!(
+                "--requantize: the source is FP8 block-scaled, which is always dequantized \
+                 and quantized at the profile; leave --requantize out to install it at \
+                 --quant {}",
+                options.quant
+            ),
+        });
+    }
     if quant.is_none() && options.requantize {
         // Decided: an error, not a silent no-op, so a script that meant another
         // repo finds out (docs/INSTALL.md, quant profiles).
@@ -134,7 +146,6 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
-    let fp8 = fp8::read_fp8(input.config)?;
     let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref())?;
     let policy = Policy {
         family,

@@ -680,6 +680,19 @@ mod tests {
             err(json!({"quantization": {"bits": 4, "group_size": 32, "mode": "mxfp4"}}), &ok)
                 .starts_with("config.json: field `quantization.mode`: \"mxfp4\"; gturbo installs MLX's `affine` mode only")
         );
+        // Another format's block is refused by name; an FP8 one is not MLX's to read.
+        let e = err(
+            json!({"quantization_config": {"quant_method": "mxfp4"}}),
+            &ok,
+        );
+        assert!(
+            e.starts_with("config.json: field `quantization_config.quant_method`: \"mxfp4\": gturbo installs MLX-quantized sources"),
+            "{e}"
+        );
+        assert_eq!(
+            read_quant(&json!({"quantization_config": {"quant_method": "fp8"}})).unwrap(),
+            None
+        );
         assert_eq!(
             err(json!({"quantization": {"group_size": 64}}), &ok),
             "config.json: field `quantization.bits`: missing"
