@@ -330,33 +330,7 @@ impl<'a> ReadWriter<'a> {
         if p.fp8 {
             self.dequantize_fp8(seg, src, &mut deq)?;
         } else if let Some(from) = p.requant {
-            let Some(Staged::Affine {
-                row0,
-                scales,
-                biases,
-            }) = self.staged.get(&seg.tensor)
-            else {
-                return Err(InstallError::Internal(format!("{}: not staged", t.name)));
-            };
-            let per = from.row_sizes(p.cols).map_or(0, |s| s.scales) as usize;
-            let at = (self.tile_row0 - row0) as usize * per;
-            let len = n as usize * per;
-            let (s, b) = (&scales[at..at + len], &biases[at..at + len]);
-            let mut vals = vec![0u16; (n * p.cols) as usize];
-            quant::dequantize_rows_bf16(
-                src,
-                s,
-                b,
-                p.cols as usize,
-                Spec::from_affine(from),
-                &mut vals,
-            )
-            .map_err(|e| InstallError::Transform {
-                tensor: t.name.clone(),
-                detail: format!("dequantizing: {e}"),
-            })?;
-            deq.clear();
-            deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+            self.dequantize_affine(seg, from, src, &mut deq)?;
         }
         let input: &[u8] = if p.requant.is_some() || p.fp8 {
             &deq
@@ -420,6 +394,41 @@ impl<'a> ReadWriter<'a> {
         self.deq = deq;
         self.tile_row0 += n;
         self.tile_rows = 0;
+        Ok(())
+    }
+
+    /// Dequantize one tile of a requantized module's packed words, `src` (rows
+    /// `tile_row0..`, the source's layout `from`), into `deq` (little-endian BF16), with
+    /// the scales and biases [`stage`] fetched for it.
+    fn dequantize_affine(
+        &self,
+        seg: &Segment,
+        from: crate::format::Affine,
+        src: &[u8],
+        deq: &mut Vec<u8>,
+    ) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let Some(Staged::Affine {
+            row0,
+            scales,
+            biases,
+        }) = self.staged.get(&seg.tensor)
+        else {
+            return Err(InstallError::Internal(format!("{}: not staged", t.name)));
+        };
+        let cols = self.placements[seg.tensor].as_ref().map_or(0, |p| p.cols);
+        let per = from.row_sizes(cols).map_or(0, |s| s.scales) as usize;
+        let at = (self.tile_row0 - row0) as usize * per;
+        let len = self.tile_rows as usize * per;
+        let (s, b) = (&scales[at..at + len], &biases[at..at + len]);
+        let mut vals = vec![0u16; (self.tile_rows * cols) as usize];
+        quant::dequantize_rows_bf16(src, s, b, cols as usize, Spec::from_affine(from), &mut vals)
+            .map_err(|e| InstallError::Transform {
+            tensor: t.name.clone(),
+            detail: format!("dequantizing: {e}"),
+        })?;
+        deq.clear();
+        deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
         Ok(())
     }
 

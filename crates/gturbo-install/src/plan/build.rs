@@ -90,50 +90,8 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         field: "--quant".into(),
         detail,
     })?;
-    if let Some(q) = &quant
-        && options.quant_requested
-        && !options.requantize
-    {
-        let rec = q.record();
-        return Err(PlanError::Config {
-            field: q.key.clone(),
-            detail: format!(
-                "the source is pre-quantized ({}: {} by default, {} module entries); it is \
-                 installed with its own widths, not at --quant {} (quantizing twice loses \
-                 quality); leave --quant out to install it as published, or add \
-                 --requantize to dequantize and requantize it",
-                rec.format,
-                rec.scheme.label(),
-                rec.modules.len(),
-                options.quant
-            ),
-        });
-    }
     let fp8 = fp8::read_fp8(input.config)?;
-    if fp8.is_some() && options.requantize {
-        return Err(PlanError::Config {
-            field: fp8::KEY.into(),
-            detail: format!(
-                "--requantize: the source is FP8 block-scaled, which is always dequantized \
-                 and quantized at the profile; leave --requantize out to install it at \
-                 --quant {}",
-                options.quant
-            ),
-        });
-    }
-    if quant.is_none() && options.requantize {
-        // Decided: an error, not a silent no-op, so a script that meant another
-        // repo finds out (docs/INSTALL.md, quant profiles).
-        return Err(PlanError::Config {
-            field: "quantization".into(),
-            detail: format!(
-                "--requantize: the source is not pre-quantized (config.json has no \
-                 `quantization` block), so there is nothing to dequantize; leave \
-                 --requantize out to quantize it at --quant {}",
-                options.quant
-            ),
-        });
-    }
+    check_quant_flags(quant.as_ref(), fp8.as_ref(), options)?;
     let requantize = quant.is_some() && options.requantize;
     let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
     if profile.needs_layers() && num_layers.is_none() && (quant.is_none() || requantize) {
@@ -189,6 +147,60 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         requantized_from: quant.as_ref().filter(|_| requantize).map(|q| q.record()),
         auto: None,
     })
+}
+
+/// The quant flags against the source: a profile asked for by name over a
+/// pre-quantized source (without `--requantize`), and `--requantize` over a source
+/// that is not MLX-quantized (an FP8 one is always dequantized), are refused.
+fn check_quant_flags(
+    quant: Option<&mlx::MlxQuant>,
+    fp8: Option<&fp8::Fp8Quant>,
+    options: &PlanOptions,
+) -> Result<(), PlanError> {
+    if let Some(q) = quant
+        && options.quant_requested
+        && !options.requantize
+    {
+        let rec = q.record();
+        return Err(PlanError::Config {
+            field: q.key.clone(),
+            detail: format!(
+                "the source is pre-quantized ({}: {} by default, {} module entries); it is \
+                 installed with its own widths, not at --quant {} (quantizing twice loses \
+                 quality); leave --quant out to install it as published, or add \
+                 --requantize to dequantize and requantize it",
+                rec.format,
+                rec.scheme.label(),
+                rec.modules.len(),
+                options.quant
+            ),
+        });
+    }
+    if fp8.is_some() && options.requantize {
+        return Err(PlanError::Config {
+            field: fp8::KEY.into(),
+            detail: format!(
+                "--requantize: the source is FP8 block-scaled, which is always dequantized \
+                 and quantized at the profile; leave --requantize out to install it at \
+                 --quant {}",
+                options.quant
+            ),
+        });
+    }
+    if quant.is_none() && options.requantize {
+        // Decided: an error, not a silent no-op, so a script that meant another
+        // repo finds out (docs/INSTALL.md, quant profiles).
+        return Err(PlanError::Config {
+            field: "quantization".into(),
+            detail: format!(
+                "--requantize: the source is not pre-quantized (config.json has no \
+                 `quantization` block), so there is nothing to dequantize; leave \
+                 --requantize out to quantize it at --quant {}",
+                options.quant
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The source shards in index order, with their published hashes.

@@ -117,39 +117,41 @@ pub(super) fn pairs(
             ));
         };
         if quant.is_none() {
-            return Err(PlanError::Config {
-                field: KEY.into(),
-                detail: format!(
-                    "missing, but the source is FP8 block-scaled (`{wname}` is {} with \
-                     `{name}`); an FP8 source needs `\"quantization_config\": \
-                     {{\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", \
-                     \"weight_block_size\": [128, 128]}}`",
-                    w.dtype.name()
-                ),
-            });
+            return Err(unlabelled(wname, w, name));
         }
         check_pair(headers, (wsi, w), (si, s))?;
         out.insert(wname.to_string(), part_src(headers, si, s));
     }
-    if quant.is_some() {
-        // Every FP8 weight comes with its scale: a code without one has no value.
-        let lone = by_name
-            .iter()
-            .find(|(n, (_, t))| t.dtype == Dtype::F8_E4M3 && !out.contains_key(**n));
-        if let Some((&n, &(si, _))) = lone {
-            return Err(tensor_err(
-                headers,
-                si,
-                n,
-                "name",
-                format!(
-                    "an FP8 e4m3 weight comes with its block scales `{n}{SCALE_SUFFIX}` \
-                     (config.json `{KEY}.quant_method` is \"fp8\"); the source lacks them"
-                ),
-            ));
-        }
+    // Every FP8 weight comes with its scale: a code without one has no value.
+    let lone = by_name
+        .iter()
+        .find(|(n, (_, t))| t.dtype == Dtype::F8_E4M3 && !out.contains_key(**n));
+    if let (Some(_), Some((&n, &(si, _)))) = (quant, lone) {
+        return Err(tensor_err(
+            headers,
+            si,
+            n,
+            "name",
+            format!(
+                "an FP8 e4m3 weight comes with its block scales `{n}{SCALE_SUFFIX}` \
+                 (config.json `{KEY}.quant_method` is \"fp8\"); the source lacks them"
+            ),
+        ));
     }
     Ok(out)
+}
+
+/// Weight `wname` has block scales `name` but config.json has no FP8 block.
+fn unlabelled(wname: &str, w: &TensorHeader, name: &str) -> PlanError {
+    let block = r#"{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}"#;
+    PlanError::Config {
+        field: KEY.into(),
+        detail: format!(
+            "missing, but the source is FP8 block-scaled (`{wname}` is {} with `{name}`); \
+             an FP8 source needs `\"{KEY}\": {block}`",
+            w.dtype.name()
+        ),
+    }
 }
 
 /// An FP8 weight `[rows, cols]` and its F32 scales `[ceil(rows/128), ceil(cols/128)]`.
