@@ -139,8 +139,11 @@ fn rule(codes: &[u8], scales: &[f32], cols: usize) -> Vec<u8> {
         .collect()
 }
 
-/// Write a safetensors file of `tensors` (name, dtype, shape, bytes), in that order.
-fn write_st(path: &Path, tensors: &[(String, &str, Vec<u64>, Vec<u8>)]) {
+/// One tensor to write: name, dtype, shape, bytes.
+type StTensor = (String, &'static str, Vec<u64>, Vec<u8>);
+
+/// Write a safetensors file of `tensors`, in that order.
+fn write_st(path: &Path, tensors: &[StTensor]) {
     let mut head = serde_json::Map::new();
     head.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut at = 0usize;
@@ -232,7 +235,7 @@ fn write_fp8_snapshot(
         map.values().map(|v| v.as_str().unwrap()).collect();
     let files: Vec<&str> = files.into_iter().collect();
     assert_eq!(files.len(), 2);
-    let mut shards: BTreeMap<&str, Vec<(String, &str, Vec<u64>, Vec<u8>)>> = BTreeMap::new();
+    let mut shards: BTreeMap<&str, Vec<StTensor>> = BTreeMap::new();
     let mut weight_map = serde_json::Map::new();
     for (name, (dtype, shape, bytes)) in &src {
         let file = map[name].as_str().unwrap();
