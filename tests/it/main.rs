@@ -5,6 +5,7 @@ mod doctor;
 mod dry_run;
 mod flash_next;
 mod flash_next_run;
+mod fp8_source;
 #[cfg(feature = "gpu")]
 mod gpu;
 #[cfg(feature = "gpu")]

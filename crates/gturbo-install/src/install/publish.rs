@@ -348,6 +348,17 @@ fn source_shards(plan: &Plan) -> Vec<ReceiptSource> {
         .collect()
 }
 
+/// What the profile of an FP8 source was applied to (the manifest's parity gate);
+/// empty for other sources.
+fn fp8_note(plan: &crate::plan::Plan) -> &'static str {
+    if plan.tensors.iter().any(|t| t.fp8.is_some()) {
+        "; from an FP8 e4m3 source with 128×128 block scales, dequantized to BF16 as \
+         MLX-LM's deepseek_v3 `sanitize`"
+    } else {
+        ""
+    }
+}
+
 fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFile>) -> Manifest {
     let plan = &prepared.plan;
     // The profile's default scheme, the family's overrides where they applied, then
@@ -405,7 +416,7 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
                 overrides,
                 parity_gate: format!(
                     "quant profile {} ({}); bit-exact with MLX 0.32.4 mx.quantize \
-                     (tests/data/mlx_q4g64_golden.json, tests/data/mlx_quant_widths_golden.json){}",
+                     (tests/data/mlx_q4g64_golden.json, tests/data/mlx_quant_widths_golden.json){}{}",
                     plan.options.quant,
                     crate::plan::profile::PROFILES_FILE,
                     // --requantize: what the profile was applied to.
@@ -416,7 +427,8 @@ fn build_manifest(prepared: &Prepared, fingerprint: &str, files: Vec<ManifestFil
                          dequantized as mx.dequantize",
                             q.format,
                             q.scheme.label()
-                        ))
+                        )),
+                    fp8_note(plan)
                 ),
                 // FORMAT.md "quality.json": the family's requirement travels with the
                 // install (a passthrough install is its own reference and needs none).

@@ -12,6 +12,16 @@
 //! first ([`stage`]), so each tile is dequantized and quantized again on its own. What
 //! a read writes still depends on the source alone, so a resumed read rewrites the
 //! same bytes.
+//!
+//! An FP8 weight streams its e4m3 codes the same way, its `weight_scale_inv` rows for
+//! the read's rows staged first; each tile is dequantized to BF16 on its own
+//! ([`crate::transform::fp8`]) and then quantized or written like a BF16 source's.
+//! Memory stays bounded by the read and the tile, never the tensor: a read (at most
+//! [`crate::plan::COALESCE_MAX`] of codes) stages one F32 scale row per 128 of its
+//! rows (4 bytes per 16,384 codes: 16 KiB for a 64 MiB read, plus the partial bands at
+//! its two ends), and a tile of `tile_bytes` of codes becomes twice that in BF16
+//! scratch, reused from tile to tile. A tile need not be a whole 128-row band: each
+//! row picks its scale row.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -25,6 +35,7 @@ use crate::plan::placement::TensorPlacement;
 use crate::plan::{Plan, RangeRead};
 
 use crate::source::{RangeSource, SourceError};
+use crate::transform::fp8::{self, Fp8Error};
 use crate::transform::quant::{self, Spec};
 
 use super::stage::OutputFiles;
@@ -108,24 +119,34 @@ pub(super) struct ReadWriter<'a> {
     pub(super) touched: BTreeSet<usize>,
     /// Output bytes written.
     pub(super) written: u64,
-    /// Scales and biases of the requantized modules this read covers ([`stage`]).
+    /// Scales and biases of the requantized modules, and block scales of the FP8
+    /// weights, this read covers ([`stage`]).
     staged: std::collections::BTreeMap<usize, Staged>,
-    /// Scratch: a requantized tile dequantized to BF16 (little-endian bytes).
+    /// Scratch: a requantized or FP8 tile dequantized to BF16 (little-endian bytes).
     deq: Vec<u8>,
+    /// Scratch: the same as BF16 bit patterns.
+    vals: Vec<u16>,
 }
 
-/// One requantized module's scales and biases for the rows `row0..` one read covers,
-/// as the source stores them (BF16, one per group).
-pub(super) struct Staged {
-    row0: u64,
-    scales: bytes::Bytes,
-    biases: bytes::Bytes,
+/// What one read stages for one tensor before its bytes stream through.
+pub(super) enum Staged {
+    /// A requantized module's scales and biases for the rows `row0..` the read
+    /// covers, as the source stores them (BF16, one per group).
+    Affine {
+        row0: u64,
+        scales: bytes::Bytes,
+        biases: bytes::Bytes,
+    },
+    /// An FP8 weight's `weight_scale_inv` rows `row0 / 128 ..` covering the rows
+    /// `row0..` the read covers (little-endian F32, `ceil(cols / 128)` per row).
+    Fp8 { row0: u64, scale_inv: bytes::Bytes },
 }
 
-/// Fetch the scales and biases of every requantized module among `segs` (their rows
-/// only), before the read's packed weights stream through. They are small next to
-/// the weights (4 bytes per group against `group·bits/8`), so a read stages at most
-/// half its own size (2-bit g32) and an eighth at 4-bit g64. Returns them and the
+/// Fetch the scales and biases of every requantized module, and the block scales of
+/// every FP8 weight, among `segs` (their rows only), before the read's packed weights
+/// or FP8 codes stream through. They are small next to the weights (4 bytes per group
+/// against `group·bits/8`; 4 bytes per 128×128 block of FP8), so a read stages at
+/// most half its own size (2-bit g32), an eighth at 4-bit g64. Returns them and the
 /// source bytes fetched.
 pub(super) async fn stage(
     source: &dyn RangeSource,
@@ -137,6 +158,21 @@ pub(super) async fn stage(
     let mut fetched = 0u64;
     for seg in segs {
         let t = &plan.tensors[seg.tensor];
+        if let (Some(f), Some(Some(p))) = (&t.fp8, placements.get(seg.tensor)) {
+            let per = fp8::blocks(p.cols) * 4;
+            // The scale rows of rows row0..row1 (row1 > row0: a segment holds a byte).
+            let bands = seg.row0 / fp8::BLOCK..(seg.row1 - 1) / fp8::BLOCK + 1;
+            fetched += (bands.end - bands.start) * per;
+            let scale_inv = stage_rows(source, plan, &f.scale_inv, bands, per).await?;
+            out.insert(
+                seg.tensor,
+                Staged::Fp8 {
+                    row0: seg.row0,
+                    scale_inv,
+                },
+            );
+            continue;
+        }
         let (Some(r), Some(Some(p))) = (&t.requant, placements.get(seg.tensor)) else {
             continue;
         };
@@ -151,7 +187,7 @@ pub(super) async fn stage(
         fetched += 2 * (seg.row1 - seg.row0) * per;
         out.insert(
             seg.tensor,
-            Staged {
+            Staged::Affine {
                 row0: seg.row0,
                 scales,
                 biases,
@@ -221,6 +257,7 @@ impl<'a> ReadWriter<'a> {
             written: 0,
             staged,
             deq: Vec::new(),
+            vals: Vec::new(),
         }
     }
 
@@ -290,32 +327,16 @@ impl<'a> ReadWriter<'a> {
         // matrix `mx.dequantize` gives, which is then quantized (or kept) like a
         // BF16 source's.
         let mut deq = std::mem::take(&mut self.deq);
-        if let Some(from) = p.requant {
-            let st = self
-                .staged
-                .get(&seg.tensor)
-                .ok_or_else(|| InstallError::Internal(format!("{}: not staged", t.name)))?;
-            let per = from.row_sizes(p.cols).map_or(0, |s| s.scales) as usize;
-            let at = (self.tile_row0 - st.row0) as usize * per;
-            let len = n as usize * per;
-            let (s, b) = (&st.scales[at..at + len], &st.biases[at..at + len]);
-            let mut vals = vec![0u16; (n * p.cols) as usize];
-            quant::dequantize_rows_bf16(
-                src,
-                s,
-                b,
-                p.cols as usize,
-                Spec::from_affine(from),
-                &mut vals,
-            )
-            .map_err(|e| InstallError::Transform {
-                tensor: t.name.clone(),
-                detail: format!("dequantizing: {e}"),
-            })?;
-            deq.clear();
-            deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        if p.fp8 {
+            self.dequantize_fp8(seg, src, &mut deq)?;
+        } else if let Some(from) = p.requant {
+            self.dequantize_affine(seg, from, src, &mut deq)?;
         }
-        let input: &[u8] = if p.requant.is_some() { &deq } else { src };
+        let input: &[u8] = if p.requant.is_some() || p.fp8 {
+            &deq
+        } else {
+            src
+        };
         // A stream written straight from the input (no copy): a pre-quantized part's
         // bytes are its stream's, a passthrough tensor's its weights'.
         let mut direct: Option<(usize, &[u8])> = None;
@@ -373,6 +394,86 @@ impl<'a> ReadWriter<'a> {
         self.deq = deq;
         self.tile_row0 += n;
         self.tile_rows = 0;
+        Ok(())
+    }
+
+    /// Dequantize one tile of a requantized module's packed words, `src` (rows
+    /// `tile_row0..`, the source's layout `from`), into `deq` (little-endian BF16), with
+    /// the scales and biases [`stage`] fetched for it.
+    fn dequantize_affine(
+        &self,
+        seg: &Segment,
+        from: crate::format::Affine,
+        src: &[u8],
+        deq: &mut Vec<u8>,
+    ) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let Some(Staged::Affine {
+            row0,
+            scales,
+            biases,
+        }) = self.staged.get(&seg.tensor)
+        else {
+            return Err(InstallError::Internal(format!("{}: not staged", t.name)));
+        };
+        let cols = self.placements[seg.tensor].as_ref().map_or(0, |p| p.cols);
+        let per = from.row_sizes(cols).map_or(0, |s| s.scales) as usize;
+        let at = (self.tile_row0 - row0) as usize * per;
+        let len = self.tile_rows as usize * per;
+        let (s, b) = (&scales[at..at + len], &biases[at..at + len]);
+        let mut vals = vec![0u16; (self.tile_rows * cols) as usize];
+        quant::dequantize_rows_bf16(src, s, b, cols as usize, Spec::from_affine(from), &mut vals)
+            .map_err(|e| InstallError::Transform {
+            tensor: t.name.clone(),
+            detail: format!("dequantizing: {e}"),
+        })?;
+        deq.clear();
+        deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        Ok(())
+    }
+
+    /// Dequantize one tile of an FP8 weight's codes, `src` (rows `tile_row0..`), into
+    /// `deq` (little-endian BF16), with the block scales [`stage`] fetched for it: the
+    /// BF16 matrix MLX-LM's `sanitize` gives, which is then quantized (or kept) like a
+    /// BF16 source's. An e4m3 NaN is a non-finite weight; a non-finite scale is an
+    /// error naming the scale tensor and its block.
+    fn dequantize_fp8(
+        &mut self,
+        seg: &Segment,
+        src: &[u8],
+        deq: &mut Vec<u8>,
+    ) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let (Some(Some(p)), Some(f)) = (self.placements.get(seg.tensor), &t.fp8) else {
+            return Err(InstallError::Internal(format!("{}: FP8 layout", t.name)));
+        };
+        let Some(Staged::Fp8 { row0, scale_inv }) = self.staged.get(&seg.tensor) else {
+            return Err(InstallError::Internal(format!("{}: not staged", t.name)));
+        };
+        let per = (fp8::blocks(p.cols) * 4) as usize;
+        let at = (self.tile_row0 / fp8::BLOCK - row0 / fp8::BLOCK) as usize * per;
+        let scales = scale_inv.get(at..).unwrap_or_default();
+        self.vals.clear();
+        self.vals.resize(src.len(), 0);
+        fp8::dequantize_rows(src, self.tile_row0, p.cols as usize, scales, &mut self.vals)
+            .map_err(|e| match e {
+                Fp8Error::Nan { element, .. } => InstallError::NonFinite {
+                    shard: self.plan.shards[t.shard].path.clone(),
+                    tensor: t.name.clone(),
+                    element,
+                },
+                Fp8Error::NonFiniteScale { row, col, value } => InstallError::Transform {
+                    tensor: f.scale_inv.name.clone(),
+                    detail: format!(
+                        "block [{row}, {col}] is {value} (in {}); the block scales of \
+                         `{}` must be finite",
+                        self.plan.shards[f.scale_inv.shard].path, t.name
+                    ),
+                },
+                Fp8Error::Shape(d) => InstallError::Internal(format!("{}: {d}", t.name)),
+            })?;
+        deq.clear();
+        deq.extend(self.vals.iter().flat_map(|v| v.to_le_bytes()));
         Ok(())
     }
 

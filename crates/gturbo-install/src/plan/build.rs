@@ -10,9 +10,10 @@ use super::policy::Policy;
 use super::profile::{AutoChoice, QuantMode};
 use super::types::{
     COPIED_FILES, Census, CopiedFile, Dest, MAX_COPIED_BYTES, Outputs, PLAN_SCHEMA, PackedPart,
-    Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, SourcePart,
+    Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, ScaledFp8,
+    SourcePart,
 };
-use super::{coalesce, experts, mlx, profile, rows};
+use super::{coalesce, experts, fp8, mlx, profile, rows};
 use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
 
@@ -89,38 +90,8 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         field: "--quant".into(),
         detail,
     })?;
-    if let Some(q) = &quant
-        && options.quant_requested
-        && !options.requantize
-    {
-        let rec = q.record();
-        return Err(PlanError::Config {
-            field: q.key.clone(),
-            detail: format!(
-                "the source is pre-quantized ({}: {} by default, {} module entries); it is \
-                 installed with its own widths, not at --quant {} (quantizing twice loses \
-                 quality); leave --quant out to install it as published, or add \
-                 --requantize to dequantize and requantize it",
-                rec.format,
-                rec.scheme.label(),
-                rec.modules.len(),
-                options.quant
-            ),
-        });
-    }
-    if quant.is_none() && options.requantize {
-        // Decided: an error, not a silent no-op, so a script that meant another
-        // repo finds out (docs/INSTALL.md, quant profiles).
-        return Err(PlanError::Config {
-            field: "quantization".into(),
-            detail: format!(
-                "--requantize: the source is not pre-quantized (config.json has no \
-                 `quantization` block), so there is nothing to dequantize; leave \
-                 --requantize out to quantize it at --quant {}",
-                options.quant
-            ),
-        });
-    }
+    let fp8 = fp8::read_fp8(input.config)?;
+    check_quant_flags(quant.as_ref(), fp8.as_ref(), options)?;
     let requantize = quant.is_some() && options.requantize;
     let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
     if profile.needs_layers() && num_layers.is_none() && (quant.is_none() || requantize) {
@@ -133,7 +104,7 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
-    let sources = mlx::sources(input.headers, quant.as_ref())?;
+    let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref())?;
     let policy = Policy {
         family,
         profile,
@@ -176,6 +147,60 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         requantized_from: quant.as_ref().filter(|_| requantize).map(|q| q.record()),
         auto: None,
     })
+}
+
+/// The quant flags against the source: a profile asked for by name over a
+/// pre-quantized source (without `--requantize`), and `--requantize` over a source
+/// that is not MLX-quantized (an FP8 one is always dequantized), are refused.
+fn check_quant_flags(
+    quant: Option<&mlx::MlxQuant>,
+    fp8: Option<&fp8::Fp8Quant>,
+    options: &PlanOptions,
+) -> Result<(), PlanError> {
+    if let Some(q) = quant
+        && options.quant_requested
+        && !options.requantize
+    {
+        let rec = q.record();
+        return Err(PlanError::Config {
+            field: q.key.clone(),
+            detail: format!(
+                "the source is pre-quantized ({}: {} by default, {} module entries); it is \
+                 installed with its own widths, not at --quant {} (quantizing twice loses \
+                 quality); leave --quant out to install it as published, or add \
+                 --requantize to dequantize and requantize it",
+                rec.format,
+                rec.scheme.label(),
+                rec.modules.len(),
+                options.quant
+            ),
+        });
+    }
+    if fp8.is_some() && options.requantize {
+        return Err(PlanError::Config {
+            field: fp8::KEY.into(),
+            detail: format!(
+                "--requantize: the source is FP8 block-scaled, which is always dequantized \
+                 and quantized at the profile; leave --requantize out to install it at \
+                 --quant {}",
+                options.quant
+            ),
+        });
+    }
+    if quant.is_none() && options.requantize {
+        // Decided: an error, not a silent no-op, so a script that meant another
+        // repo finds out (docs/INSTALL.md, quant profiles).
+        return Err(PlanError::Config {
+            field: "quantization".into(),
+            detail: format!(
+                "--requantize: the source is not pre-quantized (config.json has no \
+                 `quantization` block), so there is nothing to dequantize; leave \
+                 --requantize out to quantize it at --quant {}",
+                options.quant
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The source shards in index order, with their published hashes.
@@ -265,6 +290,17 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                     biases: b,
                 }
             });
+            // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its
+            // FP8 codes; its block scales are staged by the executor.
+            let fp8 = d.fp8.map(|p| ScaledFp8 {
+                scale_inv: SourcePart {
+                    name: p.name,
+                    shard: p.shard,
+                    dtype: p.dtype,
+                    shape: p.shape,
+                    src: p.src,
+                },
+            });
             out.push(PlannedTensor {
                 name: d.name,
                 shard: d.shard,
@@ -275,6 +311,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 dest,
                 packed: None,
                 requant,
+                fp8,
             });
             continue;
         };
@@ -305,6 +342,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                     cols,
                 }),
                 requant: None,
+                fp8: None,
             });
         }
     }

@@ -204,12 +204,18 @@ impl Plan {
             put(format!("{}: size", sh.path), format!("{} bytes", sh.size));
             // The header's tensors (names, dtypes, shapes, offsets), not what the
             // plan makes of them (that follows from the flags above).
-            // A requantized module's staged scales and biases are header tensors too.
+            // A requantized module's staged scales and biases, and an FP8 weight's
+            // block scales, are header tensors too.
             let staged = self
                 .tensors
                 .iter()
                 .filter_map(|t| t.requant.as_ref())
                 .flat_map(|r| [&r.scales, &r.biases])
+                .chain(
+                    self.tensors
+                        .iter()
+                        .filter_map(|t| Some(&t.fp8.as_ref()?.scale_inv)),
+                )
                 .filter(|p| p.shard == i)
                 .map(|p| (p.name.as_str(), p.dtype, p.shape.as_slice(), p.src));
             let tensors: Vec<(&str, Dtype, &[u64], [u64; 2])> = self

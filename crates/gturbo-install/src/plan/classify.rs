@@ -14,7 +14,7 @@ use crate::format::pools::ExpertPart;
 use crate::header::{Dtype, ShardHeader};
 
 use super::error::PlanError;
-use super::mlx::{Packed, Source};
+use super::mlx::{Packed, PartSrc, Source};
 use super::policy::Policy;
 use super::types::PlanOptions;
 
@@ -50,6 +50,9 @@ pub(super) struct Draft {
     /// The module's source parts, for a pre-quantized tensor installed with
     /// `--requantize` (planned like a BF16 matrix, dequantized by the executor).
     pub requant: Option<Packed>,
+    /// The block scales of an FP8 weight (planned like the BF16 matrix it
+    /// dequantizes to, dequantized by the executor).
+    pub fp8: Option<PartSrc>,
 }
 
 /// Which stage places a tensor.
@@ -141,6 +144,7 @@ pub(super) fn classify(
             sidecar: m.rule.sidecar.clone(),
             packed: t.packed,
             requant,
+            fp8: t.fp8,
         });
     }
     Ok(drafts)
@@ -246,11 +250,11 @@ impl Classified<'_> {
     /// A shard of a row table: unquantized, 2-D, floating point.
     fn rows_role(&self) -> Result<DraftRole, PlanError> {
         let (m, t) = (self.rule, self.source);
-        if t.packed.is_some() || self.requantized {
+        if t.packed.is_some() || self.requantized || t.fp8.is_some() {
             return Err(self.tensor_err(
                 "dtype",
                 "a row table is installed from unquantized rows; this one is \
-                 pre-quantized"
+                 pre-quantized (MLX or FP8)"
                     .into(),
             ));
         }

@@ -158,6 +158,7 @@ mod tests {
             scheme: Scheme::Passthrough,
             packed: None,
             requant: None,
+            fp8: None,
             dest: if excluded {
                 Dest::Excluded { why: "x".into() }
             } else {

@@ -138,11 +138,18 @@ pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanEr
     let Some(obj) = block.as_object() else {
         return Err(cfg(key.into(), format!("{block} is not an object")));
     };
-    // A transformers-style block (`quant_method`) is another format's.
+    // A transformers-style block (`quant_method`) is another format's: FP8
+    // block-scaled sources are `super::fp8`'s, the rest are refused.
     if let Some(m) = obj.get("quant_method") {
+        if m.as_str() == Some("fp8") {
+            return Ok(None);
+        }
         return Err(cfg(
             format!("{key}.quant_method"),
-            format!("{m}: gturbo installs MLX-quantized sources only (mlx-lm's `convert` output)"),
+            format!(
+                "{m}: gturbo installs MLX-quantized sources (mlx-lm's `convert` output) and \
+                 FP8 e4m3 block-scaled ones (`\"fp8\"`) only"
+            ),
         ));
     }
     let global = read_affine(block, key)?;
@@ -214,13 +221,19 @@ pub(super) struct Source {
     pub src: [u64; 2],
     /// The module's parts, when pre-quantized.
     pub packed: Option<Packed>,
+    /// The block scales (`P.weight_scale_inv`) of an FP8 weight; the source is then
+    /// the BF16 matrix it dequantizes to ([`super::fp8`]) and `src` its FP8 codes.
+    pub fp8: Option<PartSrc>,
 }
 
 /// Every source tensor in (shard, offset) order, each quantized module of an MLX
-/// source once, as its logical matrix, at the place of its weights.
+/// source once, as its logical matrix, at the place of its weights, and each FP8
+/// weight of an FP8 source once, as the BF16 matrix it dequantizes to, its
+/// `weight_scale_inv` folded in.
 pub(super) fn sources(
     headers: &[ShardHeader],
     quant: Option<&MlxQuant>,
+    fp8: Option<&super::fp8::Fp8Quant>,
 ) -> Result<Vec<Source>, PlanError> {
     let mut by_name: ByName<'_> = BTreeMap::new();
     for (si, h) in headers.iter().enumerate() {
@@ -249,15 +262,16 @@ pub(super) fn sources(
             }
         }
     }
-    Ok(logical_sources(headers, &modules))
+    let scaled = super::fp8::pairs(headers, &by_name, fp8)?;
+    Ok(logical_sources(headers, &modules, scaled))
 }
 
 /// Every tensor of the shards by name, with its shard index (the first of a
 /// duplicated name).
-type ByName<'h> = BTreeMap<&'h str, (usize, &'h TensorHeader)>;
+pub(super) type ByName<'h> = BTreeMap<&'h str, (usize, &'h TensorHeader)>;
 
 /// Tensor `t` of shard `si` as a module part, its byte range absolute in the file.
-fn part_src(headers: &[ShardHeader], si: usize, t: &TensorHeader) -> PartSrc {
+pub(super) fn part_src(headers: &[ShardHeader], si: usize, t: &TensorHeader) -> PartSrc {
     PartSrc {
         name: t.name.clone(),
         shard: si,
@@ -470,18 +484,49 @@ impl Module<'_> {
 
 /// Every tensor in (shard, offset) order as the planner sees it: a module's scales
 /// and biases fold into its weights, which stand for the logical `[.., out, in]`
-/// matrix (dtype that of its scales).
-fn logical_sources(headers: &[ShardHeader], modules: &BTreeMap<String, Packed>) -> Vec<Source> {
+/// matrix (dtype that of its scales); an FP8 weight's scales (`scaled`, by the
+/// weight's name) fold into it, which stands for its BF16 matrix.
+fn logical_sources(
+    headers: &[ShardHeader],
+    modules: &BTreeMap<String, Packed>,
+    mut scaled: BTreeMap<String, PartSrc>,
+) -> Vec<Source> {
     let consumed = |name: &str| {
         [".weight", ".scales", ".biases"].iter().any(|s| {
             name.strip_suffix(s)
                 .is_some_and(|p| modules.contains_key(p))
         })
     };
+    let scale_of = |name: &str| {
+        name.strip_suffix(super::fp8::SCALE_SUFFIX)
+            .is_some_and(|w| scaled.contains_key(w))
+    };
+    let scales: std::collections::BTreeSet<String> = headers
+        .iter()
+        .flat_map(|h| &h.tensors)
+        .filter(|t| scale_of(&t.name))
+        .map(|t| t.name.clone())
+        .collect();
     let mut out = Vec::new();
     for (si, h) in headers.iter().enumerate() {
         for t in &h.tensors {
             let p = part_src(headers, si, t);
+            if scales.contains(&t.name) {
+                // Staged with its weight, never installed.
+                continue;
+            }
+            if let Some(scale) = scaled.remove(&t.name) {
+                out.push(Source {
+                    name: p.name,
+                    shard: si,
+                    dtype: Dtype::BF16,
+                    shape: p.shape,
+                    src: p.src,
+                    packed: None,
+                    fp8: Some(scale),
+                });
+                continue;
+            }
             if !consumed(&t.name) {
                 out.push(Source {
                     name: p.name,
@@ -490,6 +535,7 @@ fn logical_sources(headers: &[ShardHeader], modules: &BTreeMap<String, Packed>) 
                     shape: p.shape,
                     src: p.src,
                     packed: None,
+                    fp8: None,
                 });
                 continue;
             }
@@ -510,6 +556,7 @@ fn logical_sources(headers: &[ShardHeader], modules: &BTreeMap<String, Packed>) 
                 shape,
                 src: p.src,
                 packed: Some(packed.clone()),
+                fp8: None,
             });
         }
     }
@@ -562,7 +609,7 @@ mod tests {
             Ok(q) => q,
             Err(e) => return e.to_string(),
         };
-        sources(headers, q.as_ref()).unwrap_err().to_string()
+        sources(headers, q.as_ref(), None).unwrap_err().to_string()
     }
 
     #[test]
@@ -571,7 +618,7 @@ mod tests {
             "m.q": {"bits": 8, "group_size": 32}}});
         let q = read_quant(&cfg).unwrap().unwrap();
         // 128 columns at 8 bits: 32 words; groups of 32: 4 scales per row.
-        let s = sources(&module(32, 4), Some(&q)).unwrap();
+        let s = sources(&module(32, 4), Some(&q), None).unwrap();
         assert_eq!(s.len(), 2);
         assert_eq!(
             (s[0].name.as_str(), s[0].dtype),
@@ -596,7 +643,7 @@ mod tests {
         let cfg = json!({"quantization": {"bits": 4, "group_size": 128,
             "m.q": {"bits": 6, "group_size": null, "mode": "affine"}}});
         let q = read_quant(&cfg).unwrap().unwrap();
-        let s = sources(&module(24, 2), Some(&q)).unwrap();
+        let s = sources(&module(24, 2), Some(&q), None).unwrap();
         assert_eq!(
             s[0].packed.as_ref().unwrap().affine,
             Affine::new(6, 64).unwrap()
@@ -604,7 +651,7 @@ mod tests {
         // No block: not pre-quantized.
         assert_eq!(read_quant(&json!({"model_type": "llama"})).unwrap(), None);
         // No block over packed modules: refused, naming the missing key.
-        let e = sources(&module(8, 1), None).unwrap_err().to_string();
+        let e = sources(&module(8, 1), None, None).unwrap_err().to_string();
         assert!(
             e.starts_with("config.json: field `quantization`: missing, but the source is MLX-quantized (`m.q.weight` is U32"),
             "{e}"
@@ -632,6 +679,19 @@ mod tests {
         assert!(
             err(json!({"quantization": {"bits": 4, "group_size": 32, "mode": "mxfp4"}}), &ok)
                 .starts_with("config.json: field `quantization.mode`: \"mxfp4\"; gturbo installs MLX's `affine` mode only")
+        );
+        // Another format's block is refused by name; an FP8 one is not MLX's to read.
+        let e = err(
+            json!({"quantization_config": {"quant_method": "mxfp4"}}),
+            &ok,
+        );
+        assert!(
+            e.starts_with("config.json: field `quantization_config.quant_method`: \"mxfp4\": gturbo installs MLX-quantized sources"),
+            "{e}"
+        );
+        assert_eq!(
+            read_quant(&json!({"quantization_config": {"quant_method": "fp8"}})).unwrap(),
+            None
         );
         assert_eq!(
             err(json!({"quantization": {"group_size": 64}}), &ok),

@@ -20,6 +20,7 @@ mod classify;
 pub mod coalesce;
 mod error;
 mod experts;
+pub mod fp8;
 pub mod mlx;
 pub mod placement;
 mod policy;
@@ -34,7 +35,7 @@ pub use self::error::PlanError;
 pub use self::types::{
     Arch, COPIED_FILES, Census, CensusRow, CopiedFile, Dest, MAX_COPIED_BYTES, OutputTotals,
     Outputs, PLAN_SCHEMA, PackedPart, Plan, PlanInput, PlanOptions, PlanSource, PlannedShard,
-    PlannedTensor, RangeRead, Requant, SourcePart,
+    PlannedTensor, RangeRead, Requant, ScaledFp8, SourcePart,
 };
 pub use crate::format::pools::{BlobPart, ExpertPart, ExpertPool, RowPool, RowShard};
 pub use profile::{AutoChoice, Machine, QuantMode};

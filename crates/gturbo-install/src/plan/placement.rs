@@ -52,6 +52,8 @@ pub struct TensorPlacement {
     /// For a module dequantized and quantized again (`--requantize`): the source's
     /// layout; its source rows are packed words, its scales and biases staged.
     pub requant: Option<crate::format::Affine>,
+    /// For an FP8 weight: its source rows are e4m3 codes, its block scales staged.
+    pub fp8: bool,
     kind: Kind,
 }
 
@@ -203,6 +205,7 @@ impl TensorPlacement {
             out_row,
             stream,
             requant,
+            fp8: t.fp8.is_some(),
             kind,
         })
     }

@@ -180,6 +180,12 @@ pub struct PlannedTensor {
     /// packed weights; absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requant: Option<Requant>,
+    /// For an FP8 e4m3 block-scaled weight: its block scales. The tensor itself is
+    /// the BF16 matrix it dequantizes to (dtype BF16, [`crate::transform::fp8`]) and
+    /// `src` its FP8 codes, one byte per element; absent otherwise (so plans of other
+    /// sources keep their fingerprints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<ScaledFp8>,
 }
 
 impl PlannedTensor {
@@ -188,6 +194,10 @@ impl PlannedTensor {
     /// tensor cut at multiples of this.
     pub fn src_row_bytes(&self) -> u64 {
         let cols = self.shape.last().copied().unwrap_or(1).max(1);
+        if self.fp8.is_some() {
+            // One e4m3 code per element.
+            return cols;
+        }
         match &self.requant {
             Some(r) => r
                 .from
@@ -210,6 +220,15 @@ pub struct Requant {
     pub scales: SourcePart,
     /// `P.biases`.
     pub biases: SourcePart,
+}
+
+/// The source of an FP8 weight: its `weight_scale_inv` (F32, one scale per 128×128
+/// block), which the executor stages (it may sit in any shard) for the rows each read
+/// covers before the FP8 codes stream through.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScaledFp8 {
+    /// `P.weight_scale_inv`.
+    pub scale_inv: SourcePart,
 }
 
 /// One source tensor that is read but not itself placed.

@@ -1,5 +1,8 @@
 //! What happens to bytes between the source and the output: INT4/INT8 affine
-//! quantization bit-exact with MLX, in bounded scratch.
+//! quantization bit-exact with MLX, in bounded scratch, and the FP8 e4m3 block
+//! dequantization ([`fp8`]) that turns an FP8 source into the BF16 the profile applies to.
+
+pub mod fp8;
 
 pub use crate::format::quant;
 
