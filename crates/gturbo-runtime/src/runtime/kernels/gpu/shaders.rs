@@ -415,6 +415,7 @@ impl FlashShader {
             (F::Elementwise, "sigmoid_mul"),
             (F::Elementwise, "scale_rows"),
             (F::Elementwise, "gather_cols"),
+            (F::Elementwise, "scatter_cols"),
             (F::Elementwise, "hc_expand"),
             (F::Elementwise, "hc_mix"),
             (F::Elementwise, "hc_inject"),

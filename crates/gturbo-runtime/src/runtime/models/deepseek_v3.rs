@@ -1,0 +1,525 @@
+//! DeepSeek-V3 / Kimi-K2 (`DeepseekV3ForCausalLM`): multi-head latent attention
+//! (`layers::mla`), YaRN RoPE on the rope parts in the interleaved layout, the first
+//! `first_k_dense_replace` layers dense SwiGLU MLPs and the others routed experts beside
+//! an ungated shared expert. The router is transformers' `DeepseekV3TopkRouter`:
+//! f32 logits, `sigmoid` scores, the choice on the scores plus
+//! `e_score_correction_bias` (kept f32) limited to the `topk_group` best of `n_group`
+//! groups, the weights the unbiased scores renormalised (`norm_topk_prob`, with its
+//! `+1e-20`) and times `routed_scaling_factor` (`kernels::routing`).
+//!
+//! Defaults when the config omits a field are transformers' `DeepseekV3Config`'s:
+//! `norm_topk_prob` true, `rope_interleave` true, `n_group` / `topk_group` 1 (no group
+//! limit), `routed_scaling_factor` 1, `n_shared_experts` none, `first_k_dense_replace` 0,
+//! `rms_norm_eps` 1e-6.
+
+use crate::format::manifest::{self, Manifest};
+use crate::runtime::error::{InputError, RunError};
+use crate::runtime::generate::{LanguageModel, Stat};
+use crate::runtime::kernels::routing::{GroupLimit, RouterBias, RoutingSpec, Scores};
+use crate::runtime::kernels::{Backend, NormGain, Ops};
+use crate::runtime::layers::axes::{Axes, axis_err};
+use crate::runtime::layers::mla::{Mla, MlaDims, MlaStep, Query};
+use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
+use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
+use crate::runtime::layers::rope::{Layout, RopeSpec};
+use crate::runtime::load::Install;
+
+use super::decoder::{MoeConfig, context_length, expert_pool};
+
+/// The runner reads integer axes below 2^32.
+const AXIS_BELOW: u64 = 1 << 32;
+/// `rms_norm_eps` when the config has none (transformers' default).
+const DEFAULT_EPS: f64 = 1e-6;
+/// The `model_type`s this model runs (Kimi-K2 is DeepSeek-V3's architecture).
+pub const MODEL_TYPES: [&str; 2] = ["deepseek_v3", "kimi_k2"];
+/// Bytes of one cached f32 value.
+const F32_BYTES: usize = 4;
+
+/// Architecture numbers read from the manifest's `arch.axes`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Decoder layers.
+    pub layers: usize,
+    /// The attention's shape.
+    pub mla: MlaDims,
+    /// Dense MLP width (`intermediate_size`) of the first layers.
+    pub intermediate: usize,
+    /// Layers `0..dense_layers` are dense (`first_k_dense_replace`).
+    pub dense_layers: usize,
+    /// The routed experts (`n_routed_experts`, `moe_intermediate_size`, …).
+    pub moe: MoeConfig,
+    /// The router's rule.
+    pub routing: RoutingSpec,
+    /// The shared expert's width (`moe_intermediate_size · n_shared_experts`), 0 for none.
+    pub shared_intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Longest sequence.
+    pub max_positions: usize,
+    /// RoPE of the rope parts (`qk_rope_head_dim` wide).
+    pub rope: RopeSpec,
+    /// The softmax scale: `1/√(nope + rope)` times YaRN's `mscale(factor,
+    /// mscale_all_dim)²` (`yarn_apply_mscale`).
+    pub softmax_scale: f32,
+}
+
+impl Config {
+    /// Read the model's numbers from the manifest.
+    pub fn from_manifest(m: &Manifest) -> Result<Config, RunError> {
+        let a = Axes::new(m, AXIS_BELOW, "missing");
+        crate::format::axes::check(&m.arch.axes).map_err(|e| a.err(&e.axis, &e.detail))?;
+        let hidden = a.usize("hidden_size")?;
+        let heads = a.usize("num_attention_heads")?;
+        if let Some(kv) = a.opt_usize("num_key_value_heads")?
+            && kv != heads
+        {
+            return Err(a.err(
+                "num_key_value_heads",
+                &format!("{kv}: MLA expands one key and value head per query head ({heads})"),
+            ));
+        }
+        let eps = a.opt_f64("rms_norm_eps")?.unwrap_or(DEFAULT_EPS) as f32;
+        let mla = MlaDims {
+            hidden,
+            heads,
+            q_lora: a.opt_usize("q_lora_rank")?,
+            kv_lora: a.usize("kv_lora_rank")?,
+            nope: a.usize("qk_nope_head_dim")?,
+            rope: a.usize("qk_rope_head_dim")?,
+            v: a.usize("v_head_dim")?,
+            eps,
+        };
+        if mla.rope % 2 != 0 {
+            return Err(a.err("qk_rope_head_dim", "RoPE needs an even width"));
+        }
+        let mut rope = RopeSpec::from_manifest(m, mla.rope)?;
+        // DeepseekV3Config interleaves unless the config says otherwise.
+        rope.layout = match a.opt_bool("rope_interleave")? {
+            Some(false) => Layout::HalfSplit,
+            _ => Layout::Interleaved,
+        };
+        let trained = a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16);
+        let softmax_scale = rope.softmax_scale(1.0 / (mla.qk() as f64).sqrt()) as f32;
+        let moe = MoeConfig {
+            experts: a.usize("num_experts")?,
+            top_k: a.usize("num_experts_per_tok")?,
+            intermediate: a.usize("moe_intermediate_size")?,
+            norm_topk_prob: a.opt_bool("norm_topk_prob")?.unwrap_or(true),
+        };
+        let routing = routing(&a, &moe)?;
+        let layers = a.usize("num_layers")?;
+        let dense_layers = match a.value("first_k_dense_replace") {
+            // 0 is allowed: every layer routed.
+            Some(v) if v.as_u64() == Some(0) => 0,
+            _ => a.opt_usize("first_k_dense_replace")?.unwrap_or(0),
+        };
+        if dense_layers > layers {
+            return Err(a.err("first_k_dense_replace", "more than num_layers"));
+        }
+        let shared = match a.value("n_shared_experts") {
+            Some(v) if v.as_u64() == Some(0) => 0,
+            _ => a.opt_usize("n_shared_experts")?.unwrap_or(0),
+        };
+        Ok(Config {
+            layers,
+            mla,
+            intermediate: if dense_layers > 0 {
+                a.usize("intermediate_size")?
+            } else {
+                0
+            },
+            dense_layers,
+            shared_intermediate: moe
+                .intermediate
+                .checked_mul(shared)
+                .ok_or_else(|| a.err("n_shared_experts", "the shared expert's width overflows"))?,
+            moe,
+            routing,
+            vocab: a.usize("vocab_size")?,
+            eps,
+            max_positions: context_length(&rope, trained),
+            rope,
+            softmax_scale,
+        })
+    }
+
+    /// Values one position of one layer's KV cache holds: every head's key
+    /// (`nope + rope`) and value (`v`), expanded.
+    pub fn kv_values_per_token_layer(&self) -> usize {
+        self.mla.heads * (self.mla.qk() + self.mla.v)
+    }
+
+    /// Values one position of one layer needs in latent form (the latent and the
+    /// rope key, what decode in latent space would cache).
+    pub fn latent_values_per_token_layer(&self) -> usize {
+        self.mla.kv_lora + self.mla.rope
+    }
+}
+
+/// The sigmoid group-limited router the config describes, checked.
+fn routing(a: &Axes<'_>, moe: &MoeConfig) -> Result<RoutingSpec, RunError> {
+    let n_group = a.opt_usize("n_group")?.unwrap_or(1);
+    let topk_group = a.opt_usize("topk_group")?.unwrap_or(n_group);
+    let scaling = a.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32;
+    let spec = RoutingSpec {
+        scores: Scores::Sigmoid,
+        selection_bias: true,
+        groups: (n_group > 1).then_some(GroupLimit {
+            n_group,
+            topk_group,
+        }),
+        renormalize: moe.norm_topk_prob,
+        scaling,
+        ..RoutingSpec::softmax_top_k(moe.top_k, moe.norm_topk_prob)
+    };
+    spec.check(moe.experts)
+        .map_err(|e| a.err("n_group", &e.to_string()))?;
+    Ok(spec)
+}
+
+/// A layer's feed-forward part.
+enum Ffn<'a, B: Backend> {
+    Dense(SwiGlu<'a, B>),
+    Moe {
+        router: B::Weights<'a>,
+        /// `e_score_correction_bias`, f32.
+        bias: Vec<f32>,
+        shared: Option<SharedExpert<'a, B>>,
+    },
+}
+
+struct Layer<'a, B: Backend> {
+    input_norm: B::Buf,
+    post_norm: B::Buf,
+    attn: Mla<'a, B>,
+    ffn: Ffn<'a, B>,
+}
+
+/// A loaded DeepSeek-V3 over an install's mapped weights, computing on `B`.
+pub struct Model<'a, B: Backend> {
+    /// Architecture numbers.
+    pub cfg: Config,
+    install: &'a Install,
+    backend: &'a B,
+    embed: B::Weights<'a>,
+    head: Option<B::Weights<'a>>,
+    final_norm: B::Buf,
+    layers: Vec<Layer<'a, B>>,
+    rope: B::Rope,
+    slots: B::Slots,
+}
+
+/// Per-sequence state: every layer's (expanded) KV cache.
+pub struct Session<B: Backend> {
+    kv: Vec<B::Kv>,
+    /// Tokens already in the caches.
+    pub pos: usize,
+}
+
+impl<'a, B: Ops> Model<'a, B> {
+    /// Bind the install's tensors.
+    pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
+        let m = &install.manifest;
+        if !MODEL_TYPES.contains(&m.arch.model_type.as_str()) {
+            return Err(RunError::invalid(
+                manifest::FILE_NAME,
+                format!(
+                    "arch.model_type is {:?}; the deepseek_v3 runner runs {MODEL_TYPES:?}",
+                    m.arch.model_type
+                ),
+            ));
+        }
+        let cfg = Config::from_manifest(m)?;
+        let h = cfg.mla.hidden;
+        let matrix = |name: &str, rows, cols| -> Result<B::Weights<'a>, RunError> {
+            Ok(backend.weights(install.matrix(name, rows, cols)?)?)
+        };
+        let embed = matrix("model.embed_tokens.weight", cfg.vocab, h)?;
+        let head = if install.has("lm_head.weight") {
+            Some(matrix("lm_head.weight", cfg.vocab, h)?)
+        } else {
+            None
+        };
+        if install.has(&format!(
+            "model.layers.{}.input_layernorm.weight",
+            cfg.layers
+        )) {
+            return Err(axis_err(
+                m,
+                "num_layers",
+                &format!(
+                    "{}, but the install holds tensors of layer {} (a multi-token-prediction layer is not decoded)",
+                    cfg.layers, cfg.layers
+                ),
+            ));
+        }
+        let mut layers = Vec::new();
+        layers.try_reserve_exact(cfg.layers).map_err(|_| {
+            axis_err(
+                m,
+                "num_layers",
+                &format!("{} layers do not fit in memory", cfg.layers),
+            )
+        })?;
+        let mut pools = Vec::new();
+        for l in 0..cfg.layers {
+            if l >= cfg.dense_layers {
+                pools.push(expert_pool(install, &cfg.moe, h, l)?);
+            }
+            layers.push(bind_layer(install, backend, &cfg, l)?);
+        }
+        let slots = expert_slots(backend, &install.experts, &pools, cfg.layers)?;
+        Ok(Model {
+            final_norm: backend.upload(&install.vector("model.norm.weight", h)?)?,
+            rope: backend.rope_table(
+                &cfg.rope.inv_freq(0),
+                0..cfg.max_positions,
+                cfg.rope.layout,
+            )?,
+            slots,
+            cfg,
+            install,
+            backend,
+            embed,
+            head,
+            layers,
+        })
+    }
+
+    /// Run `tokens` after the session's cache: the logits of every position when `all`,
+    /// else of the last.
+    pub fn forward(
+        &self,
+        s: &mut Session<B>,
+        tokens: &[u32],
+        all: bool,
+    ) -> Result<Vec<f32>, RunError> {
+        let (c, b) = (&self.cfg, self.backend);
+        let pos = s.pos;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.check_input(pos, tokens)?;
+        if s.kv.len() != c.layers {
+            s.kv = (0..c.layers)
+                .map(|_| b.kv_cache(c.mla.attention_spec(), c.max_positions))
+                .collect::<Result<_, _>>()?;
+        }
+        let h = c.mla.hidden;
+        let mut x = b.zeros(n * h)?;
+        b.embed(&self.embed, tokens, &mut x)?;
+        let mut xn = b.zeros(n * h)?;
+        let mut out = b.zeros(n * h)?;
+        let step = MlaStep {
+            table: &self.rope,
+            pos,
+            scale: c.softmax_scale,
+            rope_factor: c.rope.attention_scaling(),
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&x, &layer.input_norm, c.eps, NormGain::Weight, &mut xn)?;
+            layer
+                .attn
+                .forward(b, &c.mla, &step, &mut s.kv[l], &xn, n, &mut out)?;
+            b.add(&mut x, &out)?;
+            b.rms_norm(&x, &layer.post_norm, c.eps, NormGain::Weight, &mut xn)?;
+            self.ffn(l, &layer.ffn, &xn, n, &mut out)?;
+            b.add(&mut x, &out)?;
+        }
+        s.pos += n;
+        let (rows, m) = if all {
+            (x, n)
+        } else {
+            (b.copy_rows(&x, h, n - 1..n)?, 1)
+        };
+        let mut normed = b.zeros(m * h)?;
+        b.rms_norm(
+            &rows,
+            &self.final_norm,
+            c.eps,
+            NormGain::Weight,
+            &mut normed,
+        )?;
+        let mut logits = b.zeros(m * c.vocab)?;
+        b.linear(
+            self.head.as_ref().unwrap_or(&self.embed),
+            &normed,
+            &mut logits,
+        )?;
+        Ok(b.read_owned(logits)?)
+    }
+
+    /// A layer's MLP, or its routed experts plus the shared expert.
+    fn ffn(
+        &self,
+        l: usize,
+        ffn: &Ffn<'a, B>,
+        xn: &B::Buf,
+        n: usize,
+        out: &mut B::Buf,
+    ) -> Result<(), RunError> {
+        let b = self.backend;
+        match ffn {
+            Ffn::Dense(mlp) => mlp.forward(b, xn, out)?,
+            Ffn::Moe {
+                router,
+                bias,
+                shared,
+            } => {
+                let spec = RouterSpec {
+                    experts: self.cfg.moe.experts,
+                    routing: self.cfg.routing,
+                    bias: RouterBias {
+                        logits: None,
+                        selection: Some(bias),
+                    },
+                };
+                let experts = RoutedExperts {
+                    b,
+                    store: &self.install.experts,
+                    slots: &self.slots,
+                    layer: l,
+                };
+                experts.forward(router, spec, xn, out, false)?;
+                if let Some(shared) = shared {
+                    let y = shared.forward(b, xn, n, self.cfg.mla.hidden)?;
+                    b.add(out, &y)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A sequence past the context or a token outside the vocabulary.
+    fn check_input(&self, pos: usize, tokens: &[u32]) -> Result<(), RunError> {
+        let c = &self.cfg;
+        if pos + tokens.len() > c.max_positions {
+            return Err(InputError::SequenceTooLong {
+                tokens: pos + tokens.len(),
+                max: c.max_positions,
+            }
+            .into());
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(InputError::TokenOutsideVocabulary {
+                token: t,
+                vocab: c.vocab,
+            }
+            .into());
+        }
+        Ok(())
+    }
+}
+
+/// Layer `l`'s weights.
+fn bind_layer<'a, B: Ops>(
+    install: &'a Install,
+    b: &B,
+    cfg: &Config,
+    l: usize,
+) -> Result<Layer<'a, B>, RunError> {
+    let d = &cfg.mla;
+    let h = d.hidden;
+    let t = |n: &str| format!("model.layers.{l}.{n}");
+    let matrix = |name: &str, rows, cols| -> Result<B::Weights<'a>, RunError> {
+        Ok(b.weights(install.matrix(&t(name), rows, cols)?)?)
+    };
+    let vector = |name: &str, len| -> Result<B::Buf, RunError> {
+        Ok(b.upload(&install.vector(&t(name), len)?)?)
+    };
+    let q_rows = d.heads * d.qk();
+    let q = match d.q_lora {
+        Some(r) => Query::LowRank {
+            a: matrix("self_attn.q_a_proj.weight", r, h)?,
+            norm: vector("self_attn.q_a_layernorm.weight", r)?,
+            b: matrix("self_attn.q_b_proj.weight", q_rows, r)?,
+        },
+        None => Query::Plain(matrix("self_attn.q_proj.weight", q_rows, h)?),
+    };
+    let attn = Mla {
+        q,
+        kv_a: matrix("self_attn.kv_a_proj_with_mqa.weight", d.kv_lora + d.rope, h)?,
+        kv_norm: vector("self_attn.kv_a_layernorm.weight", d.kv_lora)?,
+        kv_b: matrix(
+            "self_attn.kv_b_proj.weight",
+            d.heads * (d.nope + d.v),
+            d.kv_lora,
+        )?,
+        o: matrix("self_attn.o_proj.weight", h, d.heads * d.v)?,
+    };
+    let swiglu = |prefix: &str, i: usize| -> Result<SwiGlu<'a, B>, RunError> {
+        Ok(SwiGlu {
+            gate: matrix(&format!("{prefix}.gate_proj.weight"), i, h)?,
+            up: matrix(&format!("{prefix}.up_proj.weight"), i, h)?,
+            down: matrix(&format!("{prefix}.down_proj.weight"), h, i)?,
+        })
+    };
+    let ffn = if l < cfg.dense_layers {
+        Ffn::Dense(swiglu("mlp", cfg.intermediate)?)
+    } else {
+        let e = cfg.moe.experts;
+        Ffn::Moe {
+            router: matrix("mlp.gate.weight", e, h)?,
+            bias: install.vector(&t("mlp.gate.e_score_correction_bias"), e)?,
+            shared: (cfg.shared_intermediate > 0)
+                .then(|| {
+                    Ok::<_, RunError>(SharedExpert {
+                        mlp: swiglu("mlp.shared_experts", cfg.shared_intermediate)?,
+                        gate: None,
+                    })
+                })
+                .transpose()?,
+        }
+    };
+    Ok(Layer {
+        input_norm: vector("input_layernorm.weight", h)?,
+        post_norm: vector("post_attention_layernorm.weight", h)?,
+        attn,
+        ffn,
+    })
+}
+
+impl<B: Ops> LanguageModel for Model<'_, B> {
+    type Session = Session<B>;
+    fn new_session(&self) -> Session<B> {
+        Session {
+            kv: Vec::new(),
+            pos: 0,
+        }
+    }
+    fn run(&self, s: &mut Session<B>, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError> {
+        self.forward(s, tokens, all)
+    }
+    fn copy_session(&self, s: &Session<B>) -> Result<Session<B>, RunError> {
+        let kv =
+            s.kv.iter()
+                .map(|kv| self.backend.copy_kv(kv))
+                .collect::<Result<Vec<_>, _>>()?;
+        Ok(Session { kv, pos: s.pos })
+    }
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+    fn backend_name(&self) -> String {
+        self.backend.name().to_string()
+    }
+    fn device_memory_bytes(&self) -> Option<u64> {
+        self.backend.device_memory_bytes()
+    }
+    fn stats(&self, positions: usize) -> Vec<Stat> {
+        let per_token = self.cfg.kv_values_per_token_layer() * self.cfg.layers * F32_BYTES;
+        vec![Stat {
+            text: format!(
+                "KV cache {} B/token (expanded MLA; {} B/token in latent form), {} KiB",
+                per_token,
+                self.cfg.latent_values_per_token_layer() * self.cfg.layers * F32_BYTES,
+                per_token * positions / 1024
+            ),
+            key: "kv_bytes_per_token",
+            value: per_token.into(),
+        }]
+    }
+}

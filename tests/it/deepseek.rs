@@ -1,0 +1,255 @@
+//! DeepSeek-V3 (`DeepseekV3ForCausalLM`) end to end on the tiny random checkpoint saved
+//! in the real per-expert layout (`tests/data/deepseek_toy`, goldens from transformers
+//! by `scripts/golden/gen_deepseek_golden.py`): q LoRA, a dense first layer, sigmoid
+//! group-limited routing with a correction bias, a shared expert, YaRN with `mscale` ≠
+//! `mscale_all_dim`, the interleaved rope layout. Greedy tokens equal transformers' on
+//! the CPU and on the GPU; the prompt's and every cached decode step's logits stay
+//! within [`LOGIT_ATOL`] of transformers'; an INT4 install runs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use gturbo::runtime::experts::ExpertMode;
+use gturbo::runtime::kernels::{Cpu, Ops};
+use gturbo::runtime::load::{self, LoadOptions};
+use gturbo::runtime::models;
+use serde_json::Value;
+
+use crate::support::cli::{self, gturbo, gturbo_args, text};
+use crate::support::{f32_safetensors, temp_dir};
+
+const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_toy");
+const FAMILY: &str = "deepseek_v3";
+
+/// Largest `|gturbo − transformers|` accepted on a logit: both compute in f32 from the
+/// same BF16 weights, only the order of the sums differs.
+const LOGIT_ATOL: f32 = 1e-4;
+
+struct Meta {
+    prompt: Vec<u32>,
+    prompt_text: String,
+    greedy: Vec<u32>,
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn meta() -> Meta {
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(Path::new(TOY).join("golden/meta.json")).unwrap())
+            .unwrap();
+    assert_eq!(m["family"], FAMILY);
+    Meta {
+        prompt: ids(&m["prompt"]),
+        prompt_text: m["prompt_text"].as_str().unwrap().to_string(),
+        greedy: ids(&m["greedy"]),
+    }
+}
+
+fn f32_tensors(rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    f32_safetensors(&Path::new(TOY).join(rel))
+}
+
+/// The golden logits of the prompt's positions, then of the decode steps after the
+/// first greedy token.
+fn golden_rows() -> Vec<Vec<f32>> {
+    let prompt = f32_tensors("golden/prompt.safetensors");
+    let greedy = f32_tensors("golden/greedy.safetensors");
+    let (ps, pl) = &prompt["logits"];
+    let (gs, gl) = &greedy["step_logits"];
+    assert_eq!(ps[1], gs[1], "vocabularies");
+    let vocab = ps[1];
+    let mut rows: Vec<Vec<f32>> = pl.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    let steps: Vec<&[f32]> = gl.chunks_exact(vocab).collect();
+    assert_eq!(
+        steps[0],
+        &rows[ps[0] - 1][..],
+        "step 0 is the prompt's last row"
+    );
+    rows.extend(steps[1..].iter().map(|r| r.to_vec()));
+    rows
+}
+
+fn install(out: &Path, extra: &[&str]) {
+    let o = gturbo()
+        .args(["-q", "install", FAMILY, "--from", TOY, "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "install {extra:?}: {}", text(&o));
+}
+
+/// One BF16 (passthrough) install of the toy for this test run.
+fn bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deepseek-bf16");
+        let _ = std::fs::remove_dir_all(&root);
+        let out = root.join("bf16.gturbo");
+        install(&out, &["--quant", "bf16"]);
+        out
+    })
+}
+
+fn manifest(dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+fn csv(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
+    let mut args = vec!["--max-tokens", "24"];
+    args.extend_from_slice(extra);
+    cli::run_json(dir, &args)
+}
+
+#[test]
+fn the_bf16_install_pools_the_routed_layers_keeps_the_bias_f32_and_verifies() {
+    let tmp = temp_dir();
+    let out = tmp.path().join("bf16.gturbo");
+    install(&out, &["--quant", "bf16"]);
+    let o = gturbo_args(&["verify-install", out.to_str().unwrap()]);
+    assert!(o.status.success(), "verify-install: {}", text(&o));
+    let m = manifest(&out);
+    assert_eq!(m["family"], FAMILY);
+    assert_eq!(m["arch"]["axes"]["num_experts"], 8);
+    assert_eq!(m["arch"]["axes"]["kv_lora_rank"], 64);
+    let pools = m["expert_pools"].as_array().unwrap();
+    // Layer 0 is dense (`first_k_dense_replace` 1).
+    let layers: Vec<u64> = pools.iter().map(|p| p["layer"].as_u64().unwrap()).collect();
+    assert_eq!(layers, [1, 2]);
+    for p in pools {
+        assert_eq!(p["experts"], 8);
+        assert_eq!(p["scheme"], "passthrough");
+    }
+}
+
+#[test]
+fn an_int4_install_keeps_the_correction_bias_f32_and_the_router_int8() {
+    let o = gturbo_args(&["install", FAMILY, "--from", TOY, "--dry-run", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let plan: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        plan["census"]["int8"]["tensors"], 2,
+        "one router per MoE layer: {plan}"
+    );
+    let tmp = temp_dir();
+    let q = tmp.path().join("int4.gturbo");
+    install(&q, &[]);
+    let m = manifest(&q);
+    assert_eq!(m["quantized_at_install"]["scheme"], "int4_g64");
+    assert_eq!(m["expert_pools"][0]["scheme"], "int4_g64");
+    let o = gturbo_args(&["verify-install", q.to_str().unwrap()]);
+    assert!(o.status.success(), "verify-install: {}", text(&o));
+    let g = meta();
+    let (doc, footer) = run_json(&q, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
+    assert_eq!(doc["tokens"].as_array().unwrap().len(), 24, "{footer}");
+    assert_eq!(doc["runner"], FAMILY);
+}
+
+#[test]
+fn greedy_tokens_equal_transformers_on_the_cpu_by_ids_and_by_text() {
+    let g = meta();
+    let dir = bf16();
+    let (doc, footer) = run_json(dir, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+    assert_eq!(doc["runner"], FAMILY);
+    assert_eq!(doc["family"], FAMILY);
+    let (doc, footer) = run_json(dir, &["--backend", "cpu", "--prompt", &g.prompt_text]);
+    assert_eq!(ids(&doc["prompt_ids"]), g.prompt, "{footer}");
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+}
+
+#[cfg(feature = "gpu")]
+#[test]
+fn greedy_tokens_equal_transformers_on_the_gpu() {
+    const TEST: &str = "greedy_tokens_equal_transformers_on_the_gpu";
+    let Some(gpu) = crate::gpu::gpu(TEST) else {
+        return;
+    };
+    drop(gpu);
+    let g = meta();
+    let prompt = csv(&g.prompt);
+    for mode in [&["--expert-cache-slots", "2"][..], &["--resident-experts"]] {
+        let mut extra = vec!["--backend", "gpu", "--prompt-ids", &prompt];
+        extra.extend_from_slice(mode);
+        let (doc, footer) = run_json(bf16(), &extra);
+        assert!(
+            doc["backend"].as_str().unwrap().starts_with("gpu "),
+            "{doc}"
+        );
+        assert_eq!(ids(&doc["tokens"]), g.greedy, "{mode:?}: {footer}");
+    }
+}
+
+/// The logits of the prompt (all positions) and of each cached decode step fed the
+/// golden's greedy tokens, against transformers'; returns the largest difference.
+fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
+    let g = meta();
+    let want = golden_rows();
+    let install = load::open(
+        bf16(),
+        LoadOptions {
+            experts,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let model = models::open(&install, backend).unwrap();
+    let vocab = model.vocab();
+    let mut s = model.session();
+    let all = model.forward(&mut s, &g.prompt, true).unwrap();
+    let mut got: Vec<Vec<f32>> = all.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    for &t in &g.greedy[..g.greedy.len() - 1] {
+        got.push(model.forward(&mut s, &[t], false).unwrap());
+    }
+    assert_eq!(got.len(), want.len(), "positions");
+    let mut worst = (0f32, 0);
+    for (p, (a, b)) in got.iter().zip(&want).enumerate() {
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        if d > worst.0 {
+            worst = (d, p);
+        }
+    }
+    let stats = model.stats(got.len());
+    eprintln!(
+        "deepseek toy on {}: {} positions, max |logit − transformers| {:.3e} at {}; {}",
+        model.backend_name(),
+        got.len(),
+        worst.0,
+        worst.1,
+        stats.first().map_or("", |s| s.text.as_str())
+    );
+    assert!(
+        worst.0 <= LOGIT_ATOL,
+        "position {}: logits differ from transformers' by {:.3e} (> {LOGIT_ATOL})",
+        worst.1,
+        worst.0
+    );
+    worst.0
+}
+
+#[test]
+fn prompt_and_decode_logits_match_transformers_on_the_cpu() {
+    logits_vs_golden(&Cpu::new(2), ExpertMode::Slots(2));
+}
+
+#[cfg(feature = "gpu")]
+#[test]
+fn prompt_and_decode_logits_match_transformers_on_the_gpu() {
+    let Some(gpu) = crate::gpu::gpu("prompt_and_decode_logits_match_transformers_on_the_gpu")
+    else {
+        return;
+    };
+    logits_vs_golden(&gpu, ExpertMode::Slots(2));
+    logits_vs_golden(&gpu, ExpertMode::Resident);
+}
