@@ -12,8 +12,9 @@ use std::sync::OnceLock;
 
 use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::kernels::{Cpu, Ops};
+use gturbo::runtime::layers::mla::KvLayout;
 use gturbo::runtime::load::{self, LoadOptions};
-use gturbo::runtime::models;
+use gturbo::runtime::models::{self, Model, deepseek_v3};
 use serde_json::Value;
 
 use crate::support::cli::{self, gturbo, gturbo_args, text};
@@ -192,8 +193,13 @@ fn greedy_tokens_equal_transformers_on_the_gpu() {
 }
 
 /// The logits of the prompt (all positions) and of each cached decode step fed the
-/// golden's greedy tokens, against transformers'; returns the largest difference.
-fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
+/// golden's greedy tokens with a KV cache of `layout`, checked against transformers'
+/// within [`LOGIT_ATOL`]; returns them.
+fn logits_vs_golden<B: Ops + 'static>(
+    backend: &B,
+    experts: ExpertMode,
+    layout: KvLayout,
+) -> Vec<Vec<f32>> {
     let g = meta();
     let want = golden_rows();
     let install = load::open(
@@ -204,7 +210,13 @@ fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
         },
     )
     .unwrap();
-    let model = models::open(&install, backend).unwrap();
+    let model: Box<dyn Model> = match layout {
+        // `models::open` builds the default: the latent cache.
+        KvLayout::Latent => models::open(&install, backend).unwrap(),
+        KvLayout::Expanded => {
+            Box::new(deepseek_v3::Model::with_layout(&install, backend, layout).unwrap())
+        }
+    };
     let vocab = model.vocab();
     let mut s = model.session();
     let all = model.forward(&mut s, &g.prompt, true).unwrap();
@@ -222,7 +234,7 @@ fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
     }
     let stats = model.stats(got.len());
     eprintln!(
-        "deepseek toy on {}: {} positions, max |logit − transformers| {:.3e} at {}; {}",
+        "deepseek toy on {}, {layout:?} cache: {} positions, max |logit − transformers| {:.3e} at {}; {}",
         model.backend_name(),
         got.len(),
         worst.0,
@@ -235,21 +247,51 @@ fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
         worst.1,
         worst.0
     );
-    worst.0
+    got
+}
+
+/// Largest difference between two runs' logits.
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Both cache layouts against transformers, and against each other.
+fn both_layouts<B: Ops + 'static>(backend: &B, experts: ExpertMode) {
+    let latent = logits_vs_golden(backend, experts, KvLayout::Latent);
+    let expanded = logits_vs_golden(backend, experts, KvLayout::Expanded);
+    let d = max_diff(&latent, &expanded);
+    eprintln!("deepseek toy: latent vs expanded cache, max |logit difference| {d:.3e}");
+    assert!(
+        d <= LOGIT_ATOL,
+        "latent and expanded caches differ by {d:.3e}"
+    );
 }
 
 #[test]
-fn prompt_and_decode_logits_match_transformers_on_the_cpu() {
-    logits_vs_golden(&Cpu::new(2), ExpertMode::Slots(2));
+fn prompt_and_decode_logits_match_transformers_on_the_cpu_with_either_cache() {
+    both_layouts(&Cpu::new(2), ExpertMode::Slots(2));
+}
+
+#[test]
+fn the_latent_cache_is_smaller_than_the_expanded_one_by_the_shapes() {
+    let install = load::open(bf16(), LoadOptions::default()).unwrap();
+    let cfg = deepseek_v3::Config::from_manifest(&install.manifest).unwrap();
+    // 3 layers × 4 bytes × (4 heads × (48 + 32)) expanded, × (2 × 64 + 16) latent.
+    assert_eq!(cfg.kv_bytes_per_token(KvLayout::Expanded), 3 * 4 * 4 * 80);
+    assert_eq!(cfg.kv_bytes_per_token(KvLayout::Latent), 3 * 4 * 144);
 }
 
 #[cfg(feature = "gpu")]
 #[test]
-fn prompt_and_decode_logits_match_transformers_on_the_gpu() {
-    let Some(gpu) = crate::gpu::gpu("prompt_and_decode_logits_match_transformers_on_the_gpu")
+fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
+    let Some(gpu) =
+        crate::gpu::gpu("prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache")
     else {
         return;
     };
-    logits_vs_golden(&gpu, ExpertMode::Slots(2));
-    logits_vs_golden(&gpu, ExpertMode::Resident);
+    both_layouts(&gpu, ExpertMode::Slots(2));
+    both_layouts(&gpu, ExpertMode::Resident);
 }

@@ -11,9 +11,18 @@
 //!   `v_head_dim`, the softmax scale `1/√(nope + rope)` times YaRN's `mscale²`
 //!   (`RopeSpec::softmax_scale`), then `o_proj`.
 //!
-//! This is the expanded path: the KV cache holds every head's full keys and values
-//! (`heads · (nope + rope + v)` values per token and layer). Where the order of a
-//! head's dims is free (q·k is a sum) the layout is transformers' `[nope | rope]`.
+//! Two cache layouts ([`KvLayout`]), the same attention up to rounding:
+//! - **expanded**: the cache holds every head's full keys and values
+//!   (`heads · (nope + rope + v)` values per token and layer), transformers' naive form;
+//! - **latent**: the cache holds the normed latent and the rope key, one KV head shared
+//!   by every query head; `kv_b_proj` is absorbed per head into the query
+//!   (`q_lat_h = W_UK_hᵀ q_nope_h`, so `q_nope_h · W_UK_h c = q_lat_h · c`) and into the
+//!   output (`v_h = W_UV_h Σ_j w_j c_j`), as MLX-LM's `embed_q` / `unembed_out` and
+//!   llama.cpp's `k_b` / `v_b` do. The attention op stores keys `[c | k_pe]` and values
+//!   `c` apart, so a token costs `2·kv_lora + rope` values per layer (the latent twice).
+//!
+//! Where the order of a head's dims is free (q·k is a sum) the layout is
+//! transformers' `[nope | rope]`, and `[latent | rope]` in latent form.
 
 use crate::runtime::kernels::ops::{ElementwiseOps, HcDims, HyperConnectionOps};
 use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain, OpResult};
@@ -39,10 +48,43 @@ pub struct MlaDims {
     pub eps: f32,
 }
 
+/// What an MLA layer's KV cache holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLayout {
+    /// Every head's keys and values.
+    Expanded,
+    /// The normed latent and the rope key (`kv_b_proj` absorbed).
+    Latent,
+}
+
 impl MlaDims {
     /// A qk head: `nope + rope`.
     pub fn qk(&self) -> usize {
         self.nope + self.rope
+    }
+
+    /// A latent key: `kv_lora + rope`.
+    pub fn latent_key(&self) -> usize {
+        self.kv_lora + self.rope
+    }
+
+    /// The attention op's view of the cache of `layout`.
+    pub fn cache_spec(&self, layout: KvLayout) -> AttentionSpec {
+        match layout {
+            KvLayout::Expanded => self.attention_spec(),
+            KvLayout::Latent => AttentionSpec {
+                kv_heads: 1,
+                qk_dim: self.latent_key(),
+                v_dim: self.kv_lora,
+                window: None,
+            },
+        }
+    }
+
+    /// Values one token adds to one layer's cache of `layout`.
+    pub fn cache_values(&self, layout: KvLayout) -> usize {
+        let s = self.cache_spec(layout);
+        s.k_width() + s.v_width()
     }
 
     /// The attention op's view of the expanded cache: one KV head per query head, keys
@@ -72,6 +114,15 @@ pub enum Query<'a, B: Backend> {
     },
 }
 
+/// `kv_b_proj` split per head for the latent layout.
+pub struct Absorbed<'a, B: Backend> {
+    /// Per head, `W_UK_hᵀ` `[kv_lora, nope]`: the query's nope part into the latent.
+    pub k_t: Vec<B::Weights<'a>>,
+    /// Per head, `W_UV_h` `[v, kv_lora]` (the head's value rows of `kv_b_proj`): the
+    /// attended latent into the head's values.
+    pub v: Vec<B::Weights<'a>>,
+}
+
 /// One MLA layer's weights.
 pub struct Mla<'a, B: Backend> {
     /// The query projection.
@@ -84,6 +135,8 @@ pub struct Mla<'a, B: Backend> {
     pub kv_b: B::Weights<'a>,
     /// `o_proj` `[H, heads·v]`.
     pub o: B::Weights<'a>,
+    /// `kv_b_proj` absorbed, for a latent cache; `None`: the cache is expanded.
+    pub absorbed: Option<Absorbed<'a, B>>,
 }
 
 /// What one call of [`Mla::forward`] needs beyond the weights.
@@ -99,8 +152,17 @@ pub struct MlaStep<'r, B: Backend> {
 }
 
 impl<B: Backend + ElementwiseOps + HyperConnectionOps> Mla<'_, B> {
-    /// `out = o_proj(attention)` for the `n` rows of `x`, storing their keys and values
-    /// in `kv` (made with [`MlaDims::attention_spec`]).
+    /// The layout of this layer's cache: latent when `kv_b_proj` is absorbed.
+    pub fn layout(&self) -> KvLayout {
+        match self.absorbed {
+            Some(_) => KvLayout::Latent,
+            None => KvLayout::Expanded,
+        }
+    }
+
+    /// `out = o_proj(attention)` for the `n` rows of `x`, storing what they add to the
+    /// cache in `kv` (made with [`MlaDims::cache_spec`] of [`Mla::layout`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         b: &B,
@@ -114,13 +176,16 @@ impl<B: Backend + ElementwiseOps + HyperConnectionOps> Mla<'_, B> {
         let (heads, qk) = (d.heads, d.qk());
         let mut q = b.zeros(n * heads * qk)?;
         self.query(b, d, x, n, &mut q)?;
-        // The rotated part of each query head, rotated, scaled and put back.
+        // The rotated part of each query head, rotated.
         let mut q_pe = b.zeros(n * heads * d.rope)?;
         b.gather_cols(&q, qk, d.nope..qk, &mut q_pe)?;
         b.rope(step.table, &mut q_pe, heads, d.rope, step.pos)?;
+        let (lat, k_pe) = self.latent(b, d, step, x, n)?;
+        if let Some(ab) = &self.absorbed {
+            return self.attend_latent(b, d, step, kv, ab, (&q, &q_pe), (&lat, &k_pe), n, out);
+        }
         b.scatter_cols(&q_pe, step.rope_factor, qk, d.nope..qk, &mut q)?;
-
-        let (k, v) = self.keys_values(b, d, step, x, n)?;
+        let (k, v) = self.keys_values(b, d, &lat, &k_pe, step.rope_factor, n)?;
         let mut att = b.zeros(n * heads * d.v)?;
         let at = Causal {
             pos: step.pos,
@@ -146,9 +211,9 @@ impl<B: Backend + ElementwiseOps + HyperConnectionOps> Mla<'_, B> {
         }
     }
 
-    /// Every head's keys `[n, heads, nope + rope]` (the shared rope key rotated, scaled
-    /// and repeated into each head) and values `[n, heads, v]`.
-    fn keys_values(
+    /// The normed latent `[n, kv_lora]` and the rotated rope key `[n, rope]` of the
+    /// rows of `x`.
+    fn latent(
         &self,
         b: &B,
         d: &MlaDims,
@@ -156,8 +221,7 @@ impl<B: Backend + ElementwiseOps + HyperConnectionOps> Mla<'_, B> {
         x: &B::Buf,
         n: usize,
     ) -> OpResult<(B::Buf, B::Buf)> {
-        let (heads, qk, r) = (d.heads, d.qk(), d.kv_lora);
-        let a_width = r + d.rope;
+        let (r, a_width) = (d.kv_lora, d.latent_key());
         let mut ckv = b.zeros(n * a_width)?;
         b.linear(&self.kv_a, x, &mut ckv)?;
         let mut lat = b.zeros(n * r)?;
@@ -167,10 +231,24 @@ impl<B: Backend + ElementwiseOps + HyperConnectionOps> Mla<'_, B> {
         let mut k_pe = b.zeros(n * d.rope)?;
         b.gather_cols(&ckv, a_width, r..a_width, &mut k_pe)?;
         b.rope(step.table, &mut k_pe, 1, d.rope, step.pos)?;
+        Ok((latn, k_pe))
+    }
 
+    /// Every head's keys `[n, heads, nope + rope]` (the shared rope key, scaled, in each
+    /// head) and values `[n, heads, v]` from the latent.
+    fn keys_values(
+        &self,
+        b: &B,
+        d: &MlaDims,
+        latn: &B::Buf,
+        k_pe: &B::Buf,
+        rope_factor: f32,
+        n: usize,
+    ) -> OpResult<(B::Buf, B::Buf)> {
+        let (heads, qk) = (d.heads, d.qk());
         let kv_width = d.nope + d.v;
         let mut kvb = b.zeros(n * heads * kv_width)?;
-        b.linear(&self.kv_b, &latn, &mut kvb)?;
+        b.linear(&self.kv_b, latn, &mut kvb)?;
         let mut k = b.zeros(n * heads * qk)?;
         let mut part = b.zeros(n * heads * d.nope)?;
         b.gather_cols(&kvb, kv_width, 0..d.nope, &mut part)?;
@@ -182,10 +260,57 @@ impl<B: Backend + ElementwiseOps + HyperConnectionOps> Mla<'_, B> {
             lowrank: 0,
             eps: d.eps,
         };
-        b.hc_expand(&k_pe, repeat, &mut k_pe_h)?;
-        b.scatter_cols(&k_pe_h, step.rope_factor, qk, d.nope..qk, &mut k)?;
+        b.hc_expand(k_pe, repeat, &mut k_pe_h)?;
+        b.scatter_cols(&k_pe_h, rope_factor, qk, d.nope..qk, &mut k)?;
         let mut v = b.zeros(n * heads * d.v)?;
         b.gather_cols(&kvb, kv_width, d.nope..kv_width, &mut v)?;
         Ok((k, v))
+    }
+
+    /// Attention in latent space: each head's query `[W_UK_hᵀ q_nope_h | a·q_pe_h]`
+    /// against the cached `[c | a·k_pe]` (one KV head), the attended latent turned into
+    /// the head's values by `W_UV_h`, then `o_proj`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_latent(
+        &self,
+        b: &B,
+        d: &MlaDims,
+        step: &MlaStep<'_, B>,
+        kv: &mut B::Kv,
+        ab: &Absorbed<'_, B>,
+        (q, q_pe): (&B::Buf, &B::Buf),
+        (latn, k_pe): (&B::Buf, &B::Buf),
+        n: usize,
+        out: &mut B::Buf,
+    ) -> OpResult {
+        let (heads, qk, r, lw) = (d.heads, d.qk(), d.kv_lora, d.latent_key());
+        let mut ql = b.zeros(n * heads * lw)?;
+        let mut qn_h = b.zeros(n * d.nope)?;
+        let mut ql_h = b.zeros(n * r)?;
+        for (h, k_t) in ab.k_t.iter().enumerate() {
+            b.gather_cols(q, heads * qk, h * qk..h * qk + d.nope, &mut qn_h)?;
+            b.linear(k_t, &qn_h, &mut ql_h)?;
+            b.scatter_cols(&ql_h, 1.0, heads * lw, h * lw..h * lw + r, &mut ql)?;
+        }
+        b.scatter_cols(q_pe, step.rope_factor, lw, r..lw, &mut ql)?;
+        let mut k = b.zeros(n * lw)?;
+        b.scatter_cols(latn, 1.0, lw, 0..r, &mut k)?;
+        b.scatter_cols(k_pe, step.rope_factor, lw, r..lw, &mut k)?;
+        let mut ol = b.zeros(n * heads * r)?;
+        let at = Causal {
+            pos: step.pos,
+            heads,
+            scale: step.scale,
+        };
+        b.attention(kv, &ql, &k, latn, at, None, &mut ol)?;
+        let mut att = b.zeros(n * heads * d.v)?;
+        let mut ol_h = b.zeros(n * r)?;
+        let mut v_h = b.zeros(n * d.v)?;
+        for (h, w_uv) in ab.v.iter().enumerate() {
+            b.gather_cols(&ol, heads * r, h * r..(h + 1) * r, &mut ol_h)?;
+            b.linear(w_uv, &ol_h, &mut v_h)?;
+            b.scatter_cols(&v_h, 1.0, heads * d.v, h * d.v..(h + 1) * d.v, &mut att)?;
+        }
+        b.linear(&self.o, &att, out)
     }
 }

@@ -16,9 +16,9 @@ use crate::format::manifest::{self, Manifest};
 use crate::runtime::error::{InputError, RunError};
 use crate::runtime::generate::{LanguageModel, Stat};
 use crate::runtime::kernels::routing::{GroupLimit, RouterBias, RoutingSpec, Scores};
-use crate::runtime::kernels::{Backend, NormGain, Ops};
+use crate::runtime::kernels::{Backend, FloatDtype, Matrix, NormGain, Ops};
 use crate::runtime::layers::axes::{Axes, axis_err};
-use crate::runtime::layers::mla::{Mla, MlaDims, MlaStep, Query};
+use crate::runtime::layers::mla::{Absorbed, KvLayout, Mla, MlaDims, MlaStep, Query};
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
 use crate::runtime::layers::rope::{Layout, RopeSpec};
@@ -145,16 +145,9 @@ impl Config {
         })
     }
 
-    /// Values one position of one layer's KV cache holds: every head's key
-    /// (`nope + rope`) and value (`v`), expanded.
-    pub fn kv_values_per_token_layer(&self) -> usize {
-        self.mla.heads * (self.mla.qk() + self.mla.v)
-    }
-
-    /// Values one position of one layer needs in latent form (the latent and the
-    /// rope key, what decode in latent space would cache).
-    pub fn latent_values_per_token_layer(&self) -> usize {
-        self.mla.kv_lora + self.mla.rope
+    /// Bytes one token adds to the KV caches of every layer in `layout`.
+    pub fn kv_bytes_per_token(&self, layout: KvLayout) -> usize {
+        self.mla.cache_values(layout) * self.layers * F32_BYTES
     }
 }
 
@@ -209,6 +202,10 @@ pub struct Model<'a, B: Backend> {
     layers: Vec<Layer<'a, B>>,
     rope: B::Rope,
     slots: B::Slots,
+    layout: KvLayout,
+    /// The bytes of the matrices derived at load (the absorbed `W_UK_hᵀ`), which
+    /// `layers` holds views of. Declared last, so dropped after every view.
+    _derived: Vec<Box<[u8]>>,
 }
 
 /// Per-sequence state: every layer's (expanded) KV cache.
@@ -219,8 +216,18 @@ pub struct Session<B: Backend> {
 }
 
 impl<'a, B: Ops> Model<'a, B> {
-    /// Bind the install's tensors.
+    /// Bind the install's tensors; the KV cache holds the latent
+    /// ([`KvLayout::Latent`]).
     pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
+        Model::with_layout(install, backend, KvLayout::Latent)
+    }
+
+    /// Bind the install's tensors for a KV cache of `layout`.
+    pub fn with_layout(
+        install: &'a Install,
+        backend: &'a B,
+        layout: KvLayout,
+    ) -> Result<Model<'a, B>, RunError> {
         let m = &install.manifest;
         if !MODEL_TYPES.contains(&m.arch.model_type.as_str()) {
             return Err(RunError::invalid(
@@ -264,11 +271,16 @@ impl<'a, B: Ops> Model<'a, B> {
             )
         })?;
         let mut pools = Vec::new();
+        let mut derived = Vec::new();
         for l in 0..cfg.layers {
             if l >= cfg.dense_layers {
                 pools.push(expert_pool(install, &cfg.moe, h, l)?);
             }
-            layers.push(bind_layer(install, backend, &cfg, l)?);
+            let mut layer = bind_layer(install, backend, &cfg, l)?;
+            if layout == KvLayout::Latent {
+                layer.attn.absorbed = Some(absorb(install, backend, &cfg.mla, l, &mut derived)?);
+            }
+            layers.push(layer);
         }
         let slots = expert_slots(backend, &install.experts, &pools, cfg.layers)?;
         Ok(Model {
@@ -285,7 +297,14 @@ impl<'a, B: Ops> Model<'a, B> {
             embed,
             head,
             layers,
+            layout,
+            _derived: derived,
         })
+    }
+
+    /// What the KV cache holds.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
     }
 
     /// Run `tokens` after the session's cache: the logits of every position when `all`,
@@ -305,7 +324,7 @@ impl<'a, B: Ops> Model<'a, B> {
         self.check_input(pos, tokens)?;
         if s.kv.len() != c.layers {
             s.kv = (0..c.layers)
-                .map(|_| b.kv_cache(c.mla.attention_spec(), c.max_positions))
+                .map(|_| b.kv_cache(c.mla.cache_spec(self.layout), c.max_positions))
                 .collect::<Result<_, _>>()?;
         }
         let h = c.mla.hidden;
@@ -414,6 +433,52 @@ impl<'a, B: Ops> Model<'a, B> {
     }
 }
 
+/// Layer `l`'s `kv_b_proj` absorbed for the latent cache: per head `W_UV_h` as a view
+/// of its rows, and `W_UK_hᵀ` transposed into f32 bytes pushed onto `derived`.
+fn absorb<'a, B: Ops>(
+    install: &'a Install,
+    b: &B,
+    d: &MlaDims,
+    l: usize,
+    derived: &mut Vec<Box<[u8]>>,
+) -> Result<Absorbed<'a, B>, RunError> {
+    let name = format!("model.layers.{l}.self_attn.kv_b_proj.weight");
+    let per_head = d.nope + d.v;
+    let kv_b = install.matrix(&name, d.heads * per_head, d.kv_lora)?;
+    let mut row = vec![0f32; d.kv_lora];
+    let mut k_t = Vec::with_capacity(d.heads);
+    let mut v = Vec::with_capacity(d.heads);
+    for h in 0..d.heads {
+        let first = h * per_head;
+        v.push(b.weights(kv_b.row_range(first + d.nope..first + per_head))?);
+        // W_UK_h is rows first..first + nope, [nope, kv_lora]; its transpose
+        // [kv_lora, nope] row-major: element (j, i) = W_UK_h[i][j].
+        let mut t = vec![0f32; d.kv_lora * d.nope];
+        for i in 0..d.nope {
+            kv_b.widen_row(first + i, &mut row);
+            for (j, &w) in row.iter().enumerate() {
+                t[j * d.nope + i] = w;
+            }
+        }
+        let bytes: Box<[u8]> = t.iter().flat_map(|w| w.to_le_bytes()).collect();
+        #[allow(unsafe_code)]
+        // SAFETY: the view borrows the heap allocation of `bytes`, which is moved (the
+        // box, not its allocation) into `derived`, the model's last field: it is never
+        // written, freed or reallocated while the model lives, and the model's fields
+        // holding views (`layers`) are dropped before it. The slice is that allocation's
+        // whole length.
+        let data: &'a [u8] = unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
+        derived.push(bytes);
+        k_t.push(b.weights(Matrix::Float {
+            dtype: FloatDtype::F32,
+            data,
+            rows: d.kv_lora,
+            cols: d.nope,
+        })?);
+    }
+    Ok(Absorbed { k_t, v })
+}
+
 /// Layer `l`'s weights.
 fn bind_layer<'a, B: Ops>(
     install: &'a Install,
@@ -449,6 +514,7 @@ fn bind_layer<'a, B: Ops>(
             d.kv_lora,
         )?,
         o: matrix("self_attn.o_proj.weight", h, d.heads * d.v)?,
+        absorbed: None,
     };
     let swiglu = |prefix: &str, i: usize| -> Result<SwiGlu<'a, B>, RunError> {
         Ok(SwiGlu {
@@ -510,12 +576,14 @@ impl<B: Ops> LanguageModel for Model<'_, B> {
         self.backend.device_memory_bytes()
     }
     fn stats(&self, positions: usize) -> Vec<Stat> {
-        let per_token = self.cfg.kv_values_per_token_layer() * self.cfg.layers * F32_BYTES;
+        let per_token = self.cfg.kv_bytes_per_token(self.layout);
+        let name = match self.layout {
+            KvLayout::Latent => "latent",
+            KvLayout::Expanded => "expanded",
+        };
         vec![Stat {
             text: format!(
-                "KV cache {} B/token (expanded MLA; {} B/token in latent form), {} KiB",
-                per_token,
-                self.cfg.latent_values_per_token_layer() * self.cfg.layers * F32_BYTES,
+                "KV cache {per_token} B/token ({name} MLA), {} KiB",
                 per_token * positions / 1024
             ),
             key: "kv_bytes_per_token",
