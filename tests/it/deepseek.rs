@@ -99,6 +99,18 @@ fn bf16() -> &'static Path {
     })
 }
 
+/// Whether the resident file's header lists every MoE layer's correction bias as F32
+/// at passthrough (never quantized, never narrowed).
+fn bias_stays_f32(dir: &Path) -> bool {
+    let bytes = std::fs::read(dir.join("resident.bin")).unwrap();
+    let header = String::from_utf8_lossy(&bytes[..bytes.len().min(1 << 16)]).into_owned();
+    (1..3).all(|l| {
+        header.contains(&format!(
+            r#"{{"name":"model.layers.{l}.mlp.gate.e_score_correction_bias","dtype":"F32","shape":[8],"scheme":"passthrough""#
+        ))
+    })
+}
+
 fn manifest(dir: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
 }
@@ -132,6 +144,7 @@ fn the_bf16_install_pools_the_routed_layers_keeps_the_bias_f32_and_verifies() {
         assert_eq!(p["experts"], 8);
         assert_eq!(p["scheme"], "passthrough");
     }
+    assert!(bias_stays_f32(&out));
 }
 
 #[test]
@@ -149,6 +162,7 @@ fn an_int4_install_keeps_the_correction_bias_f32_and_the_router_int8() {
     let m = manifest(&q);
     assert_eq!(m["quantized_at_install"]["scheme"], "int4_g64");
     assert_eq!(m["expert_pools"][0]["scheme"], "int4_g64");
+    assert!(bias_stays_f32(&q));
     let o = gturbo_args(&["verify-install", q.to_str().unwrap()]);
     assert!(o.status.success(), "verify-install: {}", text(&o));
     let g = meta();

@@ -7,10 +7,9 @@
 //! groups, the weights the unbiased scores renormalised (`norm_topk_prob`, with its
 //! `+1e-20`) and times `routed_scaling_factor` (`kernels::routing`).
 //!
-//! Defaults when the config omits a field are transformers' `DeepseekV3Config`'s:
-//! `norm_topk_prob` true, `rope_interleave` true, `n_group` / `topk_group` 1 (no group
-//! limit), `routed_scaling_factor` 1, `n_shared_experts` none, `first_k_dense_replace` 0,
-//! `rms_norm_eps` 1e-6.
+//! A field the config omits takes transformers' `DeepseekV3Config` default
+//! ([`DEFAULTS`]), except `q_lora_rank`: the axes read null as absent, and V2-Lite-style
+//! configs write `"q_lora_rank": null` for a plain `q_proj`, so absent means plain.
 
 use crate::format::manifest::{self, Manifest};
 use crate::runtime::error::{InputError, RunError};
@@ -28,8 +27,35 @@ use super::decoder::{MoeConfig, context_length, expert_pool};
 
 /// The runner reads integer axes below 2^32.
 const AXIS_BELOW: u64 = 1 << 32;
-/// `rms_norm_eps` when the config has none (transformers' default).
-const DEFAULT_EPS: f64 = 1e-6;
+/// transformers' `DeepseekV3Config` defaults for the fields a config may omit.
+pub struct Defaults {
+    /// `rms_norm_eps`.
+    pub eps: f64,
+    /// `norm_topk_prob`.
+    pub norm_topk_prob: bool,
+    /// `n_group`.
+    pub n_group: usize,
+    /// `topk_group`.
+    pub topk_group: usize,
+    /// `routed_scaling_factor`.
+    pub routed_scaling_factor: f64,
+    /// `n_shared_experts`.
+    pub n_shared_experts: usize,
+    /// `first_k_dense_replace`.
+    pub first_k_dense_replace: usize,
+}
+
+/// The defaults of transformers 5.24's `DeepseekV3Config` (and `rope_interleave`
+/// true, set in [`Config::from_manifest`]).
+pub const DEFAULTS: Defaults = Defaults {
+    eps: 1e-6,
+    norm_topk_prob: true,
+    n_group: 8,
+    topk_group: 4,
+    routed_scaling_factor: 2.5,
+    n_shared_experts: 1,
+    first_k_dense_replace: 3,
+};
 /// The `model_type`s this model runs (Kimi-K2 is DeepSeek-V3's architecture).
 pub const MODEL_TYPES: [&str; 2] = ["deepseek_v3", "kimi_k2"];
 /// Bytes of one cached f32 value.
@@ -80,7 +106,7 @@ impl Config {
                 &format!("{kv}: MLA expands one key and value head per query head ({heads})"),
             ));
         }
-        let eps = a.opt_f64("rms_norm_eps")?.unwrap_or(DEFAULT_EPS) as f32;
+        let eps = a.opt_f64("rms_norm_eps")?.unwrap_or(DEFAULTS.eps) as f32;
         let mla = MlaDims {
             hidden,
             heads,
@@ -106,22 +132,18 @@ impl Config {
             experts: a.usize("num_experts")?,
             top_k: a.usize("num_experts_per_tok")?,
             intermediate: a.usize("moe_intermediate_size")?,
-            norm_topk_prob: a.opt_bool("norm_topk_prob")?.unwrap_or(true),
+            norm_topk_prob: a
+                .opt_bool("norm_topk_prob")?
+                .unwrap_or(DEFAULTS.norm_topk_prob),
         };
         let routing = routing(&a, &moe)?;
         let layers = a.usize("num_layers")?;
-        let dense_layers = match a.value("first_k_dense_replace") {
-            // 0 is allowed: every layer routed.
-            Some(v) if v.as_u64() == Some(0) => 0,
-            _ => a.opt_usize("first_k_dense_replace")?.unwrap_or(0),
-        };
+        let dense_layers =
+            count_or_zero(&a, "first_k_dense_replace")?.unwrap_or(DEFAULTS.first_k_dense_replace);
         if dense_layers > layers {
             return Err(a.err("first_k_dense_replace", "more than num_layers"));
         }
-        let shared = match a.value("n_shared_experts") {
-            Some(v) if v.as_u64() == Some(0) => 0,
-            _ => a.opt_usize("n_shared_experts")?.unwrap_or(0),
-        };
+        let shared = count_or_zero(&a, "n_shared_experts")?.unwrap_or(DEFAULTS.n_shared_experts);
         Ok(Config {
             layers,
             mla,
@@ -151,11 +173,21 @@ impl Config {
     }
 }
 
+/// A count that may be 0 (`first_k_dense_replace`, `n_shared_experts`), when present.
+fn count_or_zero(a: &Axes<'_>, axis: &str) -> Result<Option<usize>, RunError> {
+    match a.value(axis) {
+        Some(v) if v.as_u64() == Some(0) => Ok(Some(0)),
+        _ => a.opt_usize(axis),
+    }
+}
+
 /// The sigmoid group-limited router the config describes, checked.
 fn routing(a: &Axes<'_>, moe: &MoeConfig) -> Result<RoutingSpec, RunError> {
-    let n_group = a.opt_usize("n_group")?.unwrap_or(1);
-    let topk_group = a.opt_usize("topk_group")?.unwrap_or(n_group);
-    let scaling = a.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32;
+    let n_group = a.opt_usize("n_group")?.unwrap_or(DEFAULTS.n_group);
+    let topk_group = a.opt_usize("topk_group")?.unwrap_or(DEFAULTS.topk_group);
+    let scaling = a
+        .opt_f64("routed_scaling_factor")?
+        .unwrap_or(DEFAULTS.routed_scaling_factor) as f32;
     let spec = RoutingSpec {
         scores: Scores::Sigmoid,
         selection_bias: true,
@@ -589,5 +621,155 @@ impl<B: Ops> LanguageModel for Model<'_, B> {
             key: "kv_bytes_per_token",
             value: per_token.into(),
         }]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    /// The toy's axes (tests/data/deepseek_toy/config.json through the family file).
+    fn axes() -> Value {
+        json!({
+            "hidden_size": 128, "num_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+            "intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+            "norm_topk_prob": true, "vocab_size": 512, "rope_theta": 10000,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "rope_interleave": true,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0,
+                "mscale_all_dim": 0.8, "original_max_position_embeddings": 64, "type": "yarn"}
+        })
+    }
+
+    fn manifest(axes: Value) -> Manifest {
+        serde_json::from_value(json!({
+            "arch": {"axes": axes, "model_type": "deepseek_v3", "required_axes": []},
+            "excluded_tensors": 0, "expert_pools": [], "family": "deepseek_v3", "files": [],
+            "format": "gturbo", "minor_version": 1, "model_id": "t/t", "plan_fingerprint": "0",
+            "quantized_at_install": {"bits": 4, "group_size": 64, "overrides": [],
+                "parity_gate": "", "quality_gate": null, "scheme": "int4_g64"},
+            "resident": {"entries": 0, "file": "resident.bin", "payload_start": 0},
+            "row_pools": [], "sidecars": {},
+            "source": {"commit": null, "index_sha256": null, "repo": "t/t", "revision": "main"},
+            "tool": {"name": "gturbo", "version": "0"}, "version": 1
+        }))
+        .expect("test manifest")
+    }
+
+    fn with(key: &str, v: Value) -> Result<Config, RunError> {
+        let mut a = axes();
+        a[key] = v;
+        Config::from_manifest(&manifest(a))
+    }
+
+    #[test]
+    fn the_toy_reads_as_transformers_builds_it() {
+        let c = Config::from_manifest(&manifest(axes())).unwrap();
+        assert_eq!(c.mla.qk(), 48);
+        assert_eq!(c.dense_layers, 1);
+        assert_eq!(c.shared_intermediate, 64);
+        assert_eq!(c.rope.layout, Layout::Interleaved);
+        assert_eq!(
+            c.routing.groups,
+            Some(GroupLimit {
+                n_group: 4,
+                topk_group: 2
+            })
+        );
+        assert_eq!((c.routing.scaling, c.routing.renormalize), (2.5, true));
+        // transformers' `scaling` for the toy (golden/meta.json `softmax_scale`):
+        // 48^-0.5 · (0.1 · 0.8 · ln 4 + 1)².
+        assert!((f64::from(c.softmax_scale) - 0.1781279581324309).abs() < 1e-7);
+        // mscale 1.0 over mscale_all_dim 0.8: the rope parts carry a factor ≠ 1.
+        let a = (0.1 * 4f64.ln() + 1.0) / (0.08 * 4f64.ln() + 1.0);
+        assert!((f64::from(c.rope.attention_scaling()) - a).abs() < 1e-6);
+    }
+
+    #[test]
+    fn absent_fields_take_transformers_defaults() {
+        let mut a = axes();
+        a["num_experts"] = json!(16);
+        a["num_layers"] = json!(4);
+        for k in [
+            "q_lora_rank",
+            "n_group",
+            "topk_group",
+            "routed_scaling_factor",
+            "norm_topk_prob",
+            "rope_interleave",
+            "first_k_dense_replace",
+            "n_shared_experts",
+        ] {
+            a.as_object_mut().unwrap().remove(k);
+        }
+        let c = Config::from_manifest(&manifest(a)).unwrap();
+        assert_eq!(c.mla.q_lora, None);
+        assert_eq!(
+            c.routing.groups,
+            Some(GroupLimit {
+                n_group: 8,
+                topk_group: 4
+            })
+        );
+        assert_eq!((c.routing.scaling, c.routing.renormalize), (2.5, true));
+        assert_eq!(c.rope.layout, Layout::Interleaved);
+        assert_eq!((c.dense_layers, c.shared_intermediate), (3, 64));
+        let mut a = axes();
+        a["n_group"] = json!(1);
+        a["topk_group"] = json!(1);
+        assert_eq!(
+            Config::from_manifest(&manifest(a)).unwrap().routing.groups,
+            None
+        );
+        assert_eq!(
+            with("first_k_dense_replace", json!(0))
+                .unwrap()
+                .dense_layers,
+            0
+        );
+        assert_eq!(
+            with("rope_interleave", json!(false)).unwrap().rope.layout,
+            Layout::HalfSplit
+        );
+        assert_eq!(
+            with("n_shared_experts", json!(0))
+                .unwrap()
+                .shared_intermediate,
+            0
+        );
+    }
+
+    #[test]
+    fn untrusted_axes_are_refused_naming_the_manifest_and_the_field() {
+        for (key, v, says) in [
+            ("n_group", json!(3), "arch.axes.n_group"),
+            ("topk_group", json!(5), "arch.axes.n_group"),
+            (
+                "num_key_value_heads",
+                json!(2),
+                "arch.axes.num_key_value_heads",
+            ),
+            (
+                "first_k_dense_replace",
+                json!(4),
+                "arch.axes.first_k_dense_replace",
+            ),
+            ("qk_rope_head_dim", json!(15), "arch.axes.qk_rope_head_dim"),
+            ("kv_lora_rank", json!(0), "arch.axes.kv_lora_rank"),
+            ("v_head_dim", json!(-1), "arch.axes.v_head_dim"),
+            ("routed_scaling_factor", json!("x"), "routed_scaling_factor"),
+            ("num_experts_per_tok", json!(9), "num_experts_per_tok"),
+        ] {
+            let e = with(key, v.clone()).unwrap_err().to_string();
+            assert!(
+                e.contains(manifest::FILE_NAME) && e.contains(says),
+                "{key} = {v}: {e}"
+            );
+        }
     }
 }
