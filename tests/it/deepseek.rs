@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use gturbo::runtime::experts::ExpertMode;
-use gturbo::runtime::kernels::{Cpu, Ops};
-use gturbo::runtime::layers::mla::KvLayout;
+use gturbo::runtime::kernels::{Backend, Cpu, Ops};
+use gturbo::runtime::layers::mla::{KvLayout, MlaDims};
 use gturbo::runtime::load::{self, LoadOptions};
 use gturbo::runtime::models::{self, Model, deepseek_v3};
 use serde_json::Value;
@@ -308,4 +308,18 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
     };
     both_layouts(&gpu, ExpertMode::Slots(2));
     both_layouts(&gpu, ExpertMode::Resident);
+    // DeepSeek-V3's own widths: its latent cache (keys 512 + 64) is past the GPU
+    // kernel's heads, so `models::open` builds the expanded one there.
+    let v3 = MlaDims {
+        hidden: 7168,
+        heads: 128,
+        q_lora: Some(1536),
+        kv_lora: 512,
+        nope: 128,
+        rope: 64,
+        v: 128,
+        eps: 1e-6,
+    };
+    assert!(!gpu.attends(&v3.cache_spec(KvLayout::Latent)));
+    assert!(gpu.attends(&v3.cache_spec(KvLayout::Expanded)));
 }

@@ -312,6 +312,12 @@ pub trait Backend {
         head_dim: usize,
         pos: usize,
     ) -> OpResult;
+    /// Whether [`Backend::attention`] runs over a cache of `spec` here: a device kernel
+    /// may hold heads up to a width (the GPU's 256), which MLA's latent cache (keys
+    /// `kv_lora + rope` wide: 576 for DeepSeek-V3) can exceed. The default: any spec.
+    fn attends(&self, _spec: &AttentionSpec) -> bool {
+        true
+    }
     /// An empty KV cache of one layer for up to `max_positions` positions (the CPU's
     /// grows as tokens arrive), holding key rows of `spec.k_width()` and value rows of
     /// `spec.v_width()`; `spec` also fixes the window [`Backend::attention`] applies.

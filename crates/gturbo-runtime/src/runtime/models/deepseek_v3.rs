@@ -249,9 +249,17 @@ pub struct Session<B: Backend> {
 
 impl<'a, B: Ops> Model<'a, B> {
     /// Bind the install's tensors; the KV cache holds the latent
-    /// ([`KvLayout::Latent`]).
+    /// ([`KvLayout::Latent`]) where the backend's attention takes its widths, else
+    /// every head's keys and values (a GPU kernel holds heads up to 256 wide;
+    /// DeepSeek-V3's latent keys are 576).
     pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
-        Model::with_layout(install, backend, KvLayout::Latent)
+        let cfg = Config::from_manifest(&install.manifest)?;
+        let layout = if backend.attends(&cfg.mla.cache_spec(KvLayout::Latent)) {
+            KvLayout::Latent
+        } else {
+            KvLayout::Expanded
+        };
+        Model::with_layout(install, backend, layout)
     }
 
     /// Bind the install's tensors for a KV cache of `layout`.
