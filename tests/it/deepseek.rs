@@ -88,7 +88,7 @@ fn install(out: &Path, extra: &[&str]) {
 }
 
 /// One BF16 (passthrough) install of the toy for this test run.
-fn bf16() -> &'static Path {
+pub(crate) fn bf16() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deepseek-bf16");
