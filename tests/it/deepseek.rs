@@ -148,7 +148,7 @@ fn the_bf16_install_pools_the_routed_layers_keeps_the_bias_f32_and_verifies() {
 }
 
 #[test]
-fn an_int4_install_keeps_the_correction_bias_f32_and_the_router_int8() {
+fn an_int4_install_keeps_the_bias_f32_and_the_router_int8_and_records_its_quality() {
     let o = gturbo_args(&["install", FAMILY, "--from", TOY, "--dry-run", "--json"]);
     assert!(o.status.success(), "{}", text(&o));
     let plan: Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -165,10 +165,37 @@ fn an_int4_install_keeps_the_correction_bias_f32_and_the_router_int8() {
     assert!(bias_stays_f32(&q));
     let o = gturbo_args(&["verify-install", q.to_str().unwrap()]);
     assert!(o.status.success(), "verify-install: {}", text(&o));
+    let txt = tmp.path().join("text.txt");
+    std::fs::write(
+        &txt,
+        "A café for the quick brown fox. The quick brown fox jumps over the lazy dog while \
+         the cat sleeps in the sun, and the birds sing of rain, of wind and of the long road \
+         home.",
+    )
+    .unwrap();
+    let o = gturbo_args(&[
+        "eval",
+        q.to_str().unwrap(),
+        bf16().to_str().unwrap(),
+        "--text",
+        txt.to_str().unwrap(),
+        "--threads",
+        "2",
+        "--record",
+        "--json",
+    ]);
+    assert!(o.status.success(), "eval: {}", text(&o));
+    let ev: Value = serde_json::from_slice(&o.stdout).unwrap();
+    eprintln!("deepseek toy INT4 vs BF16: {ev}");
+    let kl = ev["mean_kl_nats"].as_f64().unwrap();
+    // Random Gaussian weights are INT4's worst case: the bound catches a broken
+    // dequantization (KL of several nats), not a small regression.
+    assert!(kl.is_finite() && kl > 0.0 && kl < 2.0, "{ev}");
     let g = meta();
     let (doc, footer) = run_json(&q, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
     assert_eq!(doc["tokens"].as_array().unwrap().len(), 24, "{footer}");
     assert_eq!(doc["runner"], FAMILY);
+    assert_eq!(doc["quality"]["format"], "gturbo-quality", "{doc}");
 }
 
 #[test]
