@@ -117,7 +117,7 @@ impl Config {
             v: a.usize("v_head_dim")?,
             eps,
         };
-        if mla.rope % 2 != 0 {
+        if !mla.rope.is_multiple_of(2) {
             return Err(a.err("qk_rope_head_dim", "RoPE needs an even width"));
         }
         let mut rope = RopeSpec::from_manifest(m, mla.rope)?;
