@@ -196,6 +196,16 @@ fn an_int4_install_keeps_the_bias_f32_and_the_router_int8_and_records_its_qualit
     assert_eq!(doc["tokens"].as_array().unwrap().len(), 24, "{footer}");
     assert_eq!(doc["runner"], FAMILY);
     assert_eq!(doc["quality"]["format"], "gturbo-quality", "{doc}");
+    // The latent path's absorbed matrices come from INT4 rows (views of `W_UV_h`,
+    // `W_UK_hᵀ` widened): the same dequantized weights as the expanded path's.
+    let cpu = Cpu::new(2);
+    let (latent, _) = rows_of_run(&q, &cpu, ExpertMode::Slots(2), KvLayout::Latent);
+    let (expanded, _) = rows_of_run(&q, &cpu, ExpertMode::Slots(2), KvLayout::Expanded);
+    let d = max_diff(&latent, &expanded);
+    assert!(
+        d <= LOGIT_ATOL,
+        "INT4: latent and expanded caches differ by {d:.3e}"
+    );
 }
 
 #[test]
@@ -233,18 +243,18 @@ fn greedy_tokens_equal_transformers_on_the_gpu() {
     }
 }
 
-/// The logits of the prompt (all positions) and of each cached decode step fed the
-/// golden's greedy tokens with a KV cache of `layout`, checked against transformers'
-/// within [`LOGIT_ATOL`]; returns them.
-fn logits_vs_golden<B: Ops + 'static>(
+/// The logits of the golden's prompt (all positions) and of each cached decode step fed
+/// its greedy tokens, on the install `dir` with a KV cache of `layout`; and the model's
+/// footer figure (the cache's bytes per token).
+fn rows_of_run<B: Ops + 'static>(
+    dir: &Path,
     backend: &B,
     experts: ExpertMode,
     layout: KvLayout,
-) -> Vec<Vec<f32>> {
+) -> (Vec<Vec<f32>>, String) {
     let g = meta();
-    let want = golden_rows();
     let install = load::open(
-        bf16(),
+        dir,
         LoadOptions {
             experts,
             ..Default::default()
@@ -265,6 +275,19 @@ fn logits_vs_golden<B: Ops + 'static>(
     for &t in &g.greedy[..g.greedy.len() - 1] {
         got.push(model.forward(&mut s, &[t], false).unwrap());
     }
+    let stat = model.stats(got.len()).first().map(|s| s.text.clone());
+    (got, stat.unwrap_or_default())
+}
+
+/// [`rows_of_run`] on the BF16 install, checked against transformers'
+/// within [`LOGIT_ATOL`]; returns them.
+fn logits_vs_golden<B: Ops + 'static>(
+    backend: &B,
+    experts: ExpertMode,
+    layout: KvLayout,
+) -> Vec<Vec<f32>> {
+    let want = golden_rows();
+    let (got, stats) = rows_of_run(bf16(), backend, experts, layout);
     assert_eq!(got.len(), want.len(), "positions");
     let mut worst = (0f32, 0);
     for (p, (a, b)) in got.iter().zip(&want).enumerate() {
@@ -273,14 +296,13 @@ fn logits_vs_golden<B: Ops + 'static>(
             worst = (d, p);
         }
     }
-    let stats = model.stats(got.len());
     eprintln!(
         "deepseek toy on {}, {layout:?} cache: {} positions, max |logit − transformers| {:.3e} at {}; {}",
-        model.backend_name(),
+        backend.name(),
         got.len(),
         worst.0,
         worst.1,
-        stats.first().map_or("", |s| s.text.as_str())
+        stats
     );
     assert!(
         worst.0 <= LOGIT_ATOL,

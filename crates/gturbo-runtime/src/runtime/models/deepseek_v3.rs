@@ -474,7 +474,7 @@ impl<'a, B: Ops> Model<'a, B> {
 }
 
 /// Layer `l`'s `kv_b_proj` absorbed for the latent cache: per head `W_UV_h` as a view
-/// of its rows, and `W_UK_hᵀ` transposed into f32 bytes pushed onto `derived`.
+/// of its rows, and `W_UK_hᵀ` transposed into bytes pushed onto `derived`.
 fn absorb<'a, B: Ops>(
     install: &'a Install,
     b: &B,
@@ -485,22 +485,12 @@ fn absorb<'a, B: Ops>(
     let name = format!("model.layers.{l}.self_attn.kv_b_proj.weight");
     let per_head = d.nope + d.v;
     let kv_b = install.matrix(&name, d.heads * per_head, d.kv_lora)?;
-    let mut row = vec![0f32; d.kv_lora];
     let mut k_t = Vec::with_capacity(d.heads);
     let mut v = Vec::with_capacity(d.heads);
     for h in 0..d.heads {
         let first = h * per_head;
         v.push(b.weights(kv_b.row_range(first + d.nope..first + per_head))?);
-        // W_UK_h is rows first..first + nope, [nope, kv_lora]; its transpose
-        // [kv_lora, nope] row-major: element (j, i) = W_UK_h[i][j].
-        let mut t = vec![0f32; d.kv_lora * d.nope];
-        for i in 0..d.nope {
-            kv_b.widen_row(first + i, &mut row);
-            for (j, &w) in row.iter().enumerate() {
-                t[j * d.nope + i] = w;
-            }
-        }
-        let bytes: Box<[u8]> = t.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let (dtype, bytes) = transposed(&kv_b.row_range(first..first + d.nope));
         #[allow(unsafe_code)]
         // SAFETY: the view borrows the heap allocation of `bytes`, which is moved (the
         // box, not its allocation) into `derived`, the model's last field: it is never
@@ -510,13 +500,47 @@ fn absorb<'a, B: Ops>(
         let data: &'a [u8] = unsafe { std::slice::from_raw_parts(bytes.as_ptr(), bytes.len()) };
         derived.push(bytes);
         k_t.push(b.weights(Matrix::Float {
-            dtype: FloatDtype::F32,
+            dtype,
             data,
             rows: d.kv_lora,
             cols: d.nope,
         })?);
     }
     Ok(Absorbed { k_t, v })
+}
+
+/// `w` `[rows, cols]` transposed into row-major `[cols, rows]` bytes: a float matrix's
+/// elements moved as they are (exact, at its own width: BF16 stays 2 bytes), a
+/// quantized one widened to f32 first.
+fn transposed(w: &Matrix<'_>) -> (FloatDtype, Box<[u8]>) {
+    let (rows, cols) = (w.rows(), w.cols());
+    match *w {
+        Matrix::Float { dtype, data, .. } => {
+            let e = dtype.bytes();
+            let mut t = vec![0u8; data.len()];
+            for i in 0..rows {
+                for j in 0..cols {
+                    let (from, to) = ((i * cols + j) * e, (j * rows + i) * e);
+                    t[to..to + e].copy_from_slice(&data[from..from + e]);
+                }
+            }
+            (dtype, t.into_boxed_slice())
+        }
+        Matrix::Quant { .. } => {
+            let mut row = vec![0f32; cols];
+            let mut t = vec![0f32; rows * cols];
+            for i in 0..rows {
+                w.widen_row(i, &mut row);
+                for (j, &x) in row.iter().enumerate() {
+                    t[j * rows + i] = x;
+                }
+            }
+            (
+                FloatDtype::F32,
+                t.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        }
+    }
 }
 
 /// Layer `l`'s weights.
@@ -750,6 +774,38 @@ mod tests {
                 .shared_intermediate,
             0
         );
+    }
+
+    #[test]
+    fn transposing_keeps_float_bytes_and_widens_quantized_rows() {
+        let bf16 = |x: f32| ((x.to_bits() >> 16) as u16).to_le_bytes();
+        let data: Vec<u8> = [1f32, 2., 3., 4., 5., 6.]
+            .iter()
+            .flat_map(|&x| bf16(x))
+            .collect();
+        let w = Matrix::Float {
+            dtype: FloatDtype::Bf16,
+            data: &data,
+            rows: 2,
+            cols: 3,
+        };
+        let (dtype, t) = transposed(&w);
+        assert_eq!(dtype, FloatDtype::Bf16);
+        let want: Vec<u8> = [1f32, 4., 2., 5., 3., 6.]
+            .iter()
+            .flat_map(|&x| bf16(x))
+            .collect();
+        assert_eq!(&t[..], &want[..]);
+        // The transposed view's rows are the columns of the original.
+        let tm = Matrix::Float {
+            dtype,
+            data: &t,
+            rows: 3,
+            cols: 2,
+        };
+        let mut row = [0f32; 2];
+        tm.widen_row(2, &mut row);
+        assert_eq!(row, [3., 6.]);
     }
 
     #[test]
