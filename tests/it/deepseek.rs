@@ -342,9 +342,10 @@ fn prompt_and_decode_logits_match_transformers_on_the_cpu_with_either_cache() {
 fn the_latent_cache_is_smaller_than_the_expanded_one_by_the_shapes() {
     let install = load::open(bf16(), LoadOptions::default()).unwrap();
     let cfg = deepseek_v3::Config::from_manifest(&install.manifest).unwrap();
-    // 3 layers × 4 bytes × (4 heads × (48 + 32)) expanded, × (2 × 64 + 16) latent.
+    // 3 layers × 4 bytes × (4 heads × (48 + 32)) expanded, × (64 + 16) latent (the
+    // values are read from the keys' latent part).
     assert_eq!(cfg.kv_bytes_per_token(KvLayout::Expanded), 3 * 4 * 4 * 80);
-    assert_eq!(cfg.kv_bytes_per_token(KvLayout::Latent), 3 * 4 * 144);
+    assert_eq!(cfg.kv_bytes_per_token(KvLayout::Latent), 3 * 4 * (64 + 16));
 }
 
 #[cfg(feature = "gpu")]

@@ -18,8 +18,9 @@
 //!   by every query head; `kv_b_proj` is absorbed per head into the query
 //!   (`q_lat_h = W_UK_hᵀ q_nope_h`, so `q_nope_h · W_UK_h c = q_lat_h · c`) and into the
 //!   output (`v_h = W_UV_h Σ_j w_j c_j`), as MLX-LM's `embed_q` / `unembed_out` and
-//!   llama.cpp's `k_b` / `v_b` do. The attention op stores keys `[c | k_pe]` and values
-//!   `c` apart, so a token costs `2·kv_lora + rope` values per layer (the latent twice).
+//!   llama.cpp's `k_b` / `v_b` do. The cache holds keys `[c | k_pe]` only and reads the
+//!   values `c` from them (`AttentionSpec::values_in_keys`): `kv_lora + rope` values per
+//!   token and layer (576 for DeepSeek-V3, against 40,960 expanded).
 //!
 //! Where the order of a head's dims is free (q·k is a sum) the layout is
 //! transformers' `[nope | rope]`, and `[latent | rope]` in latent form.
@@ -77,6 +78,7 @@ impl MlaDims {
                 qk_dim: self.latent_key(),
                 v_dim: self.kv_lora,
                 window: None,
+                values_in_keys: true,
             },
         }
     }
@@ -84,7 +86,7 @@ impl MlaDims {
     /// Values one token adds to one layer's cache of `layout`.
     pub fn cache_values(&self, layout: KvLayout) -> usize {
         let s = self.cache_spec(layout);
-        s.k_width() + s.v_width()
+        s.k_width() + s.stored_v_width()
     }
 
     /// The attention op's view of the expanded cache: one KV head per query head, keys
@@ -95,6 +97,7 @@ impl MlaDims {
             qk_dim: self.qk(),
             v_dim: self.v,
             window: None,
+            values_in_keys: false,
         }
     }
 }
@@ -302,7 +305,8 @@ impl<B: Backend + ElementwiseOps + HyperConnectionOps> Mla<'_, B> {
             heads,
             scale: step.scale,
         };
-        b.attention(kv, &ql, &k, latn, at, None, &mut ol)?;
+        // The values are the keys' latent part (`values_in_keys`): `k` again.
+        b.attention(kv, &ql, &k, &k, at, None, &mut ol)?;
         let mut att = b.zeros(n * heads * d.v)?;
         let mut ol_h = b.zeros(n * r)?;
         let mut v_h = b.zeros(n * d.v)?;
