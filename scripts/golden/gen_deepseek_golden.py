@@ -45,6 +45,12 @@ prompt.safetensors the prompt's logits [T, V], and per MoE layer the router's
 greedy.safetensors tokens I64 [S]; step_logits [S, V] (full recompute per step, no
                    cache).
 
+`--variant` writes tests/data/deepseek_toy_variant/ instead: the other branch of every
+option (VARIANT): a plain `q_proj` (`q_lora_rank` null), no group limit (`n_group` =
+`topk_group` = 1, as Kimi-K2 and GLM), `norm_topk_prob` false, two shared experts, no
+dense layer, the half-split rope layout (`rope_interleave` false) without scaling, 2
+layers.
+
 Random tiny models can have near ties: the script refuses (exit 1) goldens whose
 smallest greedy gap is under MIN_GAP, or whose routing (group choice or top-k, on the
 biased sigmoid keys) has a near tie anywhere in the greedy sequence
@@ -97,8 +103,17 @@ MIN_ROUTER_MARGIN = 1e-3
 PROMPT_TEXT = "A café for the quick brown fox."
 MIXTRAL_TOY = Path(__file__).resolve().parents[2] / "tests/data/mixtral_toy"
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+NORM_TOPK = True
+SHARED = 1
+ROPE_INTERLEAVE = True
 ROPE_SCALING = {"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0,
                 "mscale_all_dim": 0.8, "original_max_position_embeddings": 64, "type": "yarn"}
+
+
+# The variant's settings (`--variant`) and its seed.
+VARIANT = {"LAYERS": 2, "DENSE": 0, "Q_LORA": None, "N_GROUP": 1, "TOPK_GROUP": 1,
+           "NORM_TOPK": False, "SHARED": 2, "ROPE_INTERLEAVE": False, "ROPE_SCALING": None}
+VARIANT_SEED = 3  # seeds 1 and 2 fail the gap checks
 
 
 def config() -> dict:
@@ -121,8 +136,8 @@ def config() -> dict:
         "moe_layer_freq": 1,
         "n_group": N_GROUP,
         "n_routed_experts": EXPERTS,
-        "n_shared_experts": 1,
-        "norm_topk_prob": True,
+        "n_shared_experts": SHARED,
+        "norm_topk_prob": NORM_TOPK,
         "num_attention_heads": HEADS,
         "num_experts_per_tok": TOP_K,
         "num_hidden_layers": LAYERS,
@@ -132,7 +147,7 @@ def config() -> dict:
         "qk_nope_head_dim": NOPE,
         "qk_rope_head_dim": ROPE_D,
         "rms_norm_eps": 1e-6,
-        "rope_interleave": True,
+        "rope_interleave": ROPE_INTERLEAVE,
         "rope_scaling": ROPE_SCALING,
         "rope_theta": 10000,
         "routed_scaling_factor": SCALING,
@@ -154,11 +169,13 @@ def hub_tensors() -> list:
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        out.append((p + "input_layernorm.weight", (H,)))
+        if Q_LORA is None:
+            out.append((a + "q_proj.weight", (HEADS * QK, H)))
+        else:
+            out += [(a + "q_a_proj.weight", (Q_LORA, H)), (a + "q_a_layernorm.weight", (Q_LORA,)),
+                    (a + "q_b_proj.weight", (HEADS * QK, Q_LORA))]
         out += [
-            (p + "input_layernorm.weight", (H,)),
-            (a + "q_a_proj.weight", (Q_LORA, H)),
-            (a + "q_a_layernorm.weight", (Q_LORA,)),
-            (a + "q_b_proj.weight", (HEADS * QK, Q_LORA)),
             (a + "kv_a_proj_with_mqa.weight", (KV_LORA + ROPE_D, H)),
             (a + "kv_a_layernorm.weight", (KV_LORA,)),
             (a + "kv_b_proj.weight", (HEADS * (NOPE + V_D), KV_LORA)),
@@ -177,8 +194,9 @@ def hub_tensors() -> list:
                         (q + "up_proj.weight", (MOE_INTER, H)),
                         (q + "down_proj.weight", (H, MOE_INTER))]
             q = m + "shared_experts."
-            out += [(q + "gate_proj.weight", (MOE_INTER, H)), (q + "up_proj.weight", (MOE_INTER, H)),
-                    (q + "down_proj.weight", (H, MOE_INTER))]
+            si = MOE_INTER * SHARED
+            out += [(q + "gate_proj.weight", (si, H)), (q + "up_proj.weight", (si, H)),
+                    (q + "down_proj.weight", (H, si))]
         out.append((p + "post_attention_layernorm.weight", (H,)))
     out += [("model.norm.weight", (H,)), ("lm_head.weight", (VOCAB, H))]
     return out
@@ -318,7 +336,8 @@ def router_margins(data: dict, biases: dict) -> list:
         s = data[f"layers.{i}.moe.router_logits"].sigmoid() + biases[i]
         g = s.view(-1, N_GROUP, EXPERTS // N_GROUP).topk(2, dim=-1).values.sum(-1)
         gs = g.sort(dim=-1, descending=True).values
-        group_gap = float((gs[:, TOPK_GROUP - 1] - gs[:, TOPK_GROUP]).min())
+        group_gap = (float((gs[:, TOPK_GROUP - 1] - gs[:, TOPK_GROUP]).min())
+                     if TOPK_GROUP < N_GROUP else math.inf)
         keep = g.topk(TOPK_GROUP, dim=-1).indices
         mask = torch.zeros_like(g).scatter_(1, keep, 1).bool()
         mask = mask.unsqueeze(-1).expand(-1, N_GROUP, EXPERTS // N_GROUP).reshape(-1, EXPERTS)
@@ -363,8 +382,11 @@ def generate(out: Path, seed: int) -> dict:
     write_json(out / "config.json", config())
     cfg = AutoConfig.from_pretrained(out)
     rp = cfg.rope_parameters
-    if rp.get("rope_type") != "yarn" or rp.get("mscale_all_dim") != 0.8 or not cfg.rope_interleave:
-        raise SystemExit(f"config read back with rope {rp}, interleave {cfg.rope_interleave}")
+    want_type = "yarn" if ROPE_SCALING else "default"
+    if rp.get("rope_type") != want_type or cfg.rope_interleave != ROPE_INTERLEAVE \
+            or cfg.q_lora_rank != Q_LORA:
+        raise SystemExit(f"config read back with rope {rp}, interleave {cfg.rope_interleave}, "
+                         f"q_lora_rank {cfg.q_lora_rank}")
     tensors = build_tensors(seed)
     ckpt = write_checkpoint(out, tensors)
     saved = dict(tensors)
@@ -425,12 +447,13 @@ def generate(out: Path, seed: int) -> dict:
                      "greedy by full recompute, no cache",
         "seed": seed,
         "config": {"hidden": H, "layers": LAYERS, "first_k_dense_replace": DENSE,
+                   "norm_topk_prob": NORM_TOPK, "n_shared_experts": SHARED,
                    "heads": HEADS, "q_lora_rank": Q_LORA, "kv_lora_rank": KV_LORA,
                    "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE_D, "v_head_dim": V_D,
                    "intermediate": INTER, "moe_intermediate": MOE_INTER, "experts": EXPERTS,
                    "top_k": TOP_K, "n_group": N_GROUP, "topk_group": TOPK_GROUP,
                    "routed_scaling_factor": SCALING, "vocab": VOCAB,
-                   "rope_scaling": ROPE_SCALING, "rope_interleave": True,
+                   "rope_scaling": ROPE_SCALING, "rope_interleave": ROPE_INTERLEAVE,
                    "softmax_scale": attn.scaling, "bos": BOS, "eos": EOS},
         "checkpoint": ckpt,
         "prompt_text": PROMPT_TEXT,
@@ -475,8 +498,9 @@ def check(out: Path, seed: int) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp) / "toy"
-        subprocess.run([sys.executable, __file__, "--out", str(fresh), "--seed", str(seed)],
-                       check=True, stdout=subprocess.DEVNULL)
+        variant = ["--variant"] if SHARED != 1 else []
+        subprocess.run([sys.executable, __file__, "--out", str(fresh), "--seed", str(seed)]
+                       + variant, check=True, stdout=subprocess.DEVNULL)
         old = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
         new = sorted(str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file())
         bad = [f"{f}: only in one of the two" for f in sorted(set(old) ^ set(new))]
@@ -506,10 +530,18 @@ def check(out: Path, seed: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("tests/data/deepseek_toy"))
-    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--seed", type=int)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--variant", action="store_true",
+                    help="the other branch of every option (VARIANT), in deepseek_toy_variant")
     args = ap.parse_args()
+    if args.variant:
+        globals().update(VARIANT)
+    if args.out is None:
+        args.out = Path("tests/data/deepseek_toy_variant" if args.variant else "tests/data/deepseek_toy")
+    if args.seed is None:
+        args.seed = VARIANT_SEED if args.variant else SEED
     if args.check:
         check(args.out, args.seed)
         return

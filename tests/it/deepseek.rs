@@ -21,6 +21,13 @@ use crate::support::cli::{self, gturbo, gturbo_args, text};
 use crate::support::{f32_safetensors, temp_dir};
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_toy");
+/// The other branch of every option: plain `q_proj`, no group limit, no renormalising,
+/// two shared experts, no dense layer, half-split rope without scaling (the
+/// generator's `--variant`).
+const VARIANT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/deepseek_toy_variant"
+);
 const FAMILY: &str = "deepseek_v3";
 
 /// Largest `|gturbo − transformers|` accepted on a logit: both compute in f32 from the
@@ -41,9 +48,9 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn meta() -> Meta {
+fn meta(toy: &str) -> Meta {
     let m: Value =
-        serde_json::from_slice(&std::fs::read(Path::new(TOY).join("golden/meta.json")).unwrap())
+        serde_json::from_slice(&std::fs::read(Path::new(toy).join("golden/meta.json")).unwrap())
             .unwrap();
     assert_eq!(m["family"], FAMILY);
     Meta {
@@ -53,15 +60,15 @@ fn meta() -> Meta {
     }
 }
 
-fn f32_tensors(rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
-    f32_safetensors(&Path::new(TOY).join(rel))
+fn f32_tensors(toy: &str, rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    f32_safetensors(&Path::new(toy).join(rel))
 }
 
 /// The golden logits of the prompt's positions, then of the decode steps after the
 /// first greedy token.
-fn golden_rows() -> Vec<Vec<f32>> {
-    let prompt = f32_tensors("golden/prompt.safetensors");
-    let greedy = f32_tensors("golden/greedy.safetensors");
+fn golden_rows(toy: &str) -> Vec<Vec<f32>> {
+    let prompt = f32_tensors(toy, "golden/prompt.safetensors");
+    let greedy = f32_tensors(toy, "golden/greedy.safetensors");
     let (ps, pl) = &prompt["logits"];
     let (gs, gl) = &greedy["step_logits"];
     assert_eq!(ps[1], gs[1], "vocabularies");
@@ -78,8 +85,12 @@ fn golden_rows() -> Vec<Vec<f32>> {
 }
 
 fn install(out: &Path, extra: &[&str]) {
+    install_toy(TOY, out, extra)
+}
+
+fn install_toy(toy: &str, out: &Path, extra: &[&str]) {
     let o = gturbo()
-        .args(["-q", "install", FAMILY, "--from", TOY, "--out"])
+        .args(["-q", "install", FAMILY, "--from", toy, "--out"])
         .arg(out)
         .args(extra)
         .output()
@@ -88,6 +99,18 @@ fn install(out: &Path, extra: &[&str]) {
 }
 
 /// One BF16 (passthrough) install of the toy for this test run.
+/// One BF16 install of the variant toy.
+fn variant_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deepseek-variant-bf16");
+        let _ = std::fs::remove_dir_all(&root);
+        let out = root.join("bf16.gturbo");
+        install_toy(VARIANT, &out, &["--quant", "bf16"]);
+        out
+    })
+}
+
 pub(crate) fn bf16() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -191,7 +214,7 @@ fn an_int4_install_keeps_the_bias_f32_and_the_router_int8_and_records_its_qualit
     // Random Gaussian weights are INT4's worst case: the bound catches a broken
     // dequantization (KL of several nats), not a small regression.
     assert!(kl.is_finite() && kl > 0.0 && kl < 2.0, "{ev}");
-    let g = meta();
+    let g = meta(TOY);
     let (doc, footer) = run_json(&q, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
     assert_eq!(doc["tokens"].as_array().unwrap().len(), 24, "{footer}");
     assert_eq!(doc["runner"], FAMILY);
@@ -199,8 +222,8 @@ fn an_int4_install_keeps_the_bias_f32_and_the_router_int8_and_records_its_qualit
     // The latent path's absorbed matrices come from INT4 rows (views of `W_UV_h`,
     // `W_UK_hᵀ` widened): the same dequantized weights as the expanded path's.
     let cpu = Cpu::new(2);
-    let (latent, _) = rows_of_run(&q, &cpu, ExpertMode::Slots(2), KvLayout::Latent);
-    let (expanded, _) = rows_of_run(&q, &cpu, ExpertMode::Slots(2), KvLayout::Expanded);
+    let (latent, _) = rows_of_run(TOY, &q, &cpu, ExpertMode::Slots(2), KvLayout::Latent);
+    let (expanded, _) = rows_of_run(TOY, &q, &cpu, ExpertMode::Slots(2), KvLayout::Expanded);
     let d = max_diff(&latent, &expanded);
     assert!(
         d <= LOGIT_ATOL,
@@ -210,7 +233,7 @@ fn an_int4_install_keeps_the_bias_f32_and_the_router_int8_and_records_its_qualit
 
 #[test]
 fn greedy_tokens_equal_transformers_on_the_cpu_by_ids_and_by_text() {
-    let g = meta();
+    let g = meta(TOY);
     let dir = bf16();
     let (doc, footer) = run_json(dir, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
     assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
@@ -229,7 +252,7 @@ fn greedy_tokens_equal_transformers_on_the_gpu() {
         return;
     };
     drop(gpu);
-    let g = meta();
+    let g = meta(TOY);
     let prompt = csv(&g.prompt);
     for mode in [&["--expert-cache-slots", "2"][..], &["--resident-experts"]] {
         let mut extra = vec!["--backend", "gpu", "--prompt-ids", &prompt];
@@ -247,12 +270,13 @@ fn greedy_tokens_equal_transformers_on_the_gpu() {
 /// its greedy tokens, on the install `dir` with a KV cache of `layout`; and the model's
 /// footer figure (the cache's bytes per token).
 fn rows_of_run<B: Ops + 'static>(
+    toy: &str,
     dir: &Path,
     backend: &B,
     experts: ExpertMode,
     layout: KvLayout,
 ) -> (Vec<Vec<f32>>, String) {
-    let g = meta();
+    let g = meta(toy);
     let install = load::open(
         dir,
         LoadOptions {
@@ -282,12 +306,14 @@ fn rows_of_run<B: Ops + 'static>(
 /// [`rows_of_run`] on the BF16 install, checked against transformers'
 /// within [`LOGIT_ATOL`]; returns them.
 fn logits_vs_golden<B: Ops + 'static>(
+    toy: &str,
     backend: &B,
     experts: ExpertMode,
     layout: KvLayout,
 ) -> Vec<Vec<f32>> {
-    let want = golden_rows();
-    let (got, stats) = rows_of_run(bf16(), backend, experts, layout);
+    let want = golden_rows(toy);
+    let dir = if toy == TOY { bf16() } else { variant_bf16() };
+    let (got, stats) = rows_of_run(toy, dir, backend, experts, layout);
     assert_eq!(got.len(), want.len(), "positions");
     let mut worst = (0f32, 0);
     for (p, (a, b)) in got.iter().zip(&want).enumerate() {
@@ -297,7 +323,8 @@ fn logits_vs_golden<B: Ops + 'static>(
         }
     }
     eprintln!(
-        "deepseek toy on {}, {layout:?} cache: {} positions, max |logit − transformers| {:.3e} at {}; {}",
+        "{} on {}, {layout:?} cache: {} positions, max |logit − transformers| {:.3e} at {}; {}",
+        Path::new(toy).file_name().unwrap().to_string_lossy(),
         backend.name(),
         got.len(),
         worst.0,
@@ -322,9 +349,9 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 /// Both cache layouts against transformers, and against each other.
-fn both_layouts<B: Ops + 'static>(backend: &B, experts: ExpertMode) {
-    let latent = logits_vs_golden(backend, experts, KvLayout::Latent);
-    let expanded = logits_vs_golden(backend, experts, KvLayout::Expanded);
+fn both_layouts<B: Ops + 'static>(toy: &str, backend: &B, experts: ExpertMode) {
+    let latent = logits_vs_golden(toy, backend, experts, KvLayout::Latent);
+    let expanded = logits_vs_golden(toy, backend, experts, KvLayout::Expanded);
     let d = max_diff(&latent, &expanded);
     eprintln!("deepseek toy: latent vs expanded cache, max |logit difference| {d:.3e}");
     assert!(
@@ -335,7 +362,24 @@ fn both_layouts<B: Ops + 'static>(backend: &B, experts: ExpertMode) {
 
 #[test]
 fn prompt_and_decode_logits_match_transformers_on_the_cpu_with_either_cache() {
-    both_layouts(&Cpu::new(2), ExpertMode::Slots(2));
+    both_layouts(TOY, &Cpu::new(2), ExpertMode::Slots(2));
+}
+
+#[test]
+fn the_variant_plain_q_ungrouped_half_split_toy_matches_transformers_on_both_backends() {
+    let g = meta(VARIANT);
+    let (doc, footer) = run_json(
+        variant_bf16(),
+        &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)],
+    );
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+    both_layouts(VARIANT, &Cpu::new(2), ExpertMode::Slots(2));
+    let Some(gpu) = crate::gpu::gpu(
+        "the_variant_plain_q_ungrouped_half_split_toy_matches_transformers_on_both_backends",
+    ) else {
+        return;
+    };
+    both_layouts(VARIANT, &gpu, ExpertMode::Resident);
 }
 
 #[test]
@@ -356,8 +400,8 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
     else {
         return;
     };
-    both_layouts(&gpu, ExpertMode::Slots(2));
-    both_layouts(&gpu, ExpertMode::Resident);
+    both_layouts(TOY, &gpu, ExpertMode::Slots(2));
+    both_layouts(TOY, &gpu, ExpertMode::Resident);
     // DeepSeek-V3's own widths: its latent cache (keys 512 + 64) is past the GPU
     // kernel's heads, so `models::open` builds the expanded one there.
     let v3 = MlaDims {
