@@ -557,7 +557,14 @@ mod tests {
         let ids: Vec<&str> = all.iter().map(|f| f.id()).collect();
         assert_eq!(
             ids,
-            ["llama", "mixtral", "qwen3", "qwen38flashnext", "qwen3_moe"]
+            [
+                "deepseek_v3",
+                "llama",
+                "mixtral",
+                "qwen3",
+                "qwen38flashnext",
+                "qwen3_moe"
+            ]
         );
         for f in &all {
             assert_eq!(format!("families/{}.json", f.id()), f.origin);
@@ -686,7 +693,7 @@ mod tests {
         let err = Family::builtin("nope").unwrap_err().to_string();
         assert_eq!(
             err,
-            "unknown family `nope`; known families: llama, mixtral, qwen3, qwen38flashnext, qwen3_moe"
+            "unknown family `nope`; known families: deepseek_v3, llama, mixtral, qwen3, qwen38flashnext, qwen3_moe"
         );
     }
 
