@@ -1022,7 +1022,9 @@ mod tests {
     /// BF16 groups of the kinds that need care, one kind per group: zeros of both
     /// signs, constants (small, huge, of both signs), subnormals, values at BF16's
     /// limit, spans that overflow, ±inf and NaN (only where `refuse` allows), near-ties,
-    /// and plain random rows with and without an offset.
+    /// and plain random rows with and without an offset. (Only the AVX2 comparison
+    /// uses them.)
+    #[cfg(target_arch = "x86_64")]
     fn hard_groups(n_groups: usize, group: usize, refuse: bool, mut seed: u64) -> Vec<u16> {
         let mut next = move || {
             seed ^= seed << 13;

@@ -60,6 +60,8 @@ pub use backend::{
 };
 pub use cpu::{CpuAttnCache, CpuKv, CpuRope};
 pub use ops::Ops;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -379,6 +381,8 @@ enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    #[cfg(target_arch = "aarch64")]
+    Neon,
 }
 
 impl Isa {
@@ -386,6 +390,10 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if x86::available() {
             return Isa::Avx2;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if neon::available() {
+            return Isa::Neon;
         }
         Isa::Portable
     }
@@ -397,7 +405,11 @@ pub fn cpu_kernels() -> (&'static str, &'static str) {
     match Isa::detect() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => ("cpu-avx2", "AVX2, FMA, F16C"),
-        Isa::Portable => ("cpu", "portable loops (no AVX2+FMA+F16C detected)"),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon if neon::dotprod() => ("cpu-neon", "NEON, dot product (sdot)"),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => ("cpu-neon", "NEON (no dot product: widening multiplies)"),
+        Isa::Portable => ("cpu", "portable loops (no AVX2+FMA+F16C or NEON detected)"),
     }
 }
 
@@ -530,6 +542,8 @@ impl Cpu {
         match (*w, self.isa) {
             #[cfg(target_arch = "x86_64")]
             (_, Isa::Avx2) => x86::matvec(w, prep, y),
+            #[cfg(target_arch = "aarch64")]
+            (_, Isa::Neon) => neon::matvec(w, prep, y),
             (_, Isa::Portable) => portable::matvec(w, prep, y),
         }
     }
@@ -544,6 +558,10 @@ impl Cpu {
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86::row_prepared(w, out),
+            // Dequantizing is not the hot loop of a matmul (four rows per input
+            // chunk): the portable loop, vectorised by the compiler, gives the bits.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => portable::row_prepared(w, out),
             Isa::Portable => portable::row_prepared(w, out),
         }
     }
@@ -553,6 +571,8 @@ impl Cpu {
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86::dot4(a, b),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => neon::dot4(a, b),
             Isa::Portable => b.map(|b| portable::dot(a, b)),
         }
     }
@@ -570,6 +590,18 @@ impl Cpu {
                 }
                 for (o, p) in oc.into_remainder().iter_mut().zip(pc.remainder()) {
                     *o = x86::dot(wrow, &p.x);
+                }
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => {
+                let mut oc = out.chunks_exact_mut(4);
+                let mut pc = preps.chunks_exact(4);
+                for (o, p) in (&mut oc).zip(&mut pc) {
+                    let r = neon::dot4(wrow, [&p[0].x, &p[1].x, &p[2].x, &p[3].x]);
+                    o.copy_from_slice(&r);
+                }
+                for (o, p) in oc.into_remainder().iter_mut().zip(pc.remainder()) {
+                    *o = neon::dot(wrow, &p.x);
                 }
             }
             Isa::Portable => {
@@ -678,6 +710,8 @@ impl Cpu {
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => "cpu-avx2",
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => "cpu-neon",
             Isa::Portable => "cpu",
         }
     }
@@ -731,6 +765,8 @@ impl Cpu {
                 match self.isa {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => x86::matmul_q8(&part, &preps, yt),
+                    #[cfg(target_arch = "aarch64")]
+                    Isa::Neon => neon::matmul_q8(&part, &preps, yt),
                     Isa::Portable => portable::matmul_q8(&part, &preps, yt),
                 }
             });
