@@ -112,7 +112,7 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         prequantized: quant.is_some() && !requantize,
         requantize,
     };
-    let drafts = classify::classify(family, options, &policy, input.headers, sources)?;
+    let drafts = classify::classify(family, &arch, options, &policy, input.headers, sources)?;
     let (resident, resident_placed) = place_resident(&drafts)?;
     let (expert_pools, experts_placed) = experts::place(&policy, &drafts)?;
     check_axes_against_tensors(&arch, &fields, &drafts, &expert_pools)?;

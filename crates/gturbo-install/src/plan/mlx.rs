@@ -126,6 +126,9 @@ fn read_affine(v: &serde_json::Value, at: &str) -> Result<Affine, PlanError> {
     Ok(Affine::new(bits as u32, group as u32).expect("both checked just above"))
 }
 
+/// The `quant_method` of gpt-oss's MXFP4 experts (transformers' `Mxfp4Config`).
+const MXFP4: &str = "mxfp4";
+
 /// The `quantization` block of `config`, `None` for a source that is not
 /// pre-quantized.
 pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanError> {
@@ -143,6 +146,15 @@ pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanEr
     if let Some(m) = obj.get("quant_method") {
         if m.as_str() == Some("fp8") {
             return Ok(None);
+        }
+        if m.as_str() == Some(MXFP4) {
+            return Err(cfg(
+                format!("{key}.quant_method"),
+                format!(
+                    "{m}: MXFP4 sources (gpt-oss's experts) are not installed yet; a BF16 \
+                     copy of the checkpoint installs"
+                ),
+            ));
         }
         return Err(cfg(
             format!("{key}.quant_method"),

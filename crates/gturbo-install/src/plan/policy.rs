@@ -33,7 +33,11 @@ impl Policy<'_> {
         self.prequantized || dtype != Dtype::BF16 || self.profile.is_passthrough(self.family)
     }
 
-    /// Scheme for a resident tensor of a source gturbo quantizes itself.
+    /// Scheme for a resident tensor of a source gturbo quantizes itself. Only a BF16
+    /// matrix is ever quantized: an F32 tensor (`e_score_correction_bias`, which
+    /// MLX-LM and transformers keep in float32) and any tensor of fewer or more than
+    /// two dims (biases, norms, a conv1d kernel `[C, 1, K]`) stay as the source
+    /// stores them, whatever an override's pattern matches.
     pub(super) fn resident(
         &self,
         name: &str,
@@ -41,7 +45,7 @@ impl Policy<'_> {
         dtype: Dtype,
         shape: &[u64],
     ) -> Scheme {
-        if self.keeps_dtype(dtype) || shape.len() < 2 {
+        if self.keeps_dtype(dtype) || shape.len() != 2 {
             return Scheme::Passthrough;
         }
         let last = shape.last().copied().unwrap_or(0);
@@ -50,7 +54,7 @@ impl Policy<'_> {
         {
             return fit(s, last);
         }
-        if shape.len() == 2 && name.ends_with(".weight") && !self.family.never_quantize(name) {
+        if name.ends_with(".weight") && !self.family.never_quantize(name) {
             let s =
                 self.profile
                     .rule_scheme(self.family, name, layer.unwrap_or(0), self.num_layers);

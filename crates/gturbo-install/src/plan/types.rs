@@ -64,6 +64,11 @@ pub struct PlanOptions {
     pub machine: Option<Machine>,
     /// Sidecars dropped by flags (e.g. `mtp` with `--skip-mtp`).
     pub skip_sidecars: BTreeSet<String>,
+    /// Sidecars the family skips by default that flags keep (`mtp` with
+    /// `--keep-mtp`). Absent from the plan's JSON when empty, so plans made before it
+    /// keep their fingerprints.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub keep_sidecars: BTreeSet<String>,
     /// Largest coalesced read.
     pub coalesce_max: u64,
     /// Largest gap between tensors read through rather than split.
@@ -81,10 +86,25 @@ impl Default for PlanOptions {
             requantize: false,
             machine: None,
             skip_sidecars: BTreeSet::new(),
+            keep_sidecars: BTreeSet::new(),
             coalesce_max: COALESCE_MAX,
             coalesce_gap: COALESCE_GAP,
             verify_source: true,
         }
+    }
+}
+
+impl PlanOptions {
+    /// Whether the install drops `family`'s sidecar `name`: asked to (`--skip-<name>`),
+    /// or skipped by the family's default and not kept (`--keep-<name>`).
+    pub fn skips_sidecar(&self, family: &crate::family::Family, name: &str) -> bool {
+        self.skip_sidecars.contains(name)
+            || (family
+                .file
+                .sidecars
+                .get(name)
+                .is_some_and(|s| s.skipped_by_default())
+                && !self.keep_sidecars.contains(name))
     }
 }
 
