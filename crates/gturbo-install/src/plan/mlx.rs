@@ -147,20 +147,17 @@ pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanEr
         if m.as_str() == Some("fp8") {
             return Ok(None);
         }
-        if m.as_str() == Some(MXFP4) {
-            return Err(cfg(
-                format!("{key}.quant_method"),
-                format!(
-                    "{m}: MXFP4 sources (gpt-oss's experts) are not installed yet; a BF16 \
-                     copy of the checkpoint installs"
-                ),
-            ));
-        }
+        let not_yet = if m.as_str() == Some(MXFP4) {
+            "; MXFP4 sources (gpt-oss's experts) are not installed yet, a BF16 copy of \
+             the checkpoint installs"
+        } else {
+            ""
+        };
         return Err(cfg(
             format!("{key}.quant_method"),
             format!(
                 "{m}: gturbo installs MLX-quantized sources (mlx-lm's `convert` output) and \
-                 FP8 e4m3 block-scaled ones (`\"fp8\"`) only"
+                 FP8 e4m3 block-scaled ones (`\"fp8\"`) only{not_yet}"
             ),
         ));
     }
