@@ -129,6 +129,11 @@ fn read_affine(v: &serde_json::Value, at: &str) -> Result<Affine, PlanError> {
 /// The `quant_method` of gpt-oss's MXFP4 experts (transformers' `Mxfp4Config`).
 const MXFP4: &str = "mxfp4";
 
+/// The `quant_method` of compressed-tensors checkpoints (Kimi-K2-Thinking's INT4
+/// experts, `format: pack-quantized`; the lossless conversion to MLX's layout is
+/// [`crate::transform::int4_ct`], not yet planned).
+const COMPRESSED_TENSORS: &str = "compressed-tensors";
+
 /// The `quantization` block of `config`, `None` for a source that is not
 /// pre-quantized.
 pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanError> {
@@ -147,11 +152,16 @@ pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanEr
         if m.as_str() == Some("fp8") {
             return Ok(None);
         }
-        let not_yet = if m.as_str() == Some(MXFP4) {
-            "; MXFP4 sources (gpt-oss's experts) are not installed yet, a BF16 copy of \
-             the checkpoint installs"
-        } else {
-            ""
+        let not_yet = match m.as_str() {
+            Some(MXFP4) => {
+                "; MXFP4 sources (gpt-oss's experts) are not installed yet, a BF16 copy of \
+                 the checkpoint installs"
+            }
+            Some(COMPRESSED_TENSORS) => {
+                "; compressed-tensors INT4 sources (Kimi-K2-Thinking's experts) are not \
+                 installed yet, a BF16 copy of the checkpoint installs"
+            }
+            _ => "",
         };
         return Err(cfg(
             format!("{key}.quant_method"),
