@@ -77,3 +77,44 @@ impl Policy<'_> {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a BF16 matrix is quantized: an override's pattern does not reach a tensor
+    /// of three dims (a conv1d kernel `[C, 1, K]`), an F32 one, or a 1-D one, at any
+    /// profile.
+    #[test]
+    fn overrides_and_profiles_quantize_bf16_matrices_only() {
+        let family = Family::builtin("qwen3_moe").unwrap();
+        for id in ["int4", "int8", "bf16", "mixed-3-6", "mixed-4-6"] {
+            let policy = Policy {
+                family: &family,
+                profile: profile::get(id).unwrap(),
+                num_layers: 2,
+                prequantized: false,
+                requantize: false,
+            };
+            let s = |dtype, shape: &[u64]| {
+                policy.resident("model.layers.0.mlp.gate.weight", Some(0), dtype, shape)
+            };
+            assert_eq!(s(Dtype::BF16, &[8, 1, 64]), Scheme::Passthrough, "{id}");
+            assert_eq!(s(Dtype::F32, &[8, 64]), Scheme::Passthrough, "{id}");
+            assert_eq!(s(Dtype::BF16, &[64]), Scheme::Passthrough, "{id}");
+            let bias = policy.resident(
+                "model.layers.0.mlp.gate.e_score_correction_bias",
+                Some(0),
+                Dtype::F32,
+                &[8],
+            );
+            assert_eq!(bias, Scheme::Passthrough, "{id}");
+            let want = if id == "bf16" {
+                Scheme::Passthrough
+            } else {
+                Scheme::Int8G64
+            };
+            assert_eq!(s(Dtype::BF16, &[8, 64]), want, "{id}");
+        }
+    }
+}
