@@ -653,3 +653,198 @@ fn an_mxfp4_source_is_refused_as_not_yet() {
         text(&o)
     );
 }
+
+// ------------------------------------------------------------ compressed-tensors INT4
+
+/// f32 of BF16 bits.
+fn bf(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// f32 → BF16 bits, to nearest even (inputs here are finite).
+fn to_bf(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// A BF16 matrix `[rows, cols]` as compressed-tensors `pack-quantized` stores it
+/// (symmetric, group 32): I32 words (column `8k + i` of a row at bits `4i` of word
+/// `k`, as `q + 8`), BF16 scales `amax / 7`.
+fn to_pack_quantized(bytes: &[u8], cols: usize) -> (Vec<u8>, Vec<u8>) {
+    let v: Vec<f32> = bytes
+        .chunks_exact(2)
+        .map(|c| bf(u16::from_le_bytes([c[0], c[1]])))
+        .collect();
+    let (mut words, mut scales) = (Vec::new(), Vec::new());
+    for row in v.chunks_exact(cols) {
+        let mut codes = Vec::new();
+        for g in row.chunks_exact(32) {
+            let amax = g.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let s = to_bf(if amax == 0.0 { 1.0 } else { amax / 7.0 });
+            scales.extend(s.to_le_bytes());
+            codes.extend(
+                g.iter()
+                    .map(|x| ((x / bf(s)).round().clamp(-8.0, 7.0) as i32 + 8) as u32),
+            );
+        }
+        for w in codes.chunks_exact(8) {
+            let word = w
+                .iter()
+                .enumerate()
+                .fold(0u32, |a, (i, q)| a | (q << (4 * i)));
+            words.extend(word.to_le_bytes());
+        }
+    }
+    (words, scales)
+}
+
+/// A tiny Qwen3-MoE whose routed experts are compressed-tensors INT4 (as
+/// Kimi-K2-Thinking ships them; each scale in the other shard from its words) installs
+/// at the default profile with the packed words unchanged, the scales unchanged and
+/// the biases `−8 × scale` (MLX-LM's `deepseek_v3.py` `sanitize`), verifies and runs;
+/// `--quant bf16` is refused as not yet.
+#[test]
+fn a_compressed_tensors_int4_source_installs_losslessly_as_mlx_affine_4bit_g32() {
+    use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
+    let work = temp_dir();
+    let base = work.path().join("bf16");
+    write_qwen3_moe(&base, &Qwen3MoeSpec::tiny()).unwrap();
+    let src = crate::mlx_source::source_tensors(&base);
+    let mut shards: [Vec<(String, &'static str, Vec<u64>, Vec<u8>)>; 2] = Default::default();
+    let mut converted = Vec::new();
+    for (i, (name, (dtype, shape, bytes))) in src.iter().enumerate() {
+        let Some(path) = name
+            .strip_suffix(".weight")
+            .filter(|p| p.contains(".mlp.experts."))
+        else {
+            let d: &'static str = if dtype == "F32" { "F32" } else { "BF16" };
+            shards[i % 2].push((name.clone(), d, shape.clone(), bytes.clone()));
+            continue;
+        };
+        let (rows, cols) = (shape[0], shape[1] as usize);
+        let (words, scales) = to_pack_quantized(bytes, cols);
+        let shape_bytes = [rows as i32, cols as i32]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        shards[0].push((
+            format!("{path}.weight_packed"),
+            "I32",
+            vec![rows, cols as u64 / 8],
+            words.clone(),
+        ));
+        shards[1].push((
+            format!("{path}.weight_scale"),
+            "BF16",
+            vec![rows, cols as u64 / 32],
+            scales.clone(),
+        ));
+        shards[1].push((format!("{path}.weight_shape"), "I32", vec![2], shape_bytes));
+        converted.push((words, scales));
+    }
+    assert_eq!(converted.len(), 2 * 8 * 3);
+    let snap = work.path().join("ct");
+    std::fs::create_dir_all(&snap).unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for (k, tensors) in shards.iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", k + 1);
+        let mut head = serde_json::Map::new();
+        let mut data: Vec<u8> = Vec::new();
+        for (name, dtype, shape, bytes) in tensors {
+            head.insert(
+                name.clone(),
+                json!({"dtype": dtype, "shape": shape,
+                       "data_offsets": [data.len(), data.len() + bytes.len()]}),
+            );
+            data.extend(bytes);
+            weight_map.insert(name.clone(), json!(file));
+        }
+        let mut h = serde_json::to_vec(&Value::Object(head)).unwrap();
+        while !h.len().is_multiple_of(8) {
+            h.push(b' ');
+        }
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend(h);
+        out.extend(data);
+        std::fs::write(snap.join(&file), out).unwrap();
+    }
+    std::fs::write(
+        snap.join("model.safetensors.index.json"),
+        json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+    for e in std::fs::read_dir(&base).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        if !name.ends_with(".safetensors") && !name.ends_with(".index.json") {
+            std::fs::copy(&p, snap.join(&name)).unwrap();
+        }
+    }
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(snap.join("config.json")).unwrap()).unwrap();
+    config["quantization_config"] = json!({"quant_method": "compressed-tensors",
+        "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
+            "weights": {"num_bits": 4, "group_size": 32, "symmetric": true, "type": "int",
+                        "strategy": "group", "dynamic": false, "observer": "minmax"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"]});
+    std::fs::write(snap.join("config.json"), config.to_string()).unwrap();
+
+    let out = work.path().join("ct.gturbo");
+    install("qwen3_moe", &snap, &out, &[]);
+    let mut files = Vec::new();
+    let mut stack = vec![out.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.to_string_lossy().contains("experts") {
+                files.push(std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    let holds = |needle: &[u8]| {
+        files
+            .iter()
+            .any(|f| f.windows(needle.len()).any(|w| w == needle))
+    };
+    for (words, scales) in &converted {
+        let biases: Vec<u8> = scales
+            .chunks_exact(2)
+            .flat_map(|c| to_bf(-8.0 * bf(u16::from_le_bytes([c[0], c[1]]))).to_le_bytes())
+            .collect();
+        assert!(holds(words), "packed words installed unchanged");
+        assert!(holds(scales), "scales installed unchanged");
+        assert!(holds(&biases), "biases are -8 x scale");
+    }
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    let pools = m["expert_pools"].as_array().unwrap();
+    assert!(
+        pools.iter().all(|p| p.to_string().contains("int4_g32")),
+        "{pools:?}"
+    );
+    let o = gturbo_args(&["verify-install", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (doc, _) = run_json(&out, &["--prompt-ids", "1,2,3", "--max-tokens", "4"]);
+    assert!(
+        doc["tokens"].as_array().is_some_and(|t| !t.is_empty()),
+        "{doc}"
+    );
+    let o = try_install(
+        "qwen3_moe",
+        &snap,
+        &work.path().join("b"),
+        &["--dry-run", "--quant", "bf16"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains(
+            "config.json: field `quantization_config.quant_method`: --quant bf16: the source \
+             is compressed-tensors INT4"
+        ),
+        "{}",
+        text(&o)
+    );
+}

@@ -341,6 +341,20 @@ impl<'a> ReadWriter<'a> {
         // bytes are its stream's, a passthrough tensor's its weights'.
         let mut direct: Option<(usize, &[u8])> = None;
         match (p.stream, p.scheme) {
+            (Some(k), _) if p.biases_from_scales => {
+                // A compressed-tensors module's scales: copied, and its biases
+                // (`−8 × scale`) derived from them.
+                let out = &mut self.out[2];
+                out.clear();
+                out.resize(src.len(), 0);
+                crate::transform::int4_ct::mlx_biases(src, out).map_err(|e| {
+                    InstallError::Transform {
+                        tensor: t.name.clone(),
+                        detail: e.to_string(),
+                    }
+                })?;
+                direct = Some((k, src));
+            }
             (Some(k), _) => direct = Some((k, src)),
             (None, Scheme::Passthrough) => {
                 if let Some(i) = crate::transform::first_non_finite(input, t.dtype) {

@@ -13,7 +13,7 @@ use super::types::{
     Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, ScaledFp8,
     SourcePart,
 };
-use super::{coalesce, experts, fp8, mlx, profile, rows};
+use super::{coalesce, experts, fp8, int4_ct, mlx, profile, rows};
 use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
 
@@ -104,7 +104,9 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
-    let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref())?;
+    let ct = int4_ct::read_ct(input.config)?;
+    check_ct_flags(ct.as_ref(), profile.id(), options)?;
+    let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref(), ct.as_ref())?;
     let policy = Policy {
         family,
         profile,
@@ -152,6 +154,32 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
 /// The quant flags against the source: a profile asked for by name over a
 /// pre-quantized source (without `--requantize`), and `--requantize` over a source
 /// that is not MLX-quantized (an FP8 one is always dequantized), are refused.
+/// A compressed-tensors INT4 source keeps its INT4 modules as published, so it
+/// installs at the INT4 profile (its BF16 tensors quantized as that profile says);
+/// dequantizing them (`--quant bf16`, other profiles, `--requantize`) is not yet.
+fn check_ct_flags(
+    ct: Option<&int4_ct::CtQuant>,
+    profile: &str,
+    options: &PlanOptions,
+) -> Result<(), PlanError> {
+    if ct.is_none() || (profile == "int4" && !options.requantize) {
+        return Ok(());
+    }
+    let flag = if options.requantize {
+        "--requantize".to_string()
+    } else {
+        format!("--quant {profile}")
+    };
+    Err(PlanError::Config {
+        field: format!("{}.quant_method", int4_ct::KEY),
+        detail: format!(
+            "{flag}: the source is compressed-tensors INT4, whose modules are kept as \
+             published (MLX affine 4-bit g32, lossless) at --quant int4; dequantizing \
+             them is not yet"
+        ),
+    })
+}
+
 fn check_quant_flags(
     quant: Option<&mlx::MlxQuant>,
     fp8: Option<&fp8::Fp8Quant>,
@@ -328,6 +356,8 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
             .into_iter()
             .zip(["weight", "scales", "biases"])
             .enumerate()
+            // A compressed-tensors module's biases are written from its scales.
+            .filter(|(stream, _)| !(*stream == 2 && packed.biases_from_scales))
         {
             out.push(PlannedTensor {
                 name: format!("{stem}.{suffix}"),
@@ -340,6 +370,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 packed: Some(PackedPart {
                     stream: stream as u8,
                     cols,
+                    biases_from_scales: stream == 1 && packed.biases_from_scales,
                 }),
                 requant: None,
                 fp8: None,

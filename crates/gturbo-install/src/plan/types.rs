@@ -273,6 +273,12 @@ pub struct PackedPart {
     pub stream: u8,
     /// Columns of the logical matrix (`in`).
     pub cols: u64,
+    /// The scales of a compressed-tensors module, which also write its biases stream
+    /// as `−8 × scale` ([`crate::transform::int4_ct::mlx_biases`]; the module has no
+    /// biases tensor).
+    /// Absent from the plan's JSON when false, so other plans keep their fingerprints.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub biases_from_scales: bool,
 }
 
 /// A file copied verbatim.
