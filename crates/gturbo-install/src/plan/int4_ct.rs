@@ -211,3 +211,106 @@ fn check(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn cfg_with(weights: serde_json::Value) -> serde_json::Value {
+        json!({"quantization_config": {"quant_method": METHOD, "format": FORMAT,
+            "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}}}})
+    }
+
+    fn good() -> serde_json::Value {
+        json!({"num_bits": 4, "group_size": 32, "symmetric": true, "type": "int",
+               "strategy": "group"})
+    }
+
+    fn shard(tensors: &[(&str, Dtype, &[u64])]) -> Vec<ShardHeader> {
+        let mut at = 0u64;
+        let tensors = tensors
+            .iter()
+            .map(|&(name, dtype, shape)| {
+                let len = shape.iter().product::<u64>() * dtype.size();
+                let t = TensorHeader {
+                    name: name.into(),
+                    dtype,
+                    shape: shape.to_vec(),
+                    data: at..at + len,
+                };
+                at += len;
+                t
+            })
+            .collect();
+        vec![ShardHeader {
+            shard: "model.safetensors".into(),
+            file_size: 8 + 64 + at,
+            header_len: 64,
+            tensors,
+            metadata: BTreeMap::new(),
+        }]
+    }
+
+    fn run(h: &[ShardHeader], q: Option<&CtQuant>) -> Result<BTreeMap<String, Packed>, PlanError> {
+        let mut by_name: ByName<'_> = BTreeMap::new();
+        for t in &h[0].tensors {
+            by_name.insert(t.name.as_str(), (0, t));
+        }
+        modules(h, &by_name, q)
+    }
+
+    #[test]
+    fn the_scheme_is_read_and_others_are_refused_naming_the_field() {
+        assert_eq!(read_ct(&cfg_with(good())).unwrap(), Some(CtQuant));
+        assert_eq!(read_ct(&json!({})).unwrap(), None);
+        let err = |c: serde_json::Value| read_ct(&c).unwrap_err().to_string();
+        let mut eight = good();
+        eight["num_bits"] = json!(8);
+        assert!(err(cfg_with(eight)).starts_with(
+            "config.json: field `quantization_config.config_groups.group_0.weights.num_bits`: 8;"
+        ));
+        let mut asym = good();
+        asym["symmetric"] = json!(false);
+        assert!(err(cfg_with(asym)).contains("weights.symmetric`: false;"));
+        let mut c = cfg_with(good());
+        c["quantization_config"]["format"] = json!("marlin-24");
+        assert!(err(c).starts_with(
+            "config.json: field `quantization_config.format`: \"marlin-24\"; gturbo \
+                 installs compressed-tensors `pack-quantized` only"
+        ));
+    }
+
+    #[test]
+    fn a_module_is_its_words_and_scales_checked_against_each_other() {
+        let ok = shard(&[
+            ("m.weight_packed", Dtype::I32, &[3, 12]),
+            ("m.weight_scale", Dtype::BF16, &[3, 3]),
+            ("m.weight_shape", Dtype::I32, &[2]),
+        ]);
+        let m = run(&ok, Some(&CtQuant)).unwrap();
+        assert!(m["m"].biases_from_scales);
+        assert_eq!(m["m"].affine, Affine::new(4, 32).unwrap());
+        let e = run(&ok, None).unwrap_err().to_string();
+        assert!(
+            e.contains("field `quantization_config`: missing or not"),
+            "{e}"
+        );
+        let bad_scale = shard(&[
+            ("m.weight_packed", Dtype::I32, &[3, 12]),
+            ("m.weight_scale", Dtype::BF16, &[3, 2]),
+            ("m.weight_shape", Dtype::I32, &[2]),
+        ]);
+        let e = run(&bad_scale, Some(&CtQuant)).unwrap_err().to_string();
+        assert!(
+            e.contains("tensor `m.weight_scale`: field `shape`: BF16 [3, 2]; the scales of"),
+            "{e}"
+        );
+        let no_shape = shard(&[
+            ("m.weight_packed", Dtype::I32, &[3, 12]),
+            ("m.weight_scale", Dtype::BF16, &[3, 3]),
+        ]);
+        let e = run(&no_shape, Some(&CtQuant)).unwrap_err().to_string();
+        assert!(e.contains("the source lacks one"), "{e}");
+    }
+}

@@ -633,7 +633,9 @@ mod tests {
             Ok(q) => q,
             Err(e) => return e.to_string(),
         };
-        sources(headers, q.as_ref(), None).unwrap_err().to_string()
+        sources(headers, q.as_ref(), None, None)
+            .unwrap_err()
+            .to_string()
     }
 
     #[test]
@@ -642,7 +644,7 @@ mod tests {
             "m.q": {"bits": 8, "group_size": 32}}});
         let q = read_quant(&cfg).unwrap().unwrap();
         // 128 columns at 8 bits: 32 words; groups of 32: 4 scales per row.
-        let s = sources(&module(32, 4), Some(&q), None).unwrap();
+        let s = sources(&module(32, 4), Some(&q), None, None).unwrap();
         assert_eq!(s.len(), 2);
         assert_eq!(
             (s[0].name.as_str(), s[0].dtype),
@@ -667,7 +669,7 @@ mod tests {
         let cfg = json!({"quantization": {"bits": 4, "group_size": 128,
             "m.q": {"bits": 6, "group_size": null, "mode": "affine"}}});
         let q = read_quant(&cfg).unwrap().unwrap();
-        let s = sources(&module(24, 2), Some(&q), None).unwrap();
+        let s = sources(&module(24, 2), Some(&q), None, None).unwrap();
         assert_eq!(
             s[0].packed.as_ref().unwrap().affine,
             Affine::new(6, 64).unwrap()
@@ -675,7 +677,9 @@ mod tests {
         // No block: not pre-quantized.
         assert_eq!(read_quant(&json!({"model_type": "llama"})).unwrap(), None);
         // No block over packed modules: refused, naming the missing key.
-        let e = sources(&module(8, 1), None, None).unwrap_err().to_string();
+        let e = sources(&module(8, 1), None, None, None)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("config.json: field `quantization`: missing, but the source is MLX-quantized (`m.q.weight` is U32"),
             "{e}"
