@@ -21,6 +21,9 @@ use crate::support::temp_dir;
 /// One tensor to write: name, dtype, shape.
 type Def = (String, &'static str, Vec<u64>);
 
+/// One tensor to write with its bytes: name, dtype, shape, bytes.
+type StTensor = (String, &'static str, Vec<u64>, Vec<u8>);
+
 /// Bytes of `dtype` for `n` elements: small seeded values (finite, non-zero).
 fn values(dtype: &str, n: u64, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -710,7 +713,7 @@ fn a_compressed_tensors_int4_source_installs_losslessly_as_mlx_affine_4bit_g32()
     let base = work.path().join("bf16");
     write_qwen3_moe(&base, &Qwen3MoeSpec::tiny()).unwrap();
     let src = crate::mlx_source::source_tensors(&base);
-    let mut shards: [Vec<(String, &'static str, Vec<u64>, Vec<u8>)>; 2] = Default::default();
+    let mut shards: [Vec<StTensor>; 2] = Default::default();
     let mut converted = Vec::new();
     for (i, (name, (dtype, shape, bytes))) in src.iter().enumerate() {
         let Some(path) = name
