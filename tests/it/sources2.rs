@@ -705,7 +705,8 @@ fn to_pack_quantized(bytes: &[u8], cols: usize) -> (Vec<u8>, Vec<u8>) {
 /// Kimi-K2-Thinking ships them; each scale in the other shard from its words) installs
 /// at the default profile with the packed words unchanged, the scales unchanged and
 /// the biases `−8 × scale` (MLX-LM's `deepseek_v3.py` `sanitize`), verifies and runs;
-/// `--quant bf16` is refused as not yet.
+/// `--quant bf16` installs `bf16_round(scale × (q − 8))`, `--quant int8` runs, and
+/// `--requantize` is refused.
 #[test]
 fn a_compressed_tensors_int4_source_installs_losslessly_as_mlx_affine_4bit_g32() {
     use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
@@ -835,16 +836,62 @@ fn a_compressed_tensors_int4_source_installs_losslessly_as_mlx_affine_4bit_g32()
         doc["tokens"].as_array().is_some_and(|t| !t.is_empty()),
         "{doc}"
     );
+    // --quant bf16 dequantizes: `bf16_round(scale × (q − 8))`, element for element
+    // (each expert part's rows lie contiguous in its pool file).
+    let bf16 = work.path().join("bf16.gturbo");
+    install("qwen3_moe", &snap, &bf16, &["--quant", "bf16"]);
+    let mut files = Vec::new();
+    let mut stack = vec![bf16.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.to_string_lossy().contains("experts") {
+                files.push(std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    for (words, scales) in &converted {
+        // Elements: two per packed byte (byte `i / 2`'s low half for even `i`, as
+        // nibble `i % 8` of word `i / 8`), 32 per scale, rows back to back.
+        let n = words.len() * 2;
+        assert_eq!(n, scales.len() / 2 * 32);
+        let rule: Vec<u8> = (0..n)
+            .flat_map(|i| {
+                let q = (words[i / 2] >> (4 * (i % 2))) & 0xf;
+                let g = i / 32;
+                let s = bf(u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]));
+                to_bf(s * (q as f32 - 8.0)).to_le_bytes()
+            })
+            .collect();
+        assert!(
+            files
+                .iter()
+                .any(|f| f.windows(rule.len()).any(|w| w == &rule[..])),
+            "installed BF16 is bf16_round(scale x (q - 8))"
+        );
+    }
+    let o = gturbo_args(&["verify-install", bf16.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Other profiles quantize what it dequantizes to; --requantize says nothing here.
+    let int8 = work.path().join("int8.gturbo");
+    install("qwen3_moe", &snap, &int8, &["--quant", "int8"]);
+    let (doc, _) = run_json(&int8, &["--prompt-ids", "1,2,3", "--max-tokens", "4"]);
+    assert!(
+        doc["tokens"].as_array().is_some_and(|t| !t.is_empty()),
+        "{doc}"
+    );
     let o = try_install(
         "qwen3_moe",
         &snap,
         &work.path().join("b"),
-        &["--dry-run", "--quant", "bf16"],
+        &["--dry-run", "--quant", "int8", "--requantize"],
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
         text(&o).contains(
-            "config.json: field `quantization_config.quant_method`: --quant bf16: the source \
+            "config.json: field `quantization_config.quant_method`: --requantize: the source \
              is compressed-tensors INT4"
         ),
         "{}",

@@ -91,8 +91,14 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         detail,
     })?;
     let fp8 = fp8::read_fp8(input.config)?;
+    let ct = int4_ct::read_ct(input.config)?;
+    check_ct_flags(ct.as_ref(), options)?;
     check_quant_flags(quant.as_ref(), fp8.as_ref(), options)?;
-    let requantize = quant.is_some() && options.requantize;
+    // A compressed-tensors source's INT4 modules are kept at the INT4 profile and
+    // dequantized (`bf16_round(scale × (q − 8))`) at any other, as `--requantize`
+    // dequantizes an MLX source's.
+    let requantize =
+        (quant.is_some() && options.requantize) || (ct.is_some() && profile.id() != KEEPS_CT_INT4);
     let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
     if profile.needs_layers() && num_layers.is_none() && (quant.is_none() || requantize) {
         return Err(PlanError::Config {
@@ -104,8 +110,6 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
-    let ct = int4_ct::read_ct(input.config)?;
-    check_ct_flags(ct.as_ref(), profile.id(), options)?;
     let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref(), ct.as_ref())?;
     let policy = Policy {
         family,
@@ -154,28 +158,22 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
 /// The quant flags against the source: a profile asked for by name over a
 /// pre-quantized source (without `--requantize`), and `--requantize` over a source
 /// that is not MLX-quantized (an FP8 one is always dequantized), are refused.
-/// A compressed-tensors INT4 source keeps its INT4 modules as published, so it
-/// installs at the INT4 profile (its BF16 tensors quantized as that profile says);
-/// dequantizing them (`--quant bf16`, other profiles, `--requantize`) is not yet.
-fn check_ct_flags(
-    ct: Option<&int4_ct::CtQuant>,
-    profile: &str,
-    options: &PlanOptions,
-) -> Result<(), PlanError> {
-    if ct.is_none() || (profile == "int4" && !options.requantize) {
+/// The profile at which a compressed-tensors source keeps its INT4 modules as
+/// published (MLX affine 4-bit g32, lossless); every other dequantizes them.
+const KEEPS_CT_INT4: &str = "int4";
+
+/// `--requantize` says nothing for a compressed-tensors INT4 source: its modules are
+/// kept at `--quant int4` and dequantized at any other profile.
+fn check_ct_flags(ct: Option<&int4_ct::CtQuant>, options: &PlanOptions) -> Result<(), PlanError> {
+    if ct.is_none() || !options.requantize {
         return Ok(());
     }
-    let flag = if options.requantize {
-        "--requantize".to_string()
-    } else {
-        format!("--quant {profile}")
-    };
     Err(PlanError::Config {
         field: format!("{}.quant_method", int4_ct::KEY),
         detail: format!(
-            "{flag}: the source is compressed-tensors INT4, whose modules are kept as \
-             published (MLX affine 4-bit g32, lossless) at --quant int4; dequantizing \
-             them is not yet"
+            "--requantize: the source is compressed-tensors INT4, whose modules are kept \
+             as published (MLX affine 4-bit g32, lossless) at --quant {KEEPS_CT_INT4} and \
+             dequantized at any other profile; leave --requantize out"
         ),
     })
 }
@@ -316,6 +314,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                     from: Scheme::Affine(p.affine),
                     scales: s,
                     biases: b,
+                    biases_from_scales: p.biases_from_scales,
                 }
             });
             // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its

@@ -240,6 +240,11 @@ pub struct Requant {
     pub scales: SourcePart,
     /// `P.biases`.
     pub biases: SourcePart,
+    /// A compressed-tensors module: no biases are read, the words dequantize as
+    /// `bf16_round(scale × (q − 8))` ([`crate::transform::int4_ct::dequantize_rows`]).
+    /// Absent from the plan's JSON when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub biases_from_scales: bool,
 }
 
 /// The source of an FP8 weight: its `weight_scale_inv` (F32, one scale per 128×128
