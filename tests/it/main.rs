@@ -1,6 +1,7 @@
 //! One integration-test binary; each module covers one user-facing concern.
 
 mod decoder_variants;
+mod deepseek;
 mod doctor;
 mod dry_run;
 mod flash_next;

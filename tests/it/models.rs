@@ -77,6 +77,16 @@ fn decoder_snapshots_continue_as_the_original_on_the_gpu() {
 }
 
 #[test]
+fn deepseek_snapshots_continue_as_the_original_on_both_backends() {
+    let prompt = mixtral_prompt();
+    snapshots_continue_as_the_original(crate::deepseek::bf16(), &Cpu::new(2), &prompt);
+    let Some(g) = gpu("deepseek_snapshots_continue_as_the_original_on_both_backends") else {
+        return;
+    };
+    snapshots_continue_as_the_original(crate::deepseek::bf16(), &g, &prompt);
+}
+
+#[test]
 fn flash_next_snapshots_continue_as_the_original_on_both_backends() {
     let dir = crate::gpu_flash::scaled_install();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 200 + 3) as u32).collect();

@@ -133,6 +133,7 @@ fn families_lists_the_runner_of_each_family() {
     assert_eq!(
         runners,
         vec![
+            ("deepseek_v3".to_string(), Value::from("deepseek_v3")),
             ("glm4_moe".to_string(), Value::Null),
             ("gpt_oss".to_string(), Value::Null),
             ("llama".to_string(), Value::from("decoder")),

@@ -604,6 +604,7 @@ mod tests {
         assert_eq!(
             ids,
             [
+                "deepseek_v3",
                 "glm4_moe",
                 "gpt_oss",
                 "llama",
@@ -742,7 +743,7 @@ mod tests {
         let err = Family::builtin("nope").unwrap_err().to_string();
         assert_eq!(
             err,
-            "unknown family `nope`; known families: glm4_moe, gpt_oss, llama, minimax_m2, mixtral, \
+            "unknown family `nope`; known families: deepseek_v3, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, \
              qwen3, qwen38flashnext, qwen3_moe, qwen3_next"
         );
     }

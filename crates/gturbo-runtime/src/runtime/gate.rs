@@ -36,6 +36,15 @@ pub const PLE_NGRAM: &str = "pleNgramEmbedding";
 /// RMSNorm scaled by `1 + w` (zero-centred weights).
 pub const OFFSET_RMS_NORM: &str = "offsetRmsNorm";
 
+/// Multi-head latent attention: low-rank q and kv projections with their norms, a
+/// decoupled rope key shared by the heads, qk and v heads of different widths.
+pub const MLA_ATTENTION: &str = "multiHeadLatentAttention";
+/// Sigmoid router scores, a per-expert selection bias, group-limited top-k, scaled
+/// weights (DeepSeek-V3's `noaux_tc`).
+pub const SIGMOID_GROUP_ROUTING: &str = "sigmoidGroupRouting";
+/// An ungated shared expert beside the routed ones.
+pub const SHARED_EXPERT: &str = "sharedExpert";
+
 /// The model a runner builds (`runtime::models::open` turns it into a loader).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
@@ -45,6 +54,8 @@ pub enum Arch {
     FlashNext,
     /// `models::mixtral`: the decoder with Mixtral's names and routing.
     Mixtral,
+    /// `models::deepseek_v3`: DeepSeek-V3 and Kimi-K2.
+    DeepseekV3,
 }
 
 /// A runner: the families it reads, the axes it implements and the model it builds.
@@ -93,6 +104,20 @@ pub const RUNNERS: &[Runner] = &[
         arch: Arch::Mixtral,
         families: &["mixtral"],
         axes: &[GQA_ATTENTION, ROPE, RMS_NORM, SWIGLU, ROUTED_MOE],
+    },
+    Runner {
+        name: "deepseek_v3",
+        arch: Arch::DeepseekV3,
+        families: &["deepseek_v3"],
+        axes: &[
+            MLA_ATTENTION,
+            ROPE,
+            RMS_NORM,
+            SWIGLU,
+            ROUTED_MOE,
+            SIGMOID_GROUP_ROUTING,
+            SHARED_EXPERT,
+        ],
     },
     Runner {
         name: FLASH_NEXT,

@@ -106,6 +106,10 @@ pub struct AttentionSpec {
     /// Sliding window: a query at position `p` sees positions `max(0, p + 1 − window)
     /// ..= p` (`window` of them at most); `None` sees every earlier position. At least 1.
     pub window: Option<usize>,
+    /// Each KV head's value is the first `v_dim` dims of its key (`v_dim ≤ qk_dim`):
+    /// the cache holds keys only and [`Backend::attention`] ignores its `v`. MLA's
+    /// latent cache, whose keys are `[c | k_pe]` and values `c`.
+    pub values_in_keys: bool,
 }
 
 impl AttentionSpec {
@@ -116,6 +120,7 @@ impl AttentionSpec {
             qk_dim: head_dim,
             v_dim: head_dim,
             window: None,
+            values_in_keys: false,
         }
     }
 
@@ -124,9 +129,19 @@ impl AttentionSpec {
         self.kv_heads * self.qk_dim
     }
 
-    /// Width of a cache row of values (`kv_heads·v_dim`).
+    /// Width of a row of values (`kv_heads·v_dim`).
     pub fn v_width(&self) -> usize {
         self.kv_heads * self.v_dim
+    }
+
+    /// Width of a cache row of values stored apart from the keys: [`Self::v_width`],
+    /// or 0 with [`Self::values_in_keys`].
+    pub fn stored_v_width(&self) -> usize {
+        if self.values_in_keys {
+            0
+        } else {
+            self.v_width()
+        }
     }
 
     /// The first position a query at position `p` sees (`0` without a window).
@@ -134,11 +149,17 @@ impl AttentionSpec {
         self.window.map_or(0, |w| (p + 1).saturating_sub(w))
     }
 
-    /// Whether the spec can be a cache's: heads, widths and window positive.
+    /// Whether the spec can be a cache's: heads, widths and window positive, values in
+    /// the keys no wider than them.
     pub fn check(&self) -> Result<(), String> {
         if self.kv_heads == 0 || self.qk_dim == 0 || self.v_dim == 0 || self.window == Some(0) {
             return Err(format!(
                 "{self:?}: heads, widths and window must be positive"
+            ));
+        }
+        if self.values_in_keys && self.v_dim > self.qk_dim {
+            return Err(format!(
+                "{self:?}: values in the keys are at most qk_dim wide"
             ));
         }
         Ok(())
@@ -312,13 +333,21 @@ pub trait Backend {
         head_dim: usize,
         pos: usize,
     ) -> OpResult;
+    /// Whether [`Backend::attention`] runs over a cache of `spec` here: a device kernel
+    /// may hold heads up to a width (the GPU's 256), which MLA's latent cache (keys
+    /// `kv_lora + rope` wide: 576 for DeepSeek-V3) can exceed. The default: any spec.
+    fn attends(&self, _spec: &AttentionSpec) -> bool {
+        true
+    }
     /// An empty KV cache of one layer for up to `max_positions` positions (the CPU's
     /// grows as tokens arrive), holding key rows of `spec.k_width()` and value rows of
     /// `spec.v_width()`; `spec` also fixes the window [`Backend::attention`] applies.
     fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<Self::Kv>;
     /// A copy of `kv` holding the same positions (a session snapshot).
     fn copy_kv(&self, kv: &Self::Kv) -> OpResult<Self::Kv>;
-    /// Store `k` `[n, kv_heads·qk_dim]` and `v` `[n, kv_heads·v_dim]` at positions
+    /// Store `k` `[n, kv_heads·qk_dim]` and `v` `[n, kv_heads·v_dim]` (not read with
+    /// [`AttentionSpec::values_in_keys`]: each head's value is then its key's first
+    /// `v_dim` dims, and callers pass `k` again) at positions
     /// `at.pos..at.pos + n` of `kv` (whose [`AttentionSpec`] gives the widths and the
     /// window), forgetting any positions after them (so a session whose last forward
     /// pass failed halfway continues cleanly), then causal attention of `q`

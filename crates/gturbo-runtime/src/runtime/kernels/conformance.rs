@@ -653,13 +653,20 @@ impl AttentionCase<'_> {
         // The reference cache, as the backend's should hold it.
         let (mut keys, mut vals): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
         let what = format!(
-            "attention {heads}/{}x{qd}/{vd} window {:?} sinks {:?}",
-            spec.kv_heads, spec.window, self.sinks
+            "attention {heads}/{}x{qd}/{vd} window {:?} sinks {:?} values in keys {}",
+            spec.kv_heads, spec.window, self.sinks, spec.values_in_keys
         );
         let mut step = |kv: &mut B::Kv, keys: &mut Vec<f32>, vals: &mut Vec<f32>, pos, n| {
             let q: Vec<f32> = rng.vec(n * heads * qd).iter().map(|v| v * 2.0).collect();
             let k: Vec<f32> = rng.vec(n * kw).iter().map(|v| v * 2.0).collect();
-            let v = rng.vec(n * vw);
+            // Values in the keys: each head's value is its key's first `vd` dims, and
+            // the backend is handed the keys again.
+            let v: Vec<f32> = if spec.values_in_keys {
+                k.chunks_exact(qd).flat_map(|h| h[..vd].to_vec()).collect()
+            } else {
+                rng.vec(n * vw)
+            };
+            let v_in = if spec.values_in_keys { &k } else { &v };
             keys.truncate(pos * kw);
             vals.truncate(pos * vw);
             keys.extend_from_slice(&k);
@@ -670,7 +677,7 @@ impl AttentionCase<'_> {
                 kv,
                 &up(b, &q),
                 &up(b, &k),
-                &up(b, &v),
+                &up(b, v_in),
                 at,
                 sinks.as_ref(),
                 &mut out,
@@ -731,6 +738,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
             qk_dim: 16,
             v_dim: 40,
             window: Some(3),
+            values_in_keys: false,
         },
         sinks: Some(&sinks),
         steps: &[(0, 5), (5, 1), (6, 2), (8, 1), (3, 2)],
@@ -745,6 +753,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
         qk_dim: 48,
         v_dim: 32,
         window: None,
+        values_in_keys: false,
     };
     let windowed = AttentionSpec {
         window: Some(4),
@@ -761,6 +770,25 @@ pub(crate) fn attention<B: Backend>(b: &B) {
         }
         .run(b, &mut rng);
     }
+    // Values in the keys: MLA's latent cache (one KV head, keys [c | k_pe] 80 wide,
+    // values c 64 wide) with a snapshot, and two KV heads (each value its own head's).
+    for (heads, kv_heads, snapshot) in [(4, 1, true), (6, 2, false)] {
+        AttentionCase {
+            heads,
+            spec: AttentionSpec {
+                kv_heads,
+                qk_dim: 80,
+                v_dim: 64,
+                window: None,
+                values_in_keys: true,
+            },
+            sinks: None,
+            steps: &steps,
+            max_positions: 64,
+            snapshot,
+        }
+        .run(b, &mut rng);
+    }
     // Long contexts, where a GPU splits a decode step's positions across workgroups
     // (`gpu::tuning::split_chunk`: fewer than 256 (token, head) pairs, more than 64
     // positions seen) and grows its cache past the 256 positions it starts with: a
@@ -774,6 +802,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
             qk_dim: 64,
             v_dim: 32,
             window: Some(100),
+            values_in_keys: false,
         },
         sinks: Some(&sinks4),
         steps: &[(0, 150), (150, 1), (151, 1), (152, 3)],
@@ -788,6 +817,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
             qk_dim: 32,
             v_dim: 64,
             window: None,
+            values_in_keys: false,
         },
         sinks: Some(&sinks4[..2]),
         steps: &[(0, 200), (200, 100), (300, 1), (301, 1)],

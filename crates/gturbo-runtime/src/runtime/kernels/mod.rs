@@ -169,6 +169,58 @@ impl FloatDtype {
     }
 }
 
+impl<'a> Matrix<'a> {
+    /// Rows `rows` as a matrix over the same bytes: every layout stores whole rows one
+    /// after another (a quantized row's codes, then its scales and biases in their own
+    /// arrays), so a row range is a sub-slice of each array. MLA's absorbed value
+    /// projection is each head's rows of `kv_b_proj`.
+    ///
+    /// # Panics
+    /// When `rows` reaches past the matrix (a caller bug).
+    pub fn row_range(&self, rows: std::ops::Range<usize>) -> Matrix<'a> {
+        assert!(
+            rows.start <= rows.end && rows.end <= self.rows(),
+            "rows {rows:?} of a {}-row matrix",
+            self.rows()
+        );
+        let n = rows.len();
+        match *self {
+            Matrix::Quant {
+                bits,
+                group,
+                weights,
+                scales,
+                biases,
+                cols,
+                ..
+            } => {
+                let code = cols * bits as usize / 8;
+                let affine = cols / group * 2;
+                Matrix::Quant {
+                    bits,
+                    group,
+                    weights: &weights[rows.start * code..rows.end * code],
+                    scales: &scales[rows.start * affine..rows.end * affine],
+                    biases: &biases[rows.start * affine..rows.end * affine],
+                    rows: n,
+                    cols,
+                }
+            }
+            Matrix::Float {
+                dtype, data, cols, ..
+            } => {
+                let row = cols * dtype.bytes();
+                Matrix::Float {
+                    dtype,
+                    data: &data[rows.start * row..rows.end * row],
+                    rows: n,
+                    cols,
+                }
+            }
+        }
+    }
+}
+
 impl Matrix<'_> {
     /// Output features (rows).
     pub fn rows(&self) -> usize {

@@ -301,7 +301,7 @@ impl<'a, B: Backend> Bind<'a, '_, B> {
 }
 
 /// Layer `l`'s expert pool, checked against the config's count and shapes.
-fn expert_pool<'a>(
+pub(crate) fn expert_pool<'a>(
     install: &'a Install,
     moe: &MoeConfig,
     h: usize,

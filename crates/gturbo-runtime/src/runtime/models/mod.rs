@@ -6,10 +6,13 @@
 //!
 //! - [`decoder`]: one transformer decoder parametrised by the install's axes (llama,
 //!   qwen3, qwen3_moe; Mixtral through [`mixtral`]'s names and routing).
+//! - [`deepseek_v3`]: DeepSeek-V3 and Kimi-K2: multi-head latent attention, sigmoid
+//!   group-limited routing, a shared expert, dense first layers.
 //! - [`flash_next`]: Qwen3.8-Flash-Next (`qwen4_exp`): hyper-connections, gated delta
 //!   net, indexed attention, the PLE n-gram embedding.
 
 pub mod decoder;
+pub mod deepseek_v3;
 pub mod flash_next;
 pub mod mixtral;
 
@@ -146,5 +149,6 @@ pub fn open<'a, B: Ops + 'static>(
         Arch::Decoder => Box::new(decoder::Model::new(install, backend)?),
         Arch::FlashNext => Box::new(flash_next::model::FlashModel::new(install, backend)?),
         Arch::Mixtral => Box::new(mixtral::open(install, backend)?),
+        Arch::DeepseekV3 => Box::new(deepseek_v3::Model::new(install, backend)?),
     })
 }

@@ -65,4 +65,26 @@ impl ElementwiseOps for Cpu {
         }
         Ok(())
     }
+
+    fn scatter_cols(
+        &self,
+        x: &Vec<f32>,
+        scale: f32,
+        width: usize,
+        cols: Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        let n = rows_of("scatter_cols", out.len(), width);
+        assert!(cols.end <= width, "scatter_cols: columns past the row");
+        assert_eq!(x.len(), n * cols.len(), "scatter_cols: x length");
+        for (row, o) in x
+            .chunks_exact(cols.len().max(1))
+            .zip(out.chunks_exact_mut(width))
+        {
+            for (d, &v) in o[cols.clone()].iter_mut().zip(row) {
+                *d = v * scale;
+            }
+        }
+        Ok(())
+    }
 }

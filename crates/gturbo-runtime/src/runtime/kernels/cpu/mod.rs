@@ -290,7 +290,7 @@ impl Backend for Cpu {
             spec.kv_heads
         );
         assert!(
-            q.len() == n * qw && v.len() == n * vw && out.len() == n * ow,
+            q.len() == n * qw && (spec.values_in_keys || v.len() == n * vw) && out.len() == n * ow,
             "attention: lengths"
         );
         assert!(
@@ -303,9 +303,15 @@ impl Backend for Cpu {
         );
         let (kc, vc) = (&mut kv.k, &mut kv.v);
         kc.truncate(at.pos * kw);
-        vc.truncate(at.pos * vw);
         kc.extend_from_slice(k);
-        vc.extend_from_slice(v);
+        // Values in the keys: head `h`'s value row is its key's first `vd` dims.
+        let (vc, vw, vh): (&Vec<f32>, usize, usize) = if spec.values_in_keys {
+            (kc, kw, qd)
+        } else {
+            vc.truncate(at.pos * vw);
+            vc.extend_from_slice(v);
+            (vc, vw, vd)
+        };
         let group = at.heads / spec.kv_heads;
         let mut scores = vec![0f32; at.pos + n];
         for i in 0..n {
@@ -326,7 +332,7 @@ impl Backend for Cpu {
                 let ah = &mut out[i * ow + hh * vd..i * ow + (hh + 1) * vd];
                 ah.fill(0.0);
                 for (j, &p) in (first..upto).zip(seen.iter()) {
-                    let vj = &vc[j * vw + kvh * vd..j * vw + (kvh + 1) * vd];
+                    let vj = &vc[j * vw + kvh * vh..j * vw + kvh * vh + vd];
                     axpy(p, vj, ah);
                 }
             }

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::context::{AdapterSummary, GpuContext, GpuOptions};
 use super::error::{GpuError, Result};
+use super::ops::{MAX_HEAD_DIM, MAX_V_DIM};
 use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable, Scratch};
 use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
@@ -446,6 +447,10 @@ impl Backend for Gpu {
         self.ctx
             .rope(&rope.0, &x.t, heads, head_dim, pos)
             .map_err(|e| self.err("rope", e))
+    }
+
+    fn attends(&self, spec: &AttentionSpec) -> bool {
+        (1..=MAX_HEAD_DIM).contains(&spec.qk_dim) && (1..=MAX_V_DIM).contains(&spec.v_dim)
     }
 
     fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<GpuKv> {

@@ -332,7 +332,7 @@ params! {
 }
 params! {
     /// `attn.wgsl`: `window` 0 for none, `sinks` 1 when bound.
-    AttnParams { n: u32, heads: u32, kv_heads: u32, qk_dim: u32, v_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32, chunk: u32, chunks: u32, window: u32, sinks: u32 }
+    AttnParams { n: u32, heads: u32, kv_heads: u32, qk_dim: u32, v_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32, chunk: u32, chunks: u32, window: u32, sinks: u32, v_in_k: u32 }
 }
 params! {
     /// `softmax.wgsl`.
@@ -415,6 +415,7 @@ impl FlashShader {
             (F::Elementwise, "sigmoid_mul"),
             (F::Elementwise, "scale_rows"),
             (F::Elementwise, "gather_cols"),
+            (F::Elementwise, "scatter_cols"),
             (F::Elementwise, "hc_expand"),
             (F::Elementwise, "hc_mix"),
             (F::Elementwise, "hc_inject"),

@@ -446,7 +446,12 @@ impl KvCache {
         })?;
         Ok(KvCache {
             k: ctx.zeros(&[capacity, spec.k_width()], DType::F32)?,
-            v: ctx.zeros(&[capacity, spec.v_width()], DType::F32)?,
+            // Values in the keys: no value rows (one element: a buffer is never empty).
+            v: if spec.values_in_keys {
+                ctx.zeros(&[1], DType::F32)?
+            } else {
+                ctx.zeros(&[capacity, spec.v_width()], DType::F32)?
+            },
             capacity,
             spec,
         })
@@ -467,7 +472,7 @@ impl KvCache {
     pub(crate) fn copy_into(&self, ctx: &GpuContext, to: &KvCache, positions: usize) {
         for (from, into, width) in [
             (&self.k, &to.k, self.spec.k_width()),
-            (&self.v, &to.v, self.spec.v_width()),
+            (&self.v, &to.v, self.spec.stored_v_width()),
         ] {
             let bytes = (positions * width * 4) as u64;
             if bytes > 0 {

@@ -1032,6 +1032,7 @@ fn attention_spec_limits_are_errors() {
         qk_dim,
         v_dim,
         window,
+        values_in_keys: false,
     };
     let e = KvCache::new(ctx, 4, spec(8, 8, Some(0)))
         .unwrap_err()

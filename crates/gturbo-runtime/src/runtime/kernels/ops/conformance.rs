@@ -9,7 +9,8 @@
 //! the backend: a device backend's tests call each group with their own backend.
 //!
 //! # Tolerances (what a backend may differ from the CPU by)
-//! - `gather_cols`, `hc_expand`, the conv state: exact (copies).
+//! - `gather_cols`, `scatter_cols`, `hc_expand`, the conv state: exact (copies, or
+//!   one product per element).
 //! - `act`, `sigmoid_mul`, `scale_rows_sigmoid`: `1e-5 · |cpu| + 1e-7` (`exp` differs
 //!   between libraries; WGSL allows `3 + 2·|x|` ulp).
 //! - `hc_mix`, `hc_inject`: `1e-6 · Σ |terms|` (same order of operations; a device may
@@ -119,6 +120,24 @@ pub(crate) fn elementwise<B: Ops>(b: &B) {
         let mut w = vec![0f32; n * cols.len()];
         c.gather_cols(&x, width, cols.clone(), &mut w).unwrap();
         assert_eq!(down(b, &g), w, "gather_cols {width} {cols:?}");
+    }
+    // MLA's [nope | rope] heads: a copy (scale 1) and a scaled rope part.
+    for (width, cols, scale) in [(48, 32..48, 1.0), (48, 0..32, 1.0), (48, 32..48, 0.875)] {
+        let rows = 5 * 4;
+        let src = rng.scaled(rows * cols.len(), 2.0);
+        let base = rng.scaled(rows * width, 1.0);
+        let mut g = up(b, &base);
+        b.scatter_cols(&up(b, &src), scale, width, cols.clone(), &mut g)
+            .unwrap();
+        let mut w = base.clone();
+        c.scatter_cols(&src, scale, width, cols.clone(), &mut w)
+            .unwrap();
+        assert_eq!(down(b, &g), w, "scatter_cols {width} {cols:?} {scale}");
+        if scale == 1.0 {
+            let mut back = vec![0f32; src.len()];
+            c.gather_cols(&w, width, cols.clone(), &mut back).unwrap();
+            assert_eq!(back, src, "scatter_cols then gather_cols");
+        }
     }
     for d in [
         HcDims {

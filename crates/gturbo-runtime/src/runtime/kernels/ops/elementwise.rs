@@ -54,4 +54,17 @@ pub trait ElementwiseOps: Backend {
         cols: Range<usize>,
         out: &mut Self::Buf,
     ) -> OpResult;
+    /// The inverse of [`ElementwiseOps::gather_cols`], scaled: each row of `x`
+    /// (`[rows, cols.len()]`) times `scale` into columns `cols` of the `width`-wide
+    /// rows of `out` (`[rows, width]`); the other columns are left alone. With
+    /// `scale = 1` an exact copy. MLA assembles its per-head `[nope | rope]` keys and
+    /// queries with it (the rope part scaled by YaRN's attention factor).
+    fn scatter_cols(
+        &self,
+        x: &Self::Buf,
+        scale: f32,
+        width: usize,
+        cols: Range<usize>,
+        out: &mut Self::Buf,
+    ) -> OpResult;
 }

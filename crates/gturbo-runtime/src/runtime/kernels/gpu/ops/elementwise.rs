@@ -122,4 +122,36 @@ impl ElementwiseOps for Gpu {
         };
         self.flash(OP, run())
     }
+
+    fn scatter_cols(
+        &self,
+        x: &GpuBuf,
+        scale: f32,
+        width: usize,
+        cols: Range<usize>,
+        out: &mut GpuBuf,
+    ) -> OpResult {
+        const OP: &str = "scatter_cols";
+        let run = || -> Result<()> {
+            let n = rows(OP, "out", out.len(), width)?;
+            need(OP, cols.start <= cols.end && cols.end <= width, || {
+                format!("columns {cols:?} of rows of {width}")
+            })?;
+            need(OP, x.len() == n * cols.len(), || {
+                format!("x has {} elements for {n} rows of {cols:?}", x.len())
+            })?;
+            if x.is_empty() {
+                return Ok(());
+            }
+            let p = FlashElementwiseParams {
+                n: u32_of(OP, x.len())?,
+                d: u32_of(OP, width)?,
+                s: u32_of(OP, cols.len())?,
+                mode: u32_of(OP, cols.start)?,
+                c: scale,
+            };
+            self.elementwise("scatter_cols", p, &[(1, buf(out)), (2, buf(x))])
+        };
+        self.flash(OP, run())
+    }
 }

@@ -502,9 +502,9 @@ impl GpuContext {
         const OP: &str = "kv_append";
         f32_tensor(OP, "k", k)?;
         f32_tensor(OP, "v", v)?;
-        let (kw, vw) = (cache.spec.k_width(), cache.spec.v_width());
+        let (kw, vw) = (cache.spec.k_width(), cache.spec.stored_v_width());
         let n = rows_of(OP, "k", k.len(), kw)?;
-        if v.len() != n * vw {
+        if vw > 0 && v.len() != n * vw {
             return Err(shape_err(
                 OP,
                 format!(
@@ -526,7 +526,9 @@ impl GpuContext {
         }
         for (from, to, width) in [(k, &cache.k, kw), (v, &cache.v, vw)] {
             let (at, bytes) = ((pos0 * width * 4) as u64, (n * width * 4) as u64);
-            self.copy(&from.buf, 0, &to.buf, at, bytes);
+            if bytes > 0 {
+                self.copy(&from.buf, 0, &to.buf, at, bytes);
+            }
         }
         Ok(())
     }
@@ -615,7 +617,14 @@ impl GpuContext {
             scale,
             window: u32_of(OP, spec.window.unwrap_or(0))?,
             sinks: u32::from(sinks.is_some()),
+            v_in_k: u32::from(spec.values_in_keys),
             ..Default::default()
+        };
+        // With values in the keys the value binding is the key rows.
+        let values = if spec.values_in_keys {
+            &cache.k.buf
+        } else {
+            &cache.v.buf
         };
         // The most positions one token sees: the chunks cover that span.
         let span = spec.window.map_or(pos0 + n, |w| w.min(pos0 + n));
@@ -632,12 +641,7 @@ impl GpuContext {
             self.dispatch_at(
                 &Kernel::plain(Shader::Attn, "attention_part"),
                 &p.bytes(),
-                &[
-                    (1, &q.buf),
-                    (2, &cache.k.buf),
-                    (3, &cache.v.buf),
-                    (5, &part),
-                ],
+                &[(1, &q.buf), (2, &cache.k.buf), (3, values), (5, &part)],
                 n * heads * chunks,
             )?;
             return self.dispatch_at(
@@ -653,7 +657,7 @@ impl GpuContext {
             &[
                 (1, &q.buf),
                 (2, &cache.k.buf),
-                (3, &cache.v.buf),
+                (3, values),
                 (4, &out.buf),
                 (6, sinks_buf),
             ],

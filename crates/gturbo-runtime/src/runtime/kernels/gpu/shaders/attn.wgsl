@@ -33,11 +33,14 @@ struct Params {
     // 1: `sinks` holds one logit per query head; 0: no sinks (`sinks` is bound to
     // another buffer and never read).
     sinks: u32,
+    // 1: values are each key head's first v_dim dims (`vc` is bound to the keys).
+    v_in_k: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-// `[capacity, kv_heads·qk_dim]` and `[capacity, kv_heads·v_dim]`.
+// `[capacity, kv_heads·qk_dim]` and `[capacity, kv_heads·v_dim]` (or the keys again,
+// with v_in_k).
 @group(0) @binding(2) var<storage, read> kc: array<f32>;
 @group(0) @binding(3) var<storage, read> vc: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
@@ -92,7 +95,12 @@ fn attend(li: u32, h: u32, lo: u32, hi: u32) -> Attended {
     let hd = p.qk_dim;
     let kvw = p.kv_heads * hd;
     let vd = p.v_dim;
-    let vw = p.kv_heads * vd;
+    var vw = p.kv_heads * vd;
+    var vh = vd;
+    if (p.v_in_k != 0u) {
+        vw = kvw;
+        vh = hd;
+    }
     var m = NEG_BIG;
     var l = 0.0;
     var acc = vec4<f32>(0.0);
@@ -116,7 +124,7 @@ fn attend(li: u32, h: u32, lo: u32, hi: u32) -> Attended {
             if (d < vd) {
                 var a = acc[t] * corr;
                 for (var jj = 0u; jj < cnt; jj++) {
-                    a += pr[jj] * vc[(j0 + jj) * vw + kvh * vd + d];
+                    a += pr[jj] * vc[(j0 + jj) * vw + kvh * vh + d];
                 }
                 acc[t] = a;
             }

@@ -9,14 +9,14 @@
 struct Params {
     // Elements the dispatch covers.
     n: u32,
-    // Row width (gather_cols, scale_rows) or stream width H (hc_*).
+    // Row width (gather_cols, scatter_cols, scale_rows) or stream width H (hc_*).
     d: u32,
-    // Columns gathered (gather_cols) or streams S (hc_*).
+    // Columns gathered or scattered (gather_cols, scatter_cols) or streams S (hc_*).
     s: u32,
-    // First column gathered (gather_cols); the activation (act): 0 silu(x / c),
+    // First column gathered or scattered; the activation (act): 0 silu(x / c),
     // 1 sigmoid(x), 2 2·sigmoid(x / c).
     mode: u32,
-    // The activation's divisor (act).
+    // The activation's divisor (act); the factor (scatter_cols).
     c: f32,
 }
 
@@ -86,6 +86,18 @@ fn gather_cols(@builtin(global_invocation_id) gid: vec3<u32>,
     let r = i / p.s;
     let j = i % p.s;
     a[i] = b[r * p.d + p.mode + j];
+}
+
+// a[r, mode + j] = c · b[r, j] for the s columns j of b's rows r (d-wide rows of a):
+// one invocation per element of b.
+@compute @workgroup_size(256)
+fn scatter_cols(@builtin(global_invocation_id) gid: vec3<u32>,
+                @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = index(gid, nwg);
+    if (i >= p.n) { return; }
+    let r = i / p.s;
+    let j = i % p.s;
+    a[r * p.d + p.mode + j] = p.c * b[i];
 }
 
 // a[t, j·H + c] = b[t, c] for every stream j.

@@ -1,0 +1,419 @@
+//! DeepSeek-V3 (`DeepseekV3ForCausalLM`) end to end on the tiny random checkpoint saved
+//! in the real per-expert layout (`tests/data/deepseek_toy`, goldens from transformers
+//! by `scripts/golden/gen_deepseek_golden.py`): q LoRA, a dense first layer, sigmoid
+//! group-limited routing with a correction bias, a shared expert, YaRN with `mscale` ≠
+//! `mscale_all_dim`, the interleaved rope layout. Greedy tokens equal transformers' on
+//! the CPU and on the GPU; the prompt's and every cached decode step's logits stay
+//! within [`LOGIT_ATOL`] of transformers'; an INT4 install runs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use gturbo::runtime::experts::ExpertMode;
+use gturbo::runtime::kernels::{Backend, Cpu, Ops};
+use gturbo::runtime::layers::mla::{KvLayout, MlaDims};
+use gturbo::runtime::load::{self, LoadOptions};
+use gturbo::runtime::models::{self, Model, deepseek_v3};
+use serde_json::Value;
+
+use crate::support::cli::{self, gturbo, gturbo_args, text};
+use crate::support::{f32_safetensors, temp_dir};
+
+const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_toy");
+/// The other branch of every option: plain `q_proj`, no group limit, no renormalising,
+/// two shared experts, no dense layer, half-split rope without scaling (the
+/// generator's `--variant`).
+const VARIANT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/deepseek_toy_variant"
+);
+const FAMILY: &str = "deepseek_v3";
+
+/// Largest `|gturbo − transformers|` accepted on a logit: both compute in f32 from the
+/// same BF16 weights, only the order of the sums differs.
+const LOGIT_ATOL: f32 = 1e-4;
+
+struct Meta {
+    prompt: Vec<u32>,
+    prompt_text: String,
+    greedy: Vec<u32>,
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn meta(toy: &str) -> Meta {
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(Path::new(toy).join("golden/meta.json")).unwrap())
+            .unwrap();
+    assert_eq!(m["family"], FAMILY);
+    Meta {
+        prompt: ids(&m["prompt"]),
+        prompt_text: m["prompt_text"].as_str().unwrap().to_string(),
+        greedy: ids(&m["greedy"]),
+    }
+}
+
+fn f32_tensors(toy: &str, rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    f32_safetensors(&Path::new(toy).join(rel))
+}
+
+/// The golden logits of the prompt's positions, then of the decode steps after the
+/// first greedy token.
+fn golden_rows(toy: &str) -> Vec<Vec<f32>> {
+    let prompt = f32_tensors(toy, "golden/prompt.safetensors");
+    let greedy = f32_tensors(toy, "golden/greedy.safetensors");
+    let (ps, pl) = &prompt["logits"];
+    let (gs, gl) = &greedy["step_logits"];
+    assert_eq!(ps[1], gs[1], "vocabularies");
+    let vocab = ps[1];
+    let mut rows: Vec<Vec<f32>> = pl.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    let steps: Vec<&[f32]> = gl.chunks_exact(vocab).collect();
+    assert_eq!(
+        steps[0],
+        &rows[ps[0] - 1][..],
+        "step 0 is the prompt's last row"
+    );
+    rows.extend(steps[1..].iter().map(|r| r.to_vec()));
+    rows
+}
+
+fn install(out: &Path, extra: &[&str]) {
+    install_toy(TOY, out, extra)
+}
+
+fn install_toy(toy: &str, out: &Path, extra: &[&str]) {
+    let o = gturbo()
+        .args(["-q", "install", FAMILY, "--from", toy, "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "install {extra:?}: {}", text(&o));
+}
+
+/// One BF16 (passthrough) install of the toy for this test run.
+/// One BF16 install of the variant toy.
+fn variant_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deepseek-variant-bf16");
+        let _ = std::fs::remove_dir_all(&root);
+        let out = root.join("bf16.gturbo");
+        install_toy(VARIANT, &out, &["--quant", "bf16"]);
+        out
+    })
+}
+
+pub(crate) fn bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deepseek-bf16");
+        let _ = std::fs::remove_dir_all(&root);
+        let out = root.join("bf16.gturbo");
+        install(&out, &["--quant", "bf16"]);
+        out
+    })
+}
+
+/// Whether the resident file's header lists every MoE layer's correction bias as F32
+/// at passthrough (never quantized, never narrowed).
+fn bias_stays_f32(dir: &Path) -> bool {
+    let bytes = std::fs::read(dir.join("resident.bin")).unwrap();
+    let header = String::from_utf8_lossy(&bytes[..bytes.len().min(1 << 16)]).into_owned();
+    (1..3).all(|l| {
+        header.contains(&format!(
+            r#"{{"name":"model.layers.{l}.mlp.gate.e_score_correction_bias","dtype":"F32","shape":[8],"scheme":"passthrough""#
+        ))
+    })
+}
+
+fn manifest(dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+fn csv(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
+    let mut args = vec!["--max-tokens", "24"];
+    args.extend_from_slice(extra);
+    cli::run_json(dir, &args)
+}
+
+#[test]
+fn the_bf16_install_pools_the_routed_layers_keeps_the_bias_f32_and_verifies() {
+    let tmp = temp_dir();
+    let out = tmp.path().join("bf16.gturbo");
+    install(&out, &["--quant", "bf16"]);
+    let o = gturbo_args(&["verify-install", out.to_str().unwrap()]);
+    assert!(o.status.success(), "verify-install: {}", text(&o));
+    let m = manifest(&out);
+    assert_eq!(m["family"], FAMILY);
+    assert_eq!(m["arch"]["axes"]["num_experts"], 8);
+    assert_eq!(m["arch"]["axes"]["kv_lora_rank"], 64);
+    let pools = m["expert_pools"].as_array().unwrap();
+    // Layer 0 is dense (`first_k_dense_replace` 1).
+    let layers: Vec<u64> = pools.iter().map(|p| p["layer"].as_u64().unwrap()).collect();
+    assert_eq!(layers, [1, 2]);
+    for p in pools {
+        assert_eq!(p["experts"], 8);
+        assert_eq!(p["scheme"], "passthrough");
+    }
+    assert!(bias_stays_f32(&out));
+}
+
+#[test]
+fn an_int4_install_keeps_the_bias_f32_and_the_router_int8_and_records_its_quality() {
+    let o = gturbo_args(&["install", FAMILY, "--from", TOY, "--dry-run", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let plan: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        plan["census"]["int8"]["tensors"], 2,
+        "one router per MoE layer: {plan}"
+    );
+    let tmp = temp_dir();
+    let q = tmp.path().join("int4.gturbo");
+    install(&q, &[]);
+    let m = manifest(&q);
+    assert_eq!(m["quantized_at_install"]["scheme"], "int4_g64");
+    assert_eq!(m["expert_pools"][0]["scheme"], "int4_g64");
+    assert!(bias_stays_f32(&q));
+    let o = gturbo_args(&["verify-install", q.to_str().unwrap()]);
+    assert!(o.status.success(), "verify-install: {}", text(&o));
+    let txt = tmp.path().join("text.txt");
+    std::fs::write(
+        &txt,
+        "A café for the quick brown fox. The quick brown fox jumps over the lazy dog while \
+         the cat sleeps in the sun, and the birds sing of rain, of wind and of the long road \
+         home.",
+    )
+    .unwrap();
+    let o = gturbo_args(&[
+        "eval",
+        q.to_str().unwrap(),
+        bf16().to_str().unwrap(),
+        "--text",
+        txt.to_str().unwrap(),
+        "--threads",
+        "2",
+        "--record",
+        "--json",
+    ]);
+    assert!(o.status.success(), "eval: {}", text(&o));
+    let ev: Value = serde_json::from_slice(&o.stdout).unwrap();
+    eprintln!("deepseek toy INT4 vs BF16: {ev}");
+    let kl = ev["mean_kl_nats"].as_f64().unwrap();
+    // Random Gaussian weights are INT4's worst case: the bound catches a broken
+    // dequantization (KL of several nats), not a small regression.
+    assert!(kl.is_finite() && kl > 0.0 && kl < 2.0, "{ev}");
+    let g = meta(TOY);
+    let (doc, footer) = run_json(&q, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
+    assert_eq!(doc["tokens"].as_array().unwrap().len(), 24, "{footer}");
+    assert_eq!(doc["runner"], FAMILY);
+    assert_eq!(doc["quality"]["format"], "gturbo-quality", "{doc}");
+    // The latent path's absorbed matrices come from INT4 rows (views of `W_UV_h`,
+    // `W_UK_hᵀ` widened): the same dequantized weights as the expanded path's.
+    let cpu = Cpu::new(2);
+    let (latent, _) = rows_of_run(TOY, &q, &cpu, ExpertMode::Slots(2), KvLayout::Latent);
+    let (expanded, _) = rows_of_run(TOY, &q, &cpu, ExpertMode::Slots(2), KvLayout::Expanded);
+    let d = max_diff(&latent, &expanded);
+    assert!(
+        d <= LOGIT_ATOL,
+        "INT4: latent and expanded caches differ by {d:.3e}"
+    );
+}
+
+#[test]
+fn greedy_tokens_equal_transformers_on_the_cpu_by_ids_and_by_text() {
+    let g = meta(TOY);
+    let dir = bf16();
+    let (doc, footer) = run_json(dir, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+    assert_eq!(doc["runner"], FAMILY);
+    assert_eq!(doc["family"], FAMILY);
+    let (doc, footer) = run_json(dir, &["--backend", "cpu", "--prompt", &g.prompt_text]);
+    assert_eq!(ids(&doc["prompt_ids"]), g.prompt, "{footer}");
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+}
+
+#[cfg(feature = "gpu")]
+#[test]
+fn greedy_tokens_equal_transformers_on_the_gpu() {
+    const TEST: &str = "greedy_tokens_equal_transformers_on_the_gpu";
+    let Some(gpu) = crate::gpu::gpu(TEST) else {
+        return;
+    };
+    drop(gpu);
+    let g = meta(TOY);
+    let prompt = csv(&g.prompt);
+    for mode in [&["--expert-cache-slots", "2"][..], &["--resident-experts"]] {
+        let mut extra = vec!["--backend", "gpu", "--prompt-ids", &prompt];
+        extra.extend_from_slice(mode);
+        let (doc, footer) = run_json(bf16(), &extra);
+        assert!(
+            doc["backend"].as_str().unwrap().starts_with("gpu "),
+            "{doc}"
+        );
+        assert_eq!(ids(&doc["tokens"]), g.greedy, "{mode:?}: {footer}");
+    }
+}
+
+/// The logits of the golden's prompt (all positions) and of each cached decode step fed
+/// its greedy tokens, on the install `dir` with a KV cache of `layout`; and the model's
+/// footer figure (the cache's bytes per token).
+fn rows_of_run<B: Ops + 'static>(
+    toy: &str,
+    dir: &Path,
+    backend: &B,
+    experts: ExpertMode,
+    layout: KvLayout,
+) -> (Vec<Vec<f32>>, String) {
+    let g = meta(toy);
+    let install = load::open(
+        dir,
+        LoadOptions {
+            experts,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let model: Box<dyn Model> = match layout {
+        // `models::open` builds the default: the latent cache.
+        KvLayout::Latent => models::open(&install, backend).unwrap(),
+        KvLayout::Expanded => {
+            Box::new(deepseek_v3::Model::with_layout(&install, backend, layout).unwrap())
+        }
+    };
+    let vocab = model.vocab();
+    let mut s = model.session();
+    let all = model.forward(&mut s, &g.prompt, true).unwrap();
+    let mut got: Vec<Vec<f32>> = all.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    for &t in &g.greedy[..g.greedy.len() - 1] {
+        got.push(model.forward(&mut s, &[t], false).unwrap());
+    }
+    let stat = model.stats(got.len()).first().map(|s| s.text.clone());
+    (got, stat.unwrap_or_default())
+}
+
+/// [`rows_of_run`] on the BF16 install, checked against transformers'
+/// within [`LOGIT_ATOL`]; returns them.
+fn logits_vs_golden<B: Ops + 'static>(
+    toy: &str,
+    backend: &B,
+    experts: ExpertMode,
+    layout: KvLayout,
+) -> Vec<Vec<f32>> {
+    let want = golden_rows(toy);
+    let dir = if toy == TOY { bf16() } else { variant_bf16() };
+    let (got, stats) = rows_of_run(toy, dir, backend, experts, layout);
+    assert_eq!(got.len(), want.len(), "positions");
+    let mut worst = (0f32, 0);
+    for (p, (a, b)) in got.iter().zip(&want).enumerate() {
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        if d > worst.0 {
+            worst = (d, p);
+        }
+    }
+    eprintln!(
+        "{} on {}, {layout:?} cache: {} positions, max |logit − transformers| {:.3e} at {}; {}",
+        Path::new(toy).file_name().unwrap().to_string_lossy(),
+        backend.name(),
+        got.len(),
+        worst.0,
+        worst.1,
+        stats
+    );
+    assert!(
+        worst.0 <= LOGIT_ATOL,
+        "position {}: logits differ from transformers' by {:.3e} (> {LOGIT_ATOL})",
+        worst.1,
+        worst.0
+    );
+    got
+}
+
+/// Largest difference between two runs' logits.
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Both cache layouts against transformers, and against each other.
+fn both_layouts<B: Ops + 'static>(toy: &str, backend: &B, experts: ExpertMode) {
+    let latent = logits_vs_golden(toy, backend, experts, KvLayout::Latent);
+    let expanded = logits_vs_golden(toy, backend, experts, KvLayout::Expanded);
+    let d = max_diff(&latent, &expanded);
+    eprintln!("deepseek toy: latent vs expanded cache, max |logit difference| {d:.3e}");
+    assert!(
+        d <= LOGIT_ATOL,
+        "latent and expanded caches differ by {d:.3e}"
+    );
+}
+
+#[test]
+fn prompt_and_decode_logits_match_transformers_on_the_cpu_with_either_cache() {
+    both_layouts(TOY, &Cpu::new(2), ExpertMode::Slots(2));
+}
+
+#[test]
+fn the_variant_plain_q_ungrouped_half_split_toy_matches_transformers_on_both_backends() {
+    let g = meta(VARIANT);
+    let (doc, footer) = run_json(
+        variant_bf16(),
+        &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)],
+    );
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+    both_layouts(VARIANT, &Cpu::new(2), ExpertMode::Slots(2));
+    let Some(gpu) = crate::gpu::gpu(
+        "the_variant_plain_q_ungrouped_half_split_toy_matches_transformers_on_both_backends",
+    ) else {
+        return;
+    };
+    both_layouts(VARIANT, &gpu, ExpertMode::Resident);
+}
+
+#[test]
+fn the_latent_cache_is_smaller_than_the_expanded_one_by_the_shapes() {
+    let install = load::open(bf16(), LoadOptions::default()).unwrap();
+    let cfg = deepseek_v3::Config::from_manifest(&install.manifest).unwrap();
+    // 3 layers × 4 bytes × (4 heads × (48 + 32)) expanded, × (64 + 16) latent (the
+    // values are read from the keys' latent part).
+    assert_eq!(cfg.kv_bytes_per_token(KvLayout::Expanded), 3 * 4 * 4 * 80);
+    assert_eq!(cfg.kv_bytes_per_token(KvLayout::Latent), 3 * 4 * (64 + 16));
+}
+
+#[cfg(feature = "gpu")]
+#[test]
+fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
+    let Some(gpu) =
+        crate::gpu::gpu("prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache")
+    else {
+        return;
+    };
+    both_layouts(TOY, &gpu, ExpertMode::Slots(2));
+    both_layouts(TOY, &gpu, ExpertMode::Resident);
+    // DeepSeek-V3's own widths: its latent cache (keys 512 + 64) is past the GPU
+    // kernel's heads, so `models::open` builds the expanded one there.
+    let v3 = MlaDims {
+        hidden: 7168,
+        heads: 128,
+        q_lora: Some(1536),
+        kv_lora: 512,
+        nope: 128,
+        rope: 64,
+        v: 128,
+        eps: 1e-6,
+    };
+    assert!(!gpu.attends(&v3.cache_spec(KvLayout::Latent)));
+    assert!(gpu.attends(&v3.cache_spec(KvLayout::Expanded)));
+}
