@@ -21,8 +21,9 @@ use crate::source::token;
 
 #[derive(Debug, Args)]
 pub(super) struct InstallArgs {
-    /// A family id (`qwen38flashnext`) or a repo `ORG/NAME` (then `--family` says how to read it).
-    pub(super) target: String,
+    /// A family id (`qwen38flashnext`) or a repo `ORG/NAME` (then `--family` says how to
+    /// read it, else config.json's `model_type` picks the family); optional with `--from`.
+    pub(super) target: Option<String>,
     /// Family for a repo target (`gturbo install --family qwen3_moe ORG/NAME`).
     #[arg(long, conflicts_with = "family_file")]
     pub(super) family: Option<String>,
@@ -63,9 +64,13 @@ pub(super) struct InstallArgs {
     /// that is not pre-quantized.
     #[arg(long, requires = "quant")]
     pub(super) requantize: bool,
-    /// Drop the multi-token-prediction sidecar.
-    #[arg(long)]
+    /// Drop the multi-token-prediction sidecar (of a family that carries it).
+    #[arg(long, conflicts_with = "keep_mtp")]
     pub(super) skip_mtp: bool,
+    /// Keep the multi-token-prediction (MTP / NextN) layers a family drops by default
+    /// (DeepSeek-V3, GLM-4.5, Qwen3-Next, MiniMax-M2), quantized like the rest.
+    #[arg(long)]
+    pub(super) keep_mtp: bool,
     /// Also write the whole plan (every tensor and read) as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub(super) emit_plan: Option<PathBuf>,
@@ -169,25 +174,48 @@ pub(super) async fn install_cmd(
     quiet: u8,
     no_progress: bool,
 ) -> Result<(), Failure> {
+    let target = install_target(&args)?;
     let flags = PinFlags {
-        target: &args.target,
+        target: &target,
         family: args.family.as_deref(),
         family_file: args.family_file.as_deref(),
         revision: args.revision.as_deref(),
         index_sha256: args.index_sha256.as_deref(),
     };
-    let family = flags.family()?;
+    let (family, picked, source, choice) = match flags.named_family()? {
+        Some(family) => {
+            let choice = flags.source(&family)?;
+            let source = open_source(&args, &choice.repo, &choice.revision)?;
+            (family, None, source, choice)
+        }
+        None => {
+            // The repo at the revision asked for (else `main`) says which family reads
+            // it; that family's pin may name another revision of the same repo.
+            let first = args.revision.clone().unwrap_or_else(|| "main".into());
+            let probe = open_source(&args, &target, &first)?;
+            let config = install::source_config(probe.as_ref()).await?;
+            let (family, why) = install::pin::family_for_config(&config)?;
+            let choice = flags.source(&family)?;
+            let source = if choice.revision == first {
+                probe
+            } else {
+                open_source(&args, &choice.repo, &choice.revision)?
+            };
+            if quiet < 2 {
+                eprintln!("{why}");
+            }
+            (family, Some(why), source, choice)
+        }
+    };
     let SourceChoice {
-        repo,
-        revision,
         index_pin,
         warnings,
-    } = flags.source(&family)?;
+        ..
+    } = choice;
     for w in &warnings {
         warn(quiet, w);
     }
     let options = plan_options(&args, &family)?;
-    let source = open_source(&args, &repo, &revision)?;
     let require_hash = require_source_hash(&args)?;
     let reporter = progress::for_install(args.json && !args.dry_run, quiet, no_progress);
     reporter.phase(
@@ -207,7 +235,7 @@ pub(super) async fn install_cmd(
     report_plan(
         &args,
         quiet,
-        &family,
+        (&family, picked.as_deref()),
         source.as_ref(),
         &prepared,
         &out,
@@ -241,6 +269,26 @@ pub(super) async fn install_cmd(
     Ok(())
 }
 
+/// The install's target: the positional one, else (with `--from`) the folder read as a
+/// repo `local/<folder name>` whose family its config.json picks.
+fn install_target(args: &InstallArgs) -> Result<String, Failure> {
+    match (&args.target, &args.from) {
+        (Some(t), _) => Ok(t.clone()),
+        (None, Some(dir)) => {
+            let name = dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .filter(|n| !n.is_empty() && !n.contains('/'))
+                .unwrap_or_else(|| "snapshot".into());
+            Ok(format!("local/{name}"))
+        }
+        (None, None) => Err(Failure::usage(
+            "name a family id or a repo ORG/NAME to install (or a folder with --from DIR)",
+        )),
+    }
+}
+
 /// The plan's options from the flags: the quant profile (`auto` reads this machine),
 /// read coalescing, source verification and the sidecars skipped.
 fn plan_options(args: &InstallArgs, family: &Family) -> Result<PlanOptions, Failure> {
@@ -267,6 +315,15 @@ fn plan_options(args: &InstallArgs, family: &Family) -> Result<PlanOptions, Fail
             )));
         }
         options.skip_sidecars.insert("mtp".into());
+    }
+    if args.keep_mtp {
+        if !family.file.sidecars.contains_key("mtp") {
+            return Err(Failure::usage(format!(
+                "--keep-mtp: family {} has no mtp sidecar",
+                family.id()
+            )));
+        }
+        options.keep_sidecars.insert("mtp".into());
     }
     Ok(options)
 }
@@ -309,7 +366,7 @@ fn open_source(
 fn report_plan(
     args: &InstallArgs,
     quiet: u8,
-    family: &Family,
+    (family, picked): (&Family, Option<&str>),
     source: &dyn RangeSource,
     prepared: &install::Prepared,
     out: &std::path::Path,
@@ -347,7 +404,8 @@ fn report_plan(
         std::fs::write(path, text)
             .map_err(|e| Failure::usage(format!("{}: {e}", path.display())))?;
     }
-    let report = report::DryRunReport::new(family, &source.describe(), prepared, out);
+    let report =
+        report::DryRunReport::new(family, &source.describe(), prepared, out).picked_by(picked);
     if args.json && !args.dry_run {
         reporter.plan(&serde_json::to_value(&report).expect(REPORT_SERIALIZES));
     } else if args.json {

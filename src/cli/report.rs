@@ -7,11 +7,12 @@ use serde::Serialize;
 
 use crate::family::Family;
 use crate::install::Prepared;
-use crate::plan::{Census, OutputTotals, Plan};
+use crate::plan::{Census, Dest, OutputTotals, Plan};
 
 /// The `--json` document of `gturbo install --dry-run` (`schema_version` 1).
 ///
-/// Fields: `family`, `source` (`describe`, `repo`, `revision`, `commit`,
+/// Fields: `family`, `family_picked_by` (the sentence saying config.json picked the
+/// family, or null when a flag or the target named it), `source` (`describe`, `repo`, `revision`, `commit`,
 /// `index_sha256`, `index_pinned`), `shards` (count, bytes, and `published_sha256`:
 /// how many have a published SHA-256 to verify against), `requests` (made so
 /// far: total, for headers, retries), `reads` (planned range requests and source
@@ -28,6 +29,9 @@ pub struct DryRunReport {
     schema_version: u32,
     family: String,
     family_name: String,
+    /// Why the family was chosen when no flag named it (config.json's `model_type`),
+    /// else null.
+    family_picked_by: Option<String>,
     out: String,
     source: SourceReport,
     shards: ShardsReport,
@@ -121,6 +125,7 @@ impl DryRunReport {
             schema_version: 1,
             family: family.id().into(),
             family_name: family.file.name.clone(),
+            family_picked_by: None,
             out: out.display().to_string(),
             source: SourceReport::new(describe, p),
             shards: ShardsReport {
@@ -162,6 +167,14 @@ impl DryRunReport {
             fingerprint: plan.fingerprint(),
             warnings: p.warnings.clone(),
             elapsed_s: p.elapsed.as_secs_f64(),
+        }
+    }
+
+    /// The report of a family picked by the checkpoint's config.json, saying so.
+    pub fn picked_by(self, why: Option<&str>) -> DryRunReport {
+        DryRunReport {
+            family_picked_by: why.map(str::to_string),
+            ..self
         }
     }
 
@@ -394,19 +407,33 @@ fn row_pools(plan: &Plan) -> Vec<RowPoolReport> {
         .collect()
 }
 
-/// Each of the family's sidecars, `NAME (WHAT): carried` or `skipped`.
+/// Each of the family's sidecars, `NAME (WHAT): carried` or `skipped`; one the family
+/// skips by default also says how much it drops and the flag that keeps it.
 fn sidecars(family: &Family, plan: &Plan) -> Vec<String> {
     family
         .file
         .sidecars
         .iter()
         .map(|(name, s)| {
-            let state = if plan.options.skip_sidecars.contains(name) {
-                "skipped"
-            } else {
-                "carried"
-            };
-            format!("{name} ({}): {state}", s.what)
+            let opts = &plan.options;
+            if !opts.skips_sidecar(family, name) {
+                return format!("{name} ({}): carried", s.what);
+            }
+            if opts.skip_sidecars.contains(name) {
+                return format!("{name} ({}): skipped", s.what);
+            }
+            let why = format!("sidecar `{name}` skipped");
+            let (n, b) = plan
+                .tensors
+                .iter()
+                .filter(|t| matches!(&t.dest, Dest::Excluded { why: w } if *w == why))
+                .fold((0u64, 0u64), |(n, b), t| (n + 1, b + (t.src[1] - t.src[0])));
+            format!(
+                "{name} ({}): skipped by default, {n} tensors ({}) of the source not \
+                 installed; --keep-{name} keeps them",
+                s.what,
+                bytes(b)
+            )
         })
         .collect()
 }

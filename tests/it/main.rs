@@ -28,6 +28,7 @@ mod quant_parity;
 mod quant_profiles;
 mod runtime;
 mod source_http;
+mod sources2;
 mod support;
 mod text;
 mod verify;

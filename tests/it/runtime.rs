@@ -134,11 +134,15 @@ fn families_lists_the_runner_of_each_family() {
         runners,
         vec![
             ("deepseek_v3".to_string(), Value::from("deepseek_v3")),
+            ("glm4_moe".to_string(), Value::Null),
+            ("gpt_oss".to_string(), Value::Null),
             ("llama".to_string(), Value::from("decoder")),
+            ("minimax_m2".to_string(), Value::Null),
             ("mixtral".to_string(), Value::from("mixtral")),
             ("qwen3".to_string(), Value::from("decoder")),
             ("qwen38flashnext".to_string(), Value::from("flash-next")),
             ("qwen3_moe".to_string(), Value::from("decoder")),
+            ("qwen3_next".to_string(), Value::Null),
         ]
     );
     let o = gturbo().arg("families").output().unwrap();

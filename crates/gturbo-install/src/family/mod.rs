@@ -178,10 +178,29 @@ pub struct QuantOverride {
 pub struct Sidecar {
     /// What it is, for humans.
     pub what: String,
-    /// `carry` or `skip` by default.
+    /// `carry` or `skip` by default ([`SIDECAR_DEFAULTS`]): `--skip-<name>` drops a
+    /// carried one, `--keep-<name>` keeps a skipped one.
     pub default: String,
-    /// The install flag that drops it (documentation).
+    /// The install flag that changes the default (documentation).
     pub skip_flag: String,
+    /// Decoder layers numbered at or past this axis's value belong to the sidecar,
+    /// whatever rule matched them: DeepSeek-V3's and GLM-4.5's NextN layers are
+    /// `model.layers.{num_hidden_layers}.*` beside the main layers (MLX-LM's
+    /// `glm4_moe.py` `sanitize` drops `model.layers.{num_hidden_layers}`; its
+    /// `deepseek_v3.py` builds only `range(num_hidden_layers)`).
+    #[serde(default)]
+    pub from_layer_axis: Option<String>,
+}
+
+/// The values of a sidecar's `default`: carried unless `--skip-<name>`, or skipped
+/// unless `--keep-<name>`.
+pub const SIDECAR_DEFAULTS: [&str; 2] = ["carry", "skip"];
+
+impl Sidecar {
+    /// Whether the install drops it unless asked to keep it.
+    pub fn skipped_by_default(&self) -> bool {
+        self.default == SIDECAR_DEFAULTS[1]
+    }
 }
 
 /// A family file that cannot be used.
@@ -416,6 +435,18 @@ impl Family {
             }
             rules.push(p);
         }
+        for (name, sc) in &file.sidecars {
+            if !SIDECAR_DEFAULTS.contains(&sc.default.as_str()) {
+                return Err(invalid(
+                    &format!("sidecars.{name}.default"),
+                    format!(
+                        "{:?} is not one of {}",
+                        sc.default,
+                        SIDECAR_DEFAULTS.join(", ")
+                    ),
+                ));
+            }
+        }
         let mut overrides = Vec::new();
         for (i, o) in file.quant.overrides.iter().enumerate() {
             overrides.push(
@@ -510,6 +541,21 @@ impl Family {
             .map(|(_, o)| o.scheme)
     }
 
+    /// The sidecar a tensor of decoder layer `layer` belongs to by its number (the
+    /// first sidecar whose `from_layer_axis` value `layer` reaches), given the
+    /// config's axes.
+    pub fn layer_sidecar(
+        &self,
+        layer: Option<u64>,
+        axes: &BTreeMap<String, serde_json::Value>,
+    ) -> Option<&str> {
+        let layer = layer?;
+        self.file.sidecars.iter().find_map(|(name, sc)| {
+            let from = axes.get(sc.from_layer_axis.as_ref()?)?.as_u64()?;
+            (layer >= from).then_some(name.as_str())
+        })
+    }
+
     /// Whether the policy keeps `name` at its source dtype by name (norms, convs).
     pub fn never_quantize(&self, name: &str) -> bool {
         self.file
@@ -559,11 +605,15 @@ mod tests {
             ids,
             [
                 "deepseek_v3",
+                "glm4_moe",
+                "gpt_oss",
                 "llama",
+                "minimax_m2",
                 "mixtral",
                 "qwen3",
                 "qwen38flashnext",
-                "qwen3_moe"
+                "qwen3_moe",
+                "qwen3_next"
             ]
         );
         for f in &all {
@@ -693,7 +743,51 @@ mod tests {
         let err = Family::builtin("nope").unwrap_err().to_string();
         assert_eq!(
             err,
-            "unknown family `nope`; known families: deepseek_v3, llama, mixtral, qwen3, qwen38flashnext, qwen3_moe"
+            "unknown family `nope`; known families: deepseek_v3, glm4_moe, gpt_oss, llama, minimax_m2, mixtral, \
+             qwen3, qwen38flashnext, qwen3_moe, qwen3_next"
+        );
+    }
+
+    /// A NextN layer (`model.layers.{num_hidden_layers}`) belongs to the family's
+    /// `mtp` sidecar by its number; a sidecar default other than carry/skip is refused.
+    #[test]
+    fn nextn_layers_belong_to_the_mtp_sidecar_by_number() {
+        let glm = Family::builtin("glm4_moe").unwrap();
+        assert!(glm.file.sidecars["mtp"].skipped_by_default());
+        let axes: BTreeMap<String, serde_json::Value> =
+            [("num_layers".to_string(), serde_json::json!(46))].into();
+        assert_eq!(glm.layer_sidecar(Some(46), &axes), Some("mtp"));
+        assert_eq!(glm.layer_sidecar(Some(45), &axes), None);
+        assert_eq!(glm.layer_sidecar(None, &axes), None);
+        assert_eq!(glm.layer_sidecar(Some(46), &BTreeMap::new()), None);
+        let next = Family::builtin("qwen3_next").unwrap();
+        let m = next
+            .classify("mtp.layers.0.mlp.experts.3.up_proj.weight")
+            .unwrap();
+        assert_eq!(
+            (m.rule.role, m.rule.sidecar.as_deref()),
+            (Role::Expert, Some("mtp"))
+        );
+        assert_eq!(
+            next.classify("mtp.fc.weight")
+                .unwrap()
+                .rule
+                .sidecar
+                .as_deref(),
+            Some("mtp")
+        );
+        let base = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../families/glm4_moe.json"
+        ))
+        .unwrap();
+        let bad = base.replace("\"default\": \"skip\"", "\"default\": \"drop\"");
+        let err = Family::parse("families/x.json", &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("field `sidecars.mtp.default`: \"drop\" is not one of carry, skip"),
+            "{err}"
         );
     }
 

@@ -28,7 +28,7 @@ pub use stage::space_reserve;
 
 pub use error::InstallError;
 use error::{invalid, io_err};
-pub use prepare::{IndexPin, PrepareSettings, Prepared, prepare};
+pub use prepare::{IndexPin, PrepareSettings, Prepared, prepare, source_config};
 
 /// The index file of a sharded repo.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";

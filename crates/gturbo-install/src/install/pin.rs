@@ -41,6 +41,31 @@ pub enum PinError {
         /// The family chosen by --family or --family-file.
         family: String,
     },
+    /// No built-in family reads the checkpoint's `model_type`.
+    #[error(
+        "config.json: field `model_type`: {model_type} (architectures {architectures}) is not \
+         a model type of any known family ({known}); say which family reads it with --family \
+         or --family-file"
+    )]
+    NoFamilyForConfig {
+        /// `model_type` as written (`missing` when absent).
+        model_type: String,
+        /// `architectures` as written.
+        architectures: String,
+        /// Each known family and its model types.
+        known: String,
+    },
+    /// Several built-in families list the checkpoint's `model_type`.
+    #[error(
+        "config.json: field `model_type`: `{model_type}` is a model type of families {families}; \
+         say which reads it with --family"
+    )]
+    AmbiguousFamily {
+        /// `model_type`.
+        model_type: String,
+        /// The families listing it.
+        families: String,
+    },
     /// `--index-sha256` is not a SHA-256.
     #[error("--index-sha256: {value:?} is not 64 lowercase hex digits")]
     BadIndexSha256 {
@@ -86,17 +111,22 @@ impl PinFlags<'_> {
     /// The family that reads the target: `--family-file`, else `--family`, else the
     /// built-in family the target names.
     pub fn family(&self) -> Result<Family, PinError> {
-        Ok(match (self.family_file, self.family) {
+        self.named_family()?
+            .ok_or_else(|| PinError::RepoNeedsFamily {
+                target: self.target.to_string(),
+                known: family::builtin_ids().join(", "),
+            })
+    }
+
+    /// [`PinFlags::family`], or `None` for a repo target with no family flag: then
+    /// the checkpoint's `config.json` picks it ([`family_for_config`]).
+    pub fn named_family(&self) -> Result<Option<Family>, PinError> {
+        Ok(Some(match (self.family_file, self.family) {
             (Some(p), _) => Family::from_path(p)?,
             (None, Some(id)) => Family::builtin(id)?,
             (None, None) if !self.target_is_repo() => Family::builtin(self.target)?,
-            (None, None) => {
-                return Err(PinError::RepoNeedsFamily {
-                    target: self.target.to_string(),
-                    known: family::builtin_ids().join(", "),
-                });
-            }
-        })
+            (None, None) => return Ok(None),
+        }))
     }
 
     /// The repo, revision and index pin `family` reads the target at (see the module
@@ -147,6 +177,45 @@ impl PinFlags<'_> {
             index_pin,
             warnings,
         })
+    }
+}
+
+/// The built-in family whose `model_types` lists `config.json`'s `model_type` (the
+/// key transformers itself dispatches on, `AutoConfig`; `architectures` only names the
+/// model class, and one class serves several model types: Kimi-K2's `kimi_k2` is
+/// `DeepseekV3ForCausalLM`), with the sentence that says why it was picked.
+pub fn family_for_config(config: &serde_json::Value) -> Result<(Family, String), PinError> {
+    let model_type = config.get("model_type").and_then(|v| v.as_str());
+    let all = Family::all_builtin()?;
+    let mut hits: Vec<Family> = all
+        .iter()
+        .filter(|f| model_type.is_some_and(|m| f.file.model_types.iter().any(|t| t == m)))
+        .cloned()
+        .collect();
+    match (hits.len(), model_type) {
+        (1, Some(m)) => {
+            let f = hits.remove(0);
+            let why = format!(
+                "family {} picked by config.json model_type `{m}` (--family names another)",
+                f.id()
+            );
+            Ok((f, why))
+        }
+        (0, _) | (_, None) => Err(PinError::NoFamilyForConfig {
+            model_type: model_type.map_or_else(|| "missing".into(), |m| format!("`{m}`")),
+            architectures: config
+                .get("architectures")
+                .map_or_else(|| "missing".into(), |a| a.to_string()),
+            known: all
+                .iter()
+                .map(|f| format!("{} [{}]", f.id(), f.file.model_types.join(", ")))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }),
+        (_, Some(m)) => Err(PinError::AmbiguousFamily {
+            model_type: m.to_string(),
+            families: hits.iter().map(|f| f.id()).collect::<Vec<_>>().join(", "),
+        }),
     }
 }
 
@@ -285,6 +354,41 @@ mod tests {
             ("Qwen/Qwen3-0.6B", "main")
         );
         assert_eq!(s.index_pin, IndexPin::None);
+    }
+
+    #[test]
+    fn config_json_model_type_picks_the_family() {
+        let (f, why) = family_for_config(&serde_json::json!({"model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"]}))
+        .unwrap();
+        assert_eq!(f.id(), "qwen3_moe");
+        assert_eq!(
+            why,
+            "family qwen3_moe picked by config.json model_type `qwen3_moe` (--family names another)"
+        );
+        let e = family_for_config(&serde_json::json!({"model_type": "bert",
+            "architectures": ["BertModel"]}))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with(
+                "config.json: field `model_type`: `bert` (architectures [\"BertModel\"]) is not \
+                 a model type of any known family ("
+            ),
+            "{e}"
+        );
+        assert!(
+            e.contains("llama [llama], ") && e.contains("qwen38flashnext [qwen4_exp], "),
+            "{e}"
+        );
+        assert!(e.ends_with("say which family reads it with --family or --family-file"));
+        let e = family_for_config(&serde_json::json!({}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("field `model_type`: missing (architectures missing)"),
+            "{e}"
+        );
     }
 
     #[test]

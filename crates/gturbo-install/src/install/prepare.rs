@@ -293,6 +293,19 @@ fn shard_names(
     Ok(shard_names)
 }
 
+/// The source's `config.json` on its own (resolve, then the file, proven against the
+/// source's hash), for picking the family before the install is prepared: two
+/// requests on a hub, none of them per shard.
+pub async fn source_config(source: &dyn RangeSource) -> Result<serde_json::Value, InstallError> {
+    let repo = source.resolve().await?;
+    let sizes: BTreeMap<String, u64> = repo
+        .files
+        .iter()
+        .map(|f| (f.path.clone(), f.size))
+        .collect();
+    read_config(source, &repo, &sizes).await
+}
+
 /// `config.json`, proven against the source's hash before the planner reads a field
 /// of it, as a JSON object.
 async fn read_config(
@@ -410,7 +423,7 @@ fn sidecar_states(settings: &PrepareSettings) -> BTreeMap<String, String> {
         .sidecars
         .keys()
         .map(|k| {
-            let state = if settings.options.skip_sidecars.contains(k) {
+            let state = if settings.options.skips_sidecar(&settings.family, k) {
                 "skipped"
             } else {
                 "carried"

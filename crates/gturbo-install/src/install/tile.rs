@@ -36,6 +36,7 @@ use crate::plan::{Plan, RangeRead};
 
 use crate::source::{RangeSource, SourceError};
 use crate::transform::fp8::{self, Fp8Error};
+use crate::transform::int4_ct;
 use crate::transform::quant::{self, Spec};
 
 use super::stage::OutputFiles;
@@ -183,8 +184,14 @@ pub(super) async fn stage(
             .ok_or_else(|| InstallError::Internal(format!("{}: requant layout", t.name)))?;
         let rows = seg.row0..seg.row1;
         let scales = stage_rows(source, plan, &r.scales, rows.clone(), per).await?;
-        let biases = stage_rows(source, plan, &r.biases, rows, per).await?;
-        fetched += 2 * (seg.row1 - seg.row0) * per;
+        fetched += (seg.row1 - seg.row0) * per;
+        // A compressed-tensors module has no biases to read.
+        let biases = if r.biases_from_scales {
+            bytes::Bytes::new()
+        } else {
+            fetched += (seg.row1 - seg.row0) * per;
+            stage_rows(source, plan, &r.biases, rows, per).await?
+        };
         out.insert(
             seg.tensor,
             Staged::Affine {
@@ -341,6 +348,20 @@ impl<'a> ReadWriter<'a> {
         // bytes are its stream's, a passthrough tensor's its weights'.
         let mut direct: Option<(usize, &[u8])> = None;
         match (p.stream, p.scheme) {
+            (Some(k), _) if p.biases_from_scales => {
+                // A compressed-tensors module's scales: copied, and its biases
+                // (`−8 × scale`) derived from them.
+                let out = &mut self.out[2];
+                out.clear();
+                out.resize(src.len(), 0);
+                crate::transform::int4_ct::mlx_biases(src, out).map_err(|e| {
+                    InstallError::Transform {
+                        tensor: t.name.clone(),
+                        detail: e.to_string(),
+                    }
+                })?;
+                direct = Some((k, src));
+            }
             (Some(k), _) => direct = Some((k, src)),
             (None, Scheme::Passthrough) => {
                 if let Some(i) = crate::transform::first_non_finite(input, t.dtype) {
@@ -420,6 +441,12 @@ impl<'a> ReadWriter<'a> {
         let per = from.row_sizes(cols).map_or(0, |s| s.scales) as usize;
         let at = (self.tile_row0 - row0) as usize * per;
         let len = self.tile_rows as usize * per;
+        if t.requant.as_ref().is_some_and(|r| r.biases_from_scales) {
+            deq.clear();
+            deq.resize((self.tile_rows * cols * 2) as usize, 0);
+            int4_ct::dequantize_rows(src, &scales[at..at + len], cols as usize, deq);
+            return Ok(());
+        }
         let (s, b) = (&scales[at..at + len], &biases[at..at + len]);
         let mut vals = vec![0u16; (self.tile_rows * cols) as usize];
         quant::dequantize_rows_bf16(src, s, b, cols as usize, Spec::from_affine(from), &mut vals)

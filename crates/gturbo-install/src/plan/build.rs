@@ -13,7 +13,7 @@ use super::types::{
     Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, ScaledFp8,
     SourcePart,
 };
-use super::{coalesce, experts, fp8, mlx, profile, rows};
+use super::{coalesce, experts, fp8, int4_ct, mlx, profile, rows};
 use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
 
@@ -91,8 +91,14 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         detail,
     })?;
     let fp8 = fp8::read_fp8(input.config)?;
+    let ct = int4_ct::read_ct(input.config)?;
+    check_ct_flags(ct.as_ref(), options)?;
     check_quant_flags(quant.as_ref(), fp8.as_ref(), options)?;
-    let requantize = quant.is_some() && options.requantize;
+    // A compressed-tensors source's INT4 modules are kept at the INT4 profile and
+    // dequantized (`bf16_round(scale × (q − 8))`) at any other, as `--requantize`
+    // dequantizes an MLX source's.
+    let requantize =
+        (quant.is_some() && options.requantize) || (ct.is_some() && profile.id() != KEEPS_CT_INT4);
     let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
     if profile.needs_layers() && num_layers.is_none() && (quant.is_none() || requantize) {
         return Err(PlanError::Config {
@@ -104,7 +110,7 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
-    let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref())?;
+    let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref(), ct.as_ref())?;
     let policy = Policy {
         family,
         profile,
@@ -112,7 +118,7 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         prequantized: quant.is_some() && !requantize,
         requantize,
     };
-    let drafts = classify::classify(family, options, &policy, input.headers, sources)?;
+    let drafts = classify::classify(family, &arch, options, &policy, input.headers, sources)?;
     let (resident, resident_placed) = place_resident(&drafts)?;
     let (expert_pools, experts_placed) = experts::place(&policy, &drafts)?;
     check_axes_against_tensors(&arch, &fields, &drafts, &expert_pools)?;
@@ -152,6 +158,26 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
 /// The quant flags against the source: a profile asked for by name over a
 /// pre-quantized source (without `--requantize`), and `--requantize` over a source
 /// that is not MLX-quantized (an FP8 one is always dequantized), are refused.
+/// The profile at which a compressed-tensors source keeps its INT4 modules as
+/// published (MLX affine 4-bit g32, lossless); every other dequantizes them.
+const KEEPS_CT_INT4: &str = "int4";
+
+/// `--requantize` says nothing for a compressed-tensors INT4 source: its modules are
+/// kept at `--quant int4` and dequantized at any other profile.
+fn check_ct_flags(ct: Option<&int4_ct::CtQuant>, options: &PlanOptions) -> Result<(), PlanError> {
+    if ct.is_none() || !options.requantize {
+        return Ok(());
+    }
+    Err(PlanError::Config {
+        field: format!("{}.quant_method", int4_ct::KEY),
+        detail: format!(
+            "--requantize: the source is compressed-tensors INT4, whose modules are kept \
+             as published (MLX affine 4-bit g32, lossless) at --quant {KEEPS_CT_INT4} and \
+             dequantized at any other profile; leave --requantize out"
+        ),
+    })
+}
+
 fn check_quant_flags(
     quant: Option<&mlx::MlxQuant>,
     fp8: Option<&fp8::Fp8Quant>,
@@ -288,6 +314,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                     from: Scheme::Affine(p.affine),
                     scales: s,
                     biases: b,
+                    biases_from_scales: p.biases_from_scales,
                 }
             });
             // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its
@@ -328,6 +355,8 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
             .into_iter()
             .zip(["weight", "scales", "biases"])
             .enumerate()
+            // A compressed-tensors module's biases are written from its scales.
+            .filter(|(stream, _)| !(*stream == 2 && packed.biases_from_scales))
         {
             out.push(PlannedTensor {
                 name: format!("{stem}.{suffix}"),
@@ -340,6 +369,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 packed: Some(PackedPart {
                     stream: stream as u8,
                     cols,
+                    biases_from_scales: stream == 1 && packed.biases_from_scales,
                 }),
                 requant: None,
                 fp8: None,

@@ -189,6 +189,9 @@ impl Plan {
         for s in &self.options.skip_sidecars {
             put(format!("--skip-{s}"), on(true));
         }
+        for s in &self.options.keep_sidecars {
+            put(format!("--keep-{s}"), on(true));
+        }
         put(
             "config.json model_type".into(),
             self.arch.model_type.clone(),

@@ -16,7 +16,7 @@ use crate::header::{Dtype, ShardHeader};
 use super::error::PlanError;
 use super::mlx::{Packed, PartSrc, Source};
 use super::policy::Policy;
-use super::types::PlanOptions;
+use super::types::{Arch, PlanOptions};
 
 /// An expert pool: the sidecar it belongs to (`None` for the main model) and its layer.
 /// `None` orders before every sidecar, so a map over keys lists the main model first.
@@ -91,6 +91,7 @@ pub(super) enum DraftRole {
 /// everything else stays at its dtype ([`Policy`]).
 pub(super) fn classify(
     family: &Family,
+    arch: &Arch,
     options: &PlanOptions,
     policy: &Policy<'_>,
     headers: &[ShardHeader],
@@ -125,14 +126,21 @@ pub(super) fn classify(
             });
         }
         seen.insert(name.clone(), si);
+        // A rule's sidecar, else the one its layer number puts it in (a NextN layer).
+        let sidecar = m.rule.sidecar.clone().or_else(|| {
+            family
+                .layer_sidecar(m.captures.layer, &arch.axes)
+                .map(str::to_string)
+        });
         let tensor = Classified {
             source: &t,
             shard: &h.shard,
             name: &name,
             rule: &m,
+            sidecar: sidecar.as_deref(),
             requantized: requant.is_some(),
         };
-        let role = tensor.role(options, policy)?;
+        let role = tensor.role(family, options, policy)?;
         drafts.push(Draft {
             name,
             shard: si,
@@ -141,7 +149,7 @@ pub(super) fn classify(
             src: t.src,
             role,
             layer: m.captures.layer,
-            sidecar: m.rule.sidecar.clone(),
+            sidecar,
             packed: t.packed,
             requant,
             fp8: t.fp8,
@@ -158,6 +166,8 @@ struct Classified<'a> {
     /// Its installed name.
     name: &'a str,
     rule: &'a RuleMatch<'a>,
+    /// The sidecar it belongs to, if any.
+    sidecar: Option<&'a str>,
     /// Whether it is a module `--requantize` dequantizes.
     requantized: bool,
 }
@@ -174,13 +184,14 @@ impl Classified<'_> {
 
     /// What happens to the tensor: excluded (by its rule, or with a skipped sidecar),
     /// resident at the policy's scheme, or a member of an expert pool or a row table.
-    fn role(&self, options: &PlanOptions, policy: &Policy<'_>) -> Result<DraftRole, PlanError> {
+    fn role(
+        &self,
+        family: &Family,
+        options: &PlanOptions,
+        policy: &Policy<'_>,
+    ) -> Result<DraftRole, PlanError> {
         let (m, t) = (self.rule, self.source);
-        let skipped = m
-            .rule
-            .sidecar
-            .as_ref()
-            .filter(|s| options.skip_sidecars.contains(*s));
+        let skipped = self.sidecar.filter(|s| options.skips_sidecar(family, s));
         if let Some(s) = skipped {
             return Ok(DraftRole::Excluded {
                 why: format!("sidecar `{s}` skipped"),
@@ -241,7 +252,10 @@ impl Classified<'_> {
             ));
         }
         Ok(DraftRole::Expert {
-            pool: (m.rule.sidecar.clone(), m.captures.layer.unwrap_or(0)),
+            pool: (
+                self.sidecar.map(str::to_string),
+                m.captures.layer.unwrap_or(0),
+            ),
             part,
             expert: m.captures.expert,
         })

@@ -126,6 +126,9 @@ fn read_affine(v: &serde_json::Value, at: &str) -> Result<Affine, PlanError> {
     Ok(Affine::new(bits as u32, group as u32).expect("both checked just above"))
 }
 
+/// The `quant_method` of gpt-oss's MXFP4 experts (transformers' `Mxfp4Config`).
+const MXFP4: &str = "mxfp4";
+
 /// The `quantization` block of `config`, `None` for a source that is not
 /// pre-quantized.
 pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanError> {
@@ -139,16 +142,26 @@ pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanEr
         return Err(cfg(key.into(), format!("{block} is not an object")));
     };
     // A transformers-style block (`quant_method`) is another format's: FP8
-    // block-scaled sources are `super::fp8`'s, the rest are refused.
+    // block-scaled sources are `super::fp8`'s, compressed-tensors INT4 ones
+    // `super::int4_ct`'s, the rest are refused.
     if let Some(m) = obj.get("quant_method") {
         if m.as_str() == Some("fp8") {
             return Ok(None);
         }
+        if m.as_str() == Some(super::int4_ct::METHOD) {
+            return Ok(None);
+        }
+        let not_yet = if m.as_str() == Some(MXFP4) {
+            "; MXFP4 sources (gpt-oss's experts) are not installed yet, a BF16 copy of the \
+             checkpoint installs"
+        } else {
+            ""
+        };
         return Err(cfg(
             format!("{key}.quant_method"),
             format!(
                 "{m}: gturbo installs MLX-quantized sources (mlx-lm's `convert` output) and \
-                 FP8 e4m3 block-scaled ones (`\"fp8\"`) only"
+                 FP8 e4m3 block-scaled ones (`\"fp8\"`) only{not_yet}"
             ),
         ));
     }
@@ -202,6 +215,9 @@ pub(super) struct Packed {
     pub affine: Affine,
     /// Weights, scales, biases.
     pub parts: [PartSrc; 3],
+    /// A compressed-tensors module ([`super::int4_ct`]): its biases part is its
+    /// scales, written as `−8 × scale` by the executor.
+    pub biases_from_scales: bool,
 }
 
 /// A source tensor as the planner classifies it: a plain tensor, or the logical
@@ -234,6 +250,7 @@ pub(super) fn sources(
     headers: &[ShardHeader],
     quant: Option<&MlxQuant>,
     fp8: Option<&super::fp8::Fp8Quant>,
+    ct: Option<&super::int4_ct::CtQuant>,
 ) -> Result<Vec<Source>, PlanError> {
     let mut by_name: ByName<'_> = BTreeMap::new();
     for (si, h) in headers.iter().enumerate() {
@@ -262,6 +279,7 @@ pub(super) fn sources(
             }
         }
     }
+    modules.extend(super::int4_ct::modules(headers, &by_name, ct)?);
     let scaled = super::fp8::pairs(headers, &by_name, fp8)?;
     Ok(logical_sources(headers, &modules, scaled))
 }
@@ -369,6 +387,7 @@ impl Module<'_> {
                 part_src(self.headers, si, t),
                 part_src(self.headers, bsi, b),
             ],
+            biases_from_scales: false,
         })
     }
 
@@ -492,10 +511,13 @@ fn logical_sources(
     mut scaled: BTreeMap<String, PartSrc>,
 ) -> Vec<Source> {
     let consumed = |name: &str| {
-        [".weight", ".scales", ".biases"].iter().any(|s| {
-            name.strip_suffix(s)
-                .is_some_and(|p| modules.contains_key(p))
-        })
+        [".weight", ".scales", ".biases"]
+            .iter()
+            .chain(&super::int4_ct::SUFFIXES)
+            .any(|s| {
+                name.strip_suffix(s)
+                    .is_some_and(|p| modules.contains_key(p))
+            })
     };
     let scale_of = |name: &str| {
         name.strip_suffix(super::fp8::SCALE_SUFFIX)
@@ -539,10 +561,12 @@ fn logical_sources(
                 });
                 continue;
             }
-            let Some(packed) = t
-                .name
-                .strip_suffix(".weight")
-                .and_then(|path| modules.get(path))
+            // A module is placed at its packed weights, named `P.weight`.
+            let Some((path, packed)) = [".weight", super::int4_ct::SUFFIXES[0]]
+                .iter()
+                .filter_map(|s| t.name.strip_suffix(s))
+                .find_map(|path| modules.get(path).map(|m| (path, m)))
+                .filter(|(_, m)| m.parts[0].name == t.name)
             else {
                 continue;
             };
@@ -550,7 +574,7 @@ fn logical_sources(
             let groups = shape.pop().unwrap_or(0);
             shape.push(groups * packed.affine.group() as u64);
             out.push(Source {
-                name: p.name,
+                name: format!("{path}.weight"),
                 shard: si,
                 dtype: packed.parts[1].dtype,
                 shape,
@@ -609,7 +633,9 @@ mod tests {
             Ok(q) => q,
             Err(e) => return e.to_string(),
         };
-        sources(headers, q.as_ref(), None).unwrap_err().to_string()
+        sources(headers, q.as_ref(), None, None)
+            .unwrap_err()
+            .to_string()
     }
 
     #[test]
@@ -618,7 +644,7 @@ mod tests {
             "m.q": {"bits": 8, "group_size": 32}}});
         let q = read_quant(&cfg).unwrap().unwrap();
         // 128 columns at 8 bits: 32 words; groups of 32: 4 scales per row.
-        let s = sources(&module(32, 4), Some(&q), None).unwrap();
+        let s = sources(&module(32, 4), Some(&q), None, None).unwrap();
         assert_eq!(s.len(), 2);
         assert_eq!(
             (s[0].name.as_str(), s[0].dtype),
@@ -643,7 +669,7 @@ mod tests {
         let cfg = json!({"quantization": {"bits": 4, "group_size": 128,
             "m.q": {"bits": 6, "group_size": null, "mode": "affine"}}});
         let q = read_quant(&cfg).unwrap().unwrap();
-        let s = sources(&module(24, 2), Some(&q), None).unwrap();
+        let s = sources(&module(24, 2), Some(&q), None, None).unwrap();
         assert_eq!(
             s[0].packed.as_ref().unwrap().affine,
             Affine::new(6, 64).unwrap()
@@ -651,7 +677,9 @@ mod tests {
         // No block: not pre-quantized.
         assert_eq!(read_quant(&json!({"model_type": "llama"})).unwrap(), None);
         // No block over packed modules: refused, naming the missing key.
-        let e = sources(&module(8, 1), None, None).unwrap_err().to_string();
+        let e = sources(&module(8, 1), None, None, None)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("config.json: field `quantization`: missing, but the source is MLX-quantized (`m.q.weight` is U32"),
             "{e}"

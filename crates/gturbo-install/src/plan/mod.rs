@@ -21,6 +21,7 @@ pub mod coalesce;
 mod error;
 mod experts;
 pub mod fp8;
+pub mod int4_ct;
 pub mod mlx;
 pub mod placement;
 mod policy;

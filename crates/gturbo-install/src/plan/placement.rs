@@ -54,6 +54,8 @@ pub struct TensorPlacement {
     pub requant: Option<crate::format::Affine>,
     /// For an FP8 weight: its source rows are e4m3 codes, its block scales staged.
     pub fp8: bool,
+    /// The scales of a compressed-tensors module, which also write its biases.
+    pub biases_from_scales: bool,
     kind: Kind,
 }
 
@@ -206,13 +208,14 @@ impl TensorPlacement {
             stream,
             requant,
             fp8: t.fp8.is_some(),
+            biases_from_scales: t.packed.is_some_and(|p| p.biases_from_scales),
             kind,
         })
     }
 
     /// Whether stream `k` (0 weights, 1 scales, 2 biases) is written from this tensor.
     pub fn writes(&self, k: usize) -> bool {
-        self.stream.is_none_or(|s| s == k)
+        self.stream.is_none_or(|s| s == k) || (k == 2 && self.biases_from_scales)
     }
 
     /// Destination of source row `row`.

@@ -33,7 +33,11 @@ impl Policy<'_> {
         self.prequantized || dtype != Dtype::BF16 || self.profile.is_passthrough(self.family)
     }
 
-    /// Scheme for a resident tensor of a source gturbo quantizes itself.
+    /// Scheme for a resident tensor of a source gturbo quantizes itself. Only a BF16
+    /// matrix is ever quantized: an F32 tensor (`e_score_correction_bias`, which
+    /// MLX-LM and transformers keep in float32) and any tensor of fewer or more than
+    /// two dims (biases, norms, a conv1d kernel `[C, 1, K]`) stay as the source
+    /// stores them, whatever an override's pattern matches.
     pub(super) fn resident(
         &self,
         name: &str,
@@ -41,7 +45,7 @@ impl Policy<'_> {
         dtype: Dtype,
         shape: &[u64],
     ) -> Scheme {
-        if self.keeps_dtype(dtype) || shape.len() < 2 {
+        if self.keeps_dtype(dtype) || shape.len() != 2 {
             return Scheme::Passthrough;
         }
         let last = shape.last().copied().unwrap_or(0);
@@ -50,7 +54,7 @@ impl Policy<'_> {
         {
             return fit(s, last);
         }
-        if shape.len() == 2 && name.ends_with(".weight") && !self.family.never_quantize(name) {
+        if name.ends_with(".weight") && !self.family.never_quantize(name) {
             let s =
                 self.profile
                     .rule_scheme(self.family, name, layer.unwrap_or(0), self.num_layers);
@@ -71,5 +75,46 @@ impl Policy<'_> {
                 .rule_scheme(self.family, name, layer, self.num_layers),
             cols,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a BF16 matrix is quantized: an override's pattern does not reach a tensor
+    /// of three dims (a conv1d kernel `[C, 1, K]`), an F32 one, or a 1-D one, at any
+    /// profile.
+    #[test]
+    fn overrides_and_profiles_quantize_bf16_matrices_only() {
+        let family = Family::builtin("qwen3_moe").unwrap();
+        for id in ["int4", "int8", "bf16", "mixed-3-6", "mixed-4-6"] {
+            let policy = Policy {
+                family: &family,
+                profile: profile::get(id).unwrap(),
+                num_layers: 2,
+                prequantized: false,
+                requantize: false,
+            };
+            let s = |dtype, shape: &[u64]| {
+                policy.resident("model.layers.0.mlp.gate.weight", Some(0), dtype, shape)
+            };
+            assert_eq!(s(Dtype::BF16, &[8, 1, 64]), Scheme::Passthrough, "{id}");
+            assert_eq!(s(Dtype::F32, &[8, 64]), Scheme::Passthrough, "{id}");
+            assert_eq!(s(Dtype::BF16, &[64]), Scheme::Passthrough, "{id}");
+            let bias = policy.resident(
+                "model.layers.0.mlp.gate.e_score_correction_bias",
+                Some(0),
+                Dtype::F32,
+                &[8],
+            );
+            assert_eq!(bias, Scheme::Passthrough, "{id}");
+            let want = if id == "bf16" {
+                Scheme::Passthrough
+            } else {
+                Scheme::Int8G64
+            };
+            assert_eq!(s(Dtype::BF16, &[8, 64]), want, "{id}");
+        }
     }
 }

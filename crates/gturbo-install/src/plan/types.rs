@@ -64,6 +64,11 @@ pub struct PlanOptions {
     pub machine: Option<Machine>,
     /// Sidecars dropped by flags (e.g. `mtp` with `--skip-mtp`).
     pub skip_sidecars: BTreeSet<String>,
+    /// Sidecars the family skips by default that flags keep (`mtp` with
+    /// `--keep-mtp`). Absent from the plan's JSON when empty, so plans made before it
+    /// keep their fingerprints.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub keep_sidecars: BTreeSet<String>,
     /// Largest coalesced read.
     pub coalesce_max: u64,
     /// Largest gap between tensors read through rather than split.
@@ -81,10 +86,25 @@ impl Default for PlanOptions {
             requantize: false,
             machine: None,
             skip_sidecars: BTreeSet::new(),
+            keep_sidecars: BTreeSet::new(),
             coalesce_max: COALESCE_MAX,
             coalesce_gap: COALESCE_GAP,
             verify_source: true,
         }
+    }
+}
+
+impl PlanOptions {
+    /// Whether the install drops `family`'s sidecar `name`: asked to (`--skip-<name>`),
+    /// or skipped by the family's default and not kept (`--keep-<name>`).
+    pub fn skips_sidecar(&self, family: &crate::family::Family, name: &str) -> bool {
+        self.skip_sidecars.contains(name)
+            || (family
+                .file
+                .sidecars
+                .get(name)
+                .is_some_and(|s| s.skipped_by_default())
+                && !self.keep_sidecars.contains(name))
     }
 }
 
@@ -220,6 +240,11 @@ pub struct Requant {
     pub scales: SourcePart,
     /// `P.biases`.
     pub biases: SourcePart,
+    /// A compressed-tensors module: no biases are read, the words dequantize as
+    /// `bf16_round(scale × (q − 8))` ([`crate::transform::int4_ct::dequantize_rows`]).
+    /// Absent from the plan's JSON when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub biases_from_scales: bool,
 }
 
 /// The source of an FP8 weight: its `weight_scale_inv` (F32, one scale per 128×128
@@ -253,6 +278,12 @@ pub struct PackedPart {
     pub stream: u8,
     /// Columns of the logical matrix (`in`).
     pub cols: u64,
+    /// The scales of a compressed-tensors module, which also write its biases stream
+    /// as `−8 × scale` ([`crate::transform::int4_ct::mlx_biases`]; the module has no
+    /// biases tensor).
+    /// Absent from the plan's JSON when false, so other plans keep their fingerprints.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub biases_from_scales: bool,
 }
 
 /// A file copied verbatim.

@@ -3,6 +3,7 @@
 //! dequantization ([`fp8`]) that turns an FP8 source into the BF16 the profile applies to.
 
 pub mod fp8;
+pub mod int4_ct;
 
 pub use crate::format::quant;
 
