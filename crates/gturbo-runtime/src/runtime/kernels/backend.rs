@@ -239,6 +239,8 @@ pub trait Backend {
     fn copy_rows(&self, x: &Self::Buf, width: usize, rows: Range<usize>) -> OpResult<Self::Buf>;
     /// A copy of `x` (a session snapshot's states).
     fn copy(&self, x: &Self::Buf) -> OpResult<Self::Buf>;
+    /// Bytes `x` holds (host or device): what a kept snapshot of it costs.
+    fn buf_bytes(&self, x: &Self::Buf) -> u64;
     /// The elements of `x`, copied to the host (tests, diagnostics).
     fn read(&self, x: &Self::Buf) -> OpResult<Vec<f32>>;
     /// `x` handed to the host: the logits for sampling (no copy on the CPU).
@@ -318,6 +320,9 @@ pub trait Backend {
     fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<Self::Kv>;
     /// A copy of `kv` holding the same positions (a session snapshot).
     fn copy_kv(&self, kv: &Self::Kv) -> OpResult<Self::Kv>;
+    /// Bytes `kv` holds (host or device, its reserved capacity included): what a kept
+    /// snapshot of it costs.
+    fn kv_bytes(&self, kv: &Self::Kv) -> u64;
     /// Store `k` `[n, kv_heads·qk_dim]` and `v` `[n, kv_heads·v_dim]` at positions
     /// `at.pos..at.pos + n` of `kv` (whose [`AttentionSpec`] gives the widths and the
     /// window), forgetting any positions after them (so a session whose last forward
