@@ -25,6 +25,7 @@ mod progress;
 mod quant_parity;
 mod quant_profiles;
 mod runtime;
+mod serve;
 mod source_http;
 mod support;
 mod text;
