@@ -637,3 +637,187 @@ fn a_full_queue_is_429_and_a_client_that_leaves_frees_the_worker() {
         assert!(waited < Duration::from_secs(60), "{waited:?}");
     });
 }
+
+// ------------------------------------------------------------ hybrid model, concurrency
+
+/// Ask `questions` after `system` over both APIs at temperature 0: per question, the
+/// OpenAI and Anthropic answers (text, tokens, reused tokens).
+async fn ask_after_system(
+    server: &Server,
+    model: &str,
+    system: &str,
+    questions: &[&str],
+) -> Vec<Value> {
+    let c = reqwest::Client::new();
+    let mut out = Vec::new();
+    for q in questions {
+        let (s, o) = send(c.post(server.url("/v1/chat/completions")).body_json(&json!({
+            "model": model, "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+        })))
+        .await;
+        assert_eq!(s, 200, "{o}");
+        let (s, a) = send(c.post(server.url("/v1/messages")).body_json(&json!({
+            "model": model, "max_tokens": 12, "temperature": 0, "system": system,
+            "messages": [{"role": "user", "content": q}],
+        })))
+        .await;
+        assert_eq!(s, 200, "{a}");
+        out.push(json!({
+            "openai": o["choices"][0]["message"]["content"],
+            "openai_tokens": o["usage"]["completion_tokens"],
+            "cached": o["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "prompt": o["usage"]["prompt_tokens"],
+            "anthropic": a["content"][0]["text"],
+            "anthropic_tokens": a["usage"]["output_tokens"],
+            "read": a["usage"]["cache_read_input_tokens"],
+            "input": a["usage"]["input_tokens"],
+        }));
+    }
+    out
+}
+
+/// Flash-Next (gated delta net state, indexed attention with pooled blocks, the PLE
+/// n-gram history) cannot trim a cache back to a prefix; restoring a whole snapshot
+/// gives the tokens an uncached server gives.
+#[test]
+fn a_hybrid_flash_next_replica_reuses_its_system_prompt_with_the_uncached_tokens() {
+    let tmp = temp_dir();
+    let snap = tmp.path().join("snap");
+    gturbo_testkit::replica::write_flash_next(
+        &snap,
+        &gturbo_testkit::replica::FlashNextSpec::scaled(),
+    )
+    .unwrap();
+    let dir = tmp.path().join("flash.gturbo");
+    crate::support::cli::install("qwen38flashnext", &snap, &dir, &["--quant", "bf16"]);
+    // Byte-level tokens: ~230 of system prompt, past the indexer's dense range (67), its
+    // end not on a pooled block's edge (4).
+    let system = format!("You are terse. {}", "Name the city first. ".repeat(10));
+    let questions = [
+        "Capital of France?",
+        "Capital of Italy?",
+        "Capital of Spain?",
+    ];
+    let cached = Server::start(&dir, &["--alias", "flash"]);
+    let uncached = Server::start(&dir, &["--alias", "flash", "--cache-bytes", "0"]);
+    rt().block_on(async {
+        let v = ask_after_system(&cached, "flash", &system, &questions).await;
+        let u = ask_after_system(&uncached, "flash", &system, &questions).await;
+        eprintln!("cached: {v:#?}\nuncached: {u:#?}");
+        assert_eq!(v[0]["cached"], 0);
+        let shared = v[1]["cached"].as_u64().unwrap();
+        assert!(shared > 200, "{v:?}");
+        for (i, (c, n)) in v.iter().zip(&u).enumerate() {
+            for k in [
+                "openai",
+                "openai_tokens",
+                "anthropic",
+                "anthropic_tokens",
+                "prompt",
+            ] {
+                assert_eq!(c[k], n[k], "question {i} {k}");
+            }
+            assert_eq!(n["cached"], 0);
+            assert_eq!(n["read"], 0);
+            // Every request after the first restores the system prompt at least.
+            if i > 0 {
+                assert_eq!(c["cached"], shared, "{c}");
+            }
+            assert!(c["read"].as_u64().unwrap() >= shared || i == 0, "{c}");
+            assert_eq!(
+                c["read"].as_u64().unwrap() + c["input"].as_u64().unwrap(),
+                c["prompt"].as_u64().unwrap()
+            );
+        }
+    });
+}
+
+#[test]
+fn eight_parallel_streaming_clients_all_get_paris() {
+    const TEST: &str = "eight_parallel_streaming_clients_all_get_paris";
+    let Some((_, _, bf16)) = smollm2(TEST) else {
+        return;
+    };
+    let server = Server::start(bf16, &["--alias", "smollm2"]);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let t = Instant::now();
+        let clients: Vec<_> =
+            (0..8)
+                .map(|i| {
+                    let req = c.post(server.url("/v1/chat/completions")).body_json(&json!({
+                    "model": "smollm2", "max_tokens": 16, "temperature": 0, "stream": true,
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "seed": i,
+                }));
+                    tokio::spawn(async move {
+                        let mut r = req.send().await.unwrap();
+                        assert_eq!(r.status(), 200);
+                        let body = read_events(&mut r, usize::MAX).await;
+                        assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+                        body.lines()
+                            .filter_map(|l| l.strip_prefix("data: "))
+                            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                            .filter_map(|v| {
+                                v["choices"][0]["delta"]["content"]
+                                    .as_str()
+                                    .map(String::from)
+                            })
+                            .collect::<String>()
+                    })
+                })
+                .collect();
+        for (i, c) in clients.into_iter().enumerate() {
+            let answer = c.await.unwrap();
+            assert!(answer.contains("Paris"), "client {i}: {answer:?}");
+        }
+        eprintln!("8 streamed answers in {:?}", t.elapsed());
+    });
+}
+
+/// The second turn of a conversation restores the state after the first turn's
+/// answer (kept when the answer ended), so only the new turn is prefilled.
+#[test]
+fn the_next_turn_reuses_the_previous_turn_and_its_answer() {
+    const TEST: &str = "the_next_turn_reuses_the_previous_turn_and_its_answer";
+    let Some((_, _, bf16)) = smollm2(TEST) else {
+        return;
+    };
+    let server = Server::start(bf16, &["--alias", "smollm2"]);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let mut messages =
+            vec![json!({"role": "user", "content": "What is the capital of France?"})];
+        let (s, one) = send(
+            c.post(server.url("/v1/chat/completions"))
+                .body_json(&json!({
+                    "model": "smollm2", "max_tokens": 30, "temperature": 0, "messages": messages,
+                })),
+        )
+        .await;
+        assert_eq!(s, 200, "{one}");
+        assert_eq!(one["choices"][0]["finish_reason"], "stop", "{one}");
+        messages
+            .push(json!({"role": "assistant", "content": one["choices"][0]["message"]["content"]}));
+        messages.push(json!({"role": "user", "content": "And of Italy?"}));
+        let (s, two) = send(
+            c.post(server.url("/v1/chat/completions"))
+                .body_json(&json!({
+                    "model": "smollm2", "max_tokens": 30, "temperature": 0, "messages": messages,
+                })),
+        )
+        .await;
+        assert_eq!(s, 200, "{two}");
+        eprintln!("turn 1: {one}\nturn 2: {two}");
+        // The first turn's prompt and its answer but the end-of-turn token, which the
+        // state never ran.
+        let u = &one["usage"];
+        let reused =
+            u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap() - 1;
+        assert_eq!(
+            two["usage"]["prompt_tokens_details"]["cached_tokens"], reused,
+            "{two}"
+        );
+    });
+}
