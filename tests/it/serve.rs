@@ -821,3 +821,52 @@ fn the_next_turn_reuses_the_previous_turn_and_its_answer() {
         );
     });
 }
+
+/// What the snapshot cache's bound counts: a snapshot's bytes, exactly what its
+/// caches hold, for the decoder (KV rows) and Flash-Next (fixed recurrent state plus
+/// KV, raw indexer keys and pooled blocks).
+#[test]
+fn session_bytes_count_what_a_snapshot_holds() {
+    use gturbo::runtime::kernels::Cpu;
+    use gturbo::runtime::load::{self, LoadOptions};
+    use gturbo::runtime::models;
+    let tmp = temp_dir();
+    let q3 = qwen3_install(tmp.path(), 7);
+    let snap = tmp.path().join("snap-flash");
+    gturbo_testkit::replica::write_flash_next(
+        &snap,
+        &gturbo_testkit::replica::FlashNextSpec::scaled(),
+    )
+    .unwrap();
+    let flash = tmp.path().join("flash.gturbo");
+    crate::support::cli::install("qwen38flashnext", &snap, &flash, &["--quant", "bf16"]);
+    let cpu = Cpu::new(2);
+    let bytes_after = |dir: &Path, lens: &[usize]| -> Vec<u64> {
+        let install = load::open(dir, LoadOptions::default()).unwrap();
+        let model = models::open(&install, &cpu).unwrap();
+        let mut s = model.session();
+        let mut out = vec![model.session_bytes(&s)];
+        let ids: Vec<u32> = (0..lens[lens.len() - 1] as u32)
+            .map(|i| 3 + i % 50)
+            .collect();
+        for &n in lens {
+            let from = s.pos;
+            model.forward(&mut s, &ids[from..n], false).unwrap();
+            out.push(model.session_bytes(&model.snapshot(&s).unwrap()));
+        }
+        out
+    };
+    // The decoder: nothing before the first pass, then rows in proportion.
+    let d = bytes_after(&q3, &[8, 16, 24]);
+    assert_eq!(d[0], 0, "{d:?}");
+    assert!(d[1] > 0 && d[2] == 2 * d[1] && d[3] == 3 * d[1], "{d:?}");
+    // Flash-Next: a fixed part (conv and recurrent state) plus per-position rows; on
+    // multiples of the pooling ratio (4) the growth is even.
+    let f = bytes_after(&flash, &[8, 16, 24]);
+    assert!(
+        f[1] > 0 && f[2] - f[1] == f[3] - f[2] && f[2] - f[1] > 0,
+        "{f:?}"
+    );
+    assert!(f[1] > f[2] - f[1], "the fixed state counts too: {f:?}");
+    eprintln!("decoder snapshot bytes at 0/8/16/24 tokens: {d:?}; Flash-Next: {f:?}");
+}
