@@ -277,6 +277,10 @@ fn a_shared_system_prompt_is_reused_and_reported_with_the_uncached_answers() {
 
 // ------------------------------------------------------------ errors and auth (reqwest)
 
+/// One row of the error table: what is wrong, the body and path, the status and the
+/// error type expected.
+type Case<'a> = (&'a str, (Option<Value>, &'a str), u16, &'a str);
+
 /// Each hostile or wrong request, the status it gets and the error type in its API's
 /// shape (OpenAI: `error.type`, Anthropic: `error.type` under `type: error`).
 #[test]
@@ -288,7 +292,7 @@ fn bad_requests_get_each_apis_error_shape_and_status() {
     let openai = |body: Value| (Some(body), "/v1/chat/completions");
     let anth = |body: Value| (Some(body), "/v1/messages");
     let user = json!([{"role": "user", "content": "hi"}]);
-    let cases: Vec<(&str, (Option<Value>, &str), u16, &str)> = vec![
+    let cases: Vec<Case> = vec![
         (
             "unknown model",
             openai(json!({"model": "gpt-4o", "messages": user})),
@@ -478,11 +482,10 @@ fn bad_requests_get_each_apis_error_shape_and_status() {
             for body in [&b"{\"model\":"[..], b"\xff\xfe\x00garbage", b""] {
                 let (got, v) = send(post(path).body(body.to_vec())).await;
                 assert_eq!(got, 400, "{path} {body:?}: {v}");
-                let ty = if shape == "anthropic" {
-                    &v["error"]["type"]
-                } else {
-                    &v["error"]["type"]
-                };
+                // Anthropic's shape says `type: error` at the top; OpenAI's has none.
+                let top = if shape == "anthropic" { "error" } else { "" };
+                assert_eq!(v["type"].as_str().unwrap_or(""), top, "{v}");
+                let ty = &v["error"]["type"];
                 assert_eq!(ty, "invalid_request_error", "{v}");
                 table.push(format!("{path} malformed {body:?}: {got} {ty}"));
             }

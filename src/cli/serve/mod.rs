@@ -80,7 +80,7 @@ pub struct ServeArgs {
 
 /// What every handler reads.
 struct Shared {
-    codec: TextCodec,
+    codec: Arc<TextCodec>,
     jobs: SyncSender<Job>,
     /// Names a request may give; the first is the one reported.
     names: Vec<String>,
@@ -313,7 +313,7 @@ pub async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
             crate::env::GTURBO_API_KEY
         )));
     }
-    let codec = TextCodec::load(&args.dir).map_err(super::run::text_failure)?;
+    let codec = Arc::new(TextCodec::load(&args.dir).map_err(super::run::text_failure)?);
     if !codec.has_chat_template() {
         return Err(Failure::usage(format!(
             "{}: the install has no chat template, which the chat APIs need",
@@ -322,7 +322,7 @@ pub async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     }
     let (jobs_tx, jobs_rx) = std::sync::mpsc::sync_channel::<Job>(args.queue as usize);
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<String, Failure>>();
-    let worker_codec = TextCodec::load(&args.dir).map_err(super::run::text_failure)?;
+    let worker_codec = codec.clone();
     let cache_bytes = args.cache_bytes;
     let dir = args.dir.clone();
     let model_args = args.model;

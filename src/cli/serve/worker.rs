@@ -79,7 +79,19 @@ pub fn run(model: &dyn Model, codec: &TextCodec, jobs: Receiver<Job>, cache_byte
             continue; // the client left while the job was queued
         }
         let events = job.events.clone();
-        if let Err(e) = serve(model, codec, &mut cache, job) {
+        // A panic in one job (a bug) fails that job, not the server: its session is
+        // its own, and a snapshot is only kept once complete.
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            serve(model, codec, &mut cache, job)
+        }));
+        let failed = match served {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(_) => Some(ApiError::server(
+                "generation failed (a panic; see the server log)",
+            )),
+        };
+        if let Some(e) = failed {
             let _ = events.send(Event::Failed(e));
         }
         tracing::debug!(
