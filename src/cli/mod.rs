@@ -23,7 +23,7 @@ mod install;
 mod progress;
 mod report;
 mod run;
-mod serve;
+pub mod serve;
 
 /// gturbo installs huge sharded Hugging Face models into a page-aligned,
 /// hash-verified local layout, and runs them.

@@ -78,7 +78,10 @@ fn text_of(content: &Content, what: &str) -> Result<String, ApiError> {
 }
 
 /// The conversation as the template reads it: the system prompt first.
-fn conversation(system: Option<&Content>, msgs: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
+pub(super) fn conversation(
+    system: Option<&Content>,
+    msgs: &[Message],
+) -> Result<Vec<ChatMessage>, ApiError> {
     if msgs.is_empty() {
         return Err(ApiError::invalid("messages: must not be empty"));
     }
@@ -99,7 +102,8 @@ fn conversation(system: Option<&Content>, msgs: &[Message]) -> Result<Vec<ChatMe
     Ok(out)
 }
 
-fn params(req: &MessagesRequest, state: &AppState) -> Result<Params, ApiError> {
+/// The sampling parameters (`seed`: Anthropic's API has none), range-checked.
+pub(super) fn params(req: &MessagesRequest, seed: u64) -> Result<Params, ApiError> {
     let max = match req.max_tokens {
         None => return Err(ApiError::invalid("max_tokens: Field required")),
         Some(m) if m < 1 => {
@@ -135,7 +139,7 @@ fn params(req: &MessagesRequest, state: &AppState) -> Result<Params, ApiError> {
         temperature: temperature as f32,
         top_p: (top_p < 1.0).then_some(top_p as f32),
         top_k,
-        seed: fresh_seed(state),
+        seed,
         stop: req.stop_sequences.clone().unwrap_or_default(),
     })
 }
@@ -172,7 +176,7 @@ async fn messages_inner(
     let req: MessagesRequest = parse_body(body).await?;
     state.check_model(&req.model)?;
     let msgs = conversation(req.system.as_ref(), &req.messages)?;
-    let params = params(&req, &state)?;
+    let params = params(&req, fresh_seed(&state))?;
     let prompt = tokenize(&state, msgs, true).await?;
     let mut started = start(&state, prompt, params).await?;
     let id = state.id("msg_");

@@ -179,6 +179,61 @@ async fn parse_body<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, Api
     })
 }
 
+/// Every request parser of the server over untrusted `data` (the fuzz target
+/// `serve_request`): each endpoint's body types, their conversion into a conversation
+/// and sampling parameters, the error documents, and the stop-string matcher over
+/// text cut from `data`. Whatever the input, a request or an error comes back; it
+/// panics only where an invariant of the stop matcher breaks.
+pub fn parse_untrusted(data: &[u8]) {
+    let docs = |e: ApiError| {
+        let _ = (
+            e.body(Api::OpenAi).to_string(),
+            e.body(Api::Anthropic).to_string(),
+        );
+        e.status()
+    };
+    if let Ok(req) = serde_json::from_slice::<openai::ChatRequest>(data) {
+        let _ = openai::messages(&req).map_err(docs);
+        let _ = openai::params(&req, 0).map_err(docs);
+    }
+    if let Ok(req) = serde_json::from_slice::<anthropic::MessagesRequest>(data) {
+        let _ = anthropic::conversation(req.system.as_ref(), &req.messages).map_err(docs);
+        let _ = anthropic::params(&req, 0).map_err(docs);
+    }
+    if let Ok(req) = serde_json::from_slice::<anthropic::CountRequest>(data) {
+        let _ = anthropic::conversation(req.system.as_ref(), &req.messages).map_err(docs);
+    }
+    // The matcher: stops before the first NUL, pieces after it, split at 0x01.
+    let text = String::from_utf8_lossy(data);
+    let (stops, pieces) = text.split_once('\0').unwrap_or(("", &text));
+    let stops: Vec<String> = stops.split('\u{1}').map(String::from).collect();
+    let mut m = worker::StopMatcher::new(&stops);
+    let (mut out, mut hit) = (String::new(), None);
+    for piece in pieces.split('\u{1}') {
+        let (t, h) = m.push(piece);
+        out.push_str(&t);
+        if h.is_some() {
+            hit = h;
+            break;
+        }
+    }
+    let all: String = pieces.split('\u{1}').collect();
+    match hit {
+        // The answer is the text before the first stop string.
+        Some(s) => {
+            assert!(all.starts_with(&out) && all[out.len()..].starts_with(s.as_str()));
+            assert!(
+                stops
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .all(|s| !out.contains(s.as_str()))
+            );
+        }
+        // Released and held text together are all of it.
+        None => assert_eq!(out + &m.finish(), all),
+    }
+}
+
 /// A rendered, tokenized conversation.
 struct Prompt {
     ids: Vec<u32>,
@@ -305,7 +360,7 @@ fn router(state: AppState) -> Router {
 }
 
 /// `gturbo serve`.
-pub async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
+pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     if !args.host.is_loopback() && args.api_key.as_deref().is_none_or(str::is_empty) {
         return Err(Failure::usage(format!(
             "--host {} listens beyond this machine: give --api-key KEY (or {})",

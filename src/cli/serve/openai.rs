@@ -71,7 +71,7 @@ pub struct ChatRequest {
 }
 
 /// The request's messages as the template reads them.
-fn messages(req: &ChatRequest) -> Result<Vec<ChatMessage>, ApiError> {
+pub(super) fn messages(req: &ChatRequest) -> Result<Vec<ChatMessage>, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::field("messages", "messages must not be empty"));
     }
@@ -115,7 +115,8 @@ fn messages(req: &ChatRequest) -> Result<Vec<ChatMessage>, ApiError> {
 }
 
 /// The sampling parameters, range-checked as OpenAI checks them.
-fn params(req: &ChatRequest, state: &AppState) -> Result<Params, ApiError> {
+/// The sampling parameters (`seed` when the request gives none), range-checked.
+pub(super) fn params(req: &ChatRequest, seed: u64) -> Result<Params, ApiError> {
     let max = match (req.max_completion_tokens, req.max_tokens) {
         (Some(m), _) | (None, Some(m)) => {
             if m < 1 {
@@ -166,7 +167,7 @@ fn params(req: &ChatRequest, state: &AppState) -> Result<Params, ApiError> {
         temperature: temperature as f32,
         top_p: (top_p < 1.0).then_some(top_p as f32),
         top_k: None,
-        seed: req.seed.map_or_else(|| fresh_seed(state), |s| s as u64),
+        seed: req.seed.map_or(seed, |s| s as u64),
         stop,
     })
 }
@@ -216,7 +217,7 @@ async fn chat_inner(state: AppState, headers: HeaderMap, body: Body) -> Result<R
     let req: ChatRequest = parse_body(body).await?;
     state.check_model(&req.model)?;
     let msgs = messages(&req)?;
-    let params = params(&req, &state)?;
+    let params = params(&req, fresh_seed(&state))?;
     let prompt = tokenize(&state, msgs, true).await?;
     let mut started = start(&state, prompt, params).await?;
     let id = state.id("chatcmpl-");
