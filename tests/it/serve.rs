@@ -277,6 +277,40 @@ fn a_shared_system_prompt_is_reused_and_reported_with_the_uncached_answers() {
 
 // ------------------------------------------------------------ errors and auth (reqwest)
 
+/// POST a chat completion to `addr` that declares `declared` bytes and sends 1 KiB of
+/// them; the status and JSON body of the answer.
+fn oversized_request(addr: &str, declared: usize) -> (u16, Value) {
+    use std::io::{Read as _, Write as _};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer sekrit\r\n\
+         Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    );
+    c.write_all(head.as_bytes()).unwrap();
+    c.write_all(&[b' '; 1024]).unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read until the JSON body is complete (the server may keep the connection).
+    while let Ok(n) = c.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buf[..n]);
+        if answer.ends_with(b"}") {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&answer).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or("");
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
 /// One row of the error table: what is wrong, the body and path, the status and the
 /// error type expected.
 type Case<'a> = (&'a str, (Option<Value>, &'a str), u16, &'a str);
@@ -328,6 +362,14 @@ fn bad_requests_get_each_apis_error_shape_and_status() {
             anth(
                 json!({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": long}]}),
             ),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "system prompt past the context",
+            openai(json!({"model": "tiny", "messages": [
+                {"role": "system", "content": long}, {"role": "user", "content": "hi"}
+            ]})),
             400,
             "invalid_request_error",
         ),
@@ -490,10 +532,16 @@ fn bad_requests_get_each_apis_error_shape_and_status() {
                 table.push(format!("{path} malformed {body:?}: {got} {ty}"));
             }
         }
-        // A body over the bound: 413, read no further.
-        let big = vec![b' '; 33 << 20];
-        let (got, v) = send(post("/v1/chat/completions").body(big)).await;
+        // A body that says it is over the bound: 413 before any of it is read (the
+        // client sends 1 KiB of its 33 MiB and waits for the answer).
+        let (got, v) = tokio::task::spawn_blocking({
+            let addr = server.base.trim_start_matches("http://").to_string();
+            move || oversized_request(&addr, 33 << 20)
+        })
+        .await
+        .unwrap();
         assert_eq!(got, 413, "{v}");
+        assert_eq!(v["error"]["code"], "request_too_large", "{v}");
         table.push(format!(
             "/v1/chat/completions 33 MiB body: {got} {}",
             v["error"]["type"]

@@ -173,7 +173,7 @@ async fn messages_inner(
     body: Body,
 ) -> Result<Response, ApiError> {
     state.authorize(&headers)?;
-    let req: MessagesRequest = parse_body(body).await?;
+    let req: MessagesRequest = parse_body(&headers, body).await?;
     state.check_model(&req.model)?;
     let msgs = conversation(req.system.as_ref(), &req.messages)?;
     let params = params(&req, fresh_seed(&state))?;
@@ -281,7 +281,7 @@ pub async fn count_tokens(
 ) -> Response {
     let counted = async {
         state.authorize(&headers)?;
-        let req: CountRequest = parse_body(body).await?;
+        let req: CountRequest = parse_body(&headers, body).await?;
         state.check_model(&req.model)?;
         let msgs = conversation(req.system.as_ref(), &req.messages)?;
         let prompt = tokenize(&state, msgs, false).await?;

@@ -163,8 +163,23 @@ fn sse_response(chunks: impl futures_util::Stream<Item = String> + Send + 'stati
         .unwrap_or_default()
 }
 
-/// The body read (at most [`MAX_BODY_BYTES`]) and parsed as `T`.
-async fn parse_body<T: serde::de::DeserializeOwned>(body: Body) -> Result<T, ApiError> {
+/// The body read (at most [`MAX_BODY_BYTES`]) and parsed as `T`. A body that says
+/// it is larger is refused before a byte of it is read.
+async fn parse_body<T: serde::de::DeserializeOwned>(
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = declared
+        && n > MAX_BODY_BYTES as u64
+    {
+        return Err(ApiError::too_large(format!(
+            "the request body has {n} bytes; at most {MAX_BODY_BYTES} are read"
+        )));
+    }
     let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
         .await
         .map_err(|e| {

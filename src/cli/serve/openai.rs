@@ -214,7 +214,7 @@ pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: Body)
 
 async fn chat_inner(state: AppState, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     state.authorize(&headers)?;
-    let req: ChatRequest = parse_body(body).await?;
+    let req: ChatRequest = parse_body(&headers, body).await?;
     state.check_model(&req.model)?;
     let msgs = messages(&req)?;
     let params = params(&req, fresh_seed(&state))?;

@@ -102,12 +102,13 @@ pub fn run(model: &dyn Model, codec: &TextCodec, jobs: Receiver<Job>, cache_byte
     }
 }
 
-/// A runtime error as the API reports it: the prompt's fault (too long, a token the
-/// model lacks) is the client's (400), anything else the server's (500).
-fn api_error(e: RunError) -> ApiError {
+/// A runtime error while running a prompt of `prompt` tokens as the API reports it:
+/// the prompt's fault (too long, a token the model lacks) is the client's (400),
+/// anything else the server's (500).
+fn api_error(prompt: usize, e: RunError) -> ApiError {
     match e {
-        RunError::Input(InputError::SequenceTooLong { tokens, max }) => ApiError::context(format!(
-            "the prompt has {tokens} tokens; the model's context is {max}"
+        RunError::Input(InputError::SequenceTooLong { max, .. }) => ApiError::context(format!(
+            "the prompt has {prompt} tokens; the model's context is {max}"
         )),
         RunError::Input(e) => ApiError::invalid(e.to_string()),
         e => ApiError::server(e.to_string()),
@@ -125,7 +126,12 @@ fn serve(
         return Err(ApiError::invalid("the prompt encodes to no tokens"));
     }
     let (mut s, cached) = match cache.longest(prompt) {
-        Some((snap, n)) => (model.snapshot(snap).map_err(api_error)?, n),
+        Some((snap, n)) => (
+            model
+                .snapshot(snap)
+                .map_err(|e| api_error(prompt.len(), e))?,
+            n,
+        ),
         None => (model.session(), 0),
     };
     // Prefill up to each boundary past the restored prefix, keeping a snapshot there.
@@ -135,12 +141,15 @@ fn serve(
             .iter()
             .filter(|&&b| b > cached && b < prompt.len())
         {
+            if job.events.is_closed() {
+                return Ok(()); // the client left during the prefill
+            }
             let from = s.pos;
             model
                 .forward(&mut s, &prompt[from..b], false)
-                .map_err(api_error)?;
+                .map_err(|e| api_error(prompt.len(), e))?;
             if !cache.contains(&prompt[..b]) {
-                let snap = model.snapshot(&s).map_err(api_error)?;
+                let snap = model.snapshot(&s).map_err(|e| api_error(prompt.len(), e))?;
                 let bytes = model.session_bytes(&snap);
                 cache.insert(prompt[..b].to_vec(), snap, bytes);
             }
@@ -202,7 +211,7 @@ fn serve(
             });
             return Ok(());
         }
-        Err(e) => return Err(api_error(e)),
+        Err(e) => return Err(api_error(prompt.len(), e)),
     };
     if events.is_closed() {
         return Ok(());
