@@ -92,6 +92,16 @@ seed_config_axes() {
     printf '%s' '{"model_type":"llama","hidden_size":576,"num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"intermediate_size":1536,"vocab_size":49152,"rope_theta":100000,"rms_norm_eps":1e-5,"tie_word_embeddings":true}' >"$dir/seed-llama"
 }
 
+# serve_request seeds: an OpenAI chat request, an Anthropic Messages request, and stop
+# strings (before NUL) with text pieces (split at 0x01).
+seed_serve_request() {
+    local dir="fuzz/corpus/serve_request"
+    mkdir -p "$dir"
+    printf '%s' '{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_tokens":5,"temperature":0.5,"top_p":0.9,"seed":3,"stop":["a","b"],"stream":true,"stream_options":{"include_usage":true}}' >"$dir/seed-openai"
+    printf '%s' '{"model":"m","max_tokens":5,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"text","text":"yo"}]}],"temperature":1,"top_k":4,"stop_sequences":["END"]}' >"$dir/seed-anthropic"
+    printf 'END\001\n\n\000Par\001is E\001ND more' >"$dir/seed-stops"
+}
+
 # The targets build with fuzz/Cargo.toml's dev profile (opt-level 1): a cold release
 # build took 7.4 min and 15 CPU-minutes here, the dev one 5.7 min and 9.9, and the
 # targets ran at the same rate (header_parse 252 k vs 274 k runs/s, config_axes 238 vs
@@ -128,6 +138,7 @@ for target in $targets; do
     header_parse) seed_header_parse ;;
     manifest_parse) seed_manifest_parse ;;
     config_axes) seed_config_axes ;;
+    serve_request) seed_serve_request ;;
     esac
     mkdir -p "fuzz/corpus/$target"
     while [ "${#pid_target[@]}" -ge "$jobs" ]; do reap; done

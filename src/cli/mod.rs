@@ -23,6 +23,7 @@ mod install;
 mod progress;
 mod report;
 mod run;
+pub mod serve;
 
 /// gturbo installs huge sharded Hugging Face models into a page-aligned,
 /// hash-verified local layout, and runs them.
@@ -78,6 +79,10 @@ enum Command {
     },
     /// Generate text from an installed `.gturbo` directory (smoke test).
     Run(Box<run::RunArgs>),
+    /// Serve an install over HTTP: OpenAI's chat completions and Anthropic's Messages
+    /// API, reusing cached prompt prefixes. The first line on stdout is
+    /// `listening on http://HOST:PORT`.
+    Serve(Box<serve::ServeArgs>),
     /// Compare two installs of one model over a text: mean KL divergence and top-1
     /// agreement of their next-token distributions (e.g. INT4 against BF16).
     Eval(Box<eval::EvalArgs>),
@@ -189,6 +194,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             cli.global.no_progress,
         ),
         Command::Run(args) => run::run_cmd(*args),
+        Command::Serve(args) => serve::serve_cmd(*args).await,
         Command::Eval(args) => eval::eval_cmd(*args),
         Command::Families { json } => families_cmd(json),
         Command::Doctor(args) => doctor::doctor_cmd(*args).await,

@@ -38,13 +38,8 @@ pub struct RunArgs {
     /// List the GPU adapters wgpu sees (best first, as `--adapter` numbers them) and exit.
     #[arg(long)]
     pub list_adapters: bool,
-    /// Where to compute.
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    pub backend: BackendChoice,
-    /// The GPU adapter: its number in `--list-adapters` or part of its name
-    /// (default: the first).
-    #[arg(long)]
-    pub adapter: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Plain prompt text (no chat template).
     #[arg(long, conflicts_with_all = ["chat", "prompt_ids"])]
     pub prompt: Option<String>,
@@ -72,6 +67,22 @@ pub struct RunArgs {
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Print one JSON document (token ids, text, figures) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// How an install is opened and where it computes: the flags `gturbo run` and
+/// `gturbo serve` share.
+#[derive(Debug, Args)]
+pub struct ModelArgs {
+    /// Where to compute.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// The GPU adapter: its number in `--list-adapters` or part of its name
+    /// (default: the first).
+    #[arg(long)]
+    pub adapter: Option<String>,
     /// Routed-expert blobs kept in memory (an LRU cache filled by reads).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub expert_cache_slots: u64,
@@ -89,9 +100,6 @@ pub struct RunArgs {
     /// Compute threads (default: all cores; at most 4 per core).
     #[arg(long, value_parser = super::parse_threads)]
     pub threads: Option<usize>,
-    /// Print one JSON document (token ids, text, figures) instead of streaming text.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Gate refusals and damaged installs exit 1; I/O errors and input the install
@@ -158,45 +166,52 @@ pub fn run_cmd(args: RunArgs) -> Result<(), Failure> {
     let Some(dir) = args.dir.clone() else {
         return Err(Failure::usage("give the install directory"));
     };
+    with_model(&args.model, &dir, |install, model, quality| {
+        run_on(&args, &dir, install, model, quality)
+    })
+}
+
+/// Open the install at `dir` as `args` say, pass its quality gate, build its model on
+/// the backend `args` pick, and hand them to `f` (on this thread: a model borrows its
+/// install and backend).
+pub(super) fn with_model<T>(
+    args: &ModelArgs,
+    dir: &Path,
+    f: impl FnOnce(&Install, &dyn Model, &QualityNote) -> Result<T, Failure>,
+) -> Result<T, Failure> {
     let experts = if args.resident_experts {
         ExpertMode::Resident
     } else {
         ExpertMode::Slots(args.expert_cache_slots as usize)
     };
-    let install = open(&dir, experts, args.row_cache_rows as usize)?;
+    let install = open(dir, experts, args.row_cache_rows as usize)?;
     let quality = quality_gate(&install, args.allow_unmeasured)?;
     // The one place that names a backend; the model is the gate's choice.
-    let on_cpu = || -> Result<(), Failure> {
-        let cpu = Cpu::new(threads(args.threads));
-        let model = models::open(&install, &cpu)?;
-        run_on(&args, &dir, &install, model.as_ref(), &quality)
-    };
     let auto = match args.backend {
-        BackendChoice::Cpu => return on_cpu(),
-        BackendChoice::Gpu => false,
-        BackendChoice::Auto => true,
+        BackendChoice::Cpu => None,
+        BackendChoice::Gpu => Some(false),
+        BackendChoice::Auto => Some(true),
     };
-    #[cfg(feature = "gpu")]
-    {
-        if let Some(gpu) = gpu_backend(&args, auto)? {
+    if let Some(auto) = auto {
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = gpu_backend(args, auto)? {
             match loaded_on_gpu(models::open(&install, &gpu), &gpu)? {
-                Ok(m) => return run_on(&args, &dir, &install, m.as_ref(), &quality),
+                Ok(m) => return f(&install, m.as_ref(), &quality),
                 Err(e) => {
                     let why = format!("the model does not load on {}: {e}", gpu.adapter().name);
                     gpu_unusable(auto, why)?;
                 }
             }
         }
-        on_cpu()
-    }
-    #[cfg(not(feature = "gpu"))]
-    {
+        #[cfg(not(feature = "gpu"))]
         gpu_unusable(
             auto,
             "this gturbo was built without the `gpu` feature".into(),
         )?;
-        on_cpu()
     }
+    let cpu = Cpu::new(threads(args.threads));
+    let model = models::open(&install, &cpu)?;
+    f(&install, model.as_ref(), &quality)
 }
 
 /// A model built on the GPU, its uploads finished: `Ok(Err(why))` when the device
@@ -225,7 +240,7 @@ struct OnBackend {
 
 /// What the run footer says about quality: the recorded result, "not measured", or
 /// why a file there was not accepted.
-enum QualityNote {
+pub(super) enum QualityNote {
     Recorded(Box<Quality>),
     NotMeasured,
     Rejected(VerifyFailure),
@@ -325,7 +340,7 @@ pub(super) fn may_have_gpu() -> bool {
 /// `None` where `auto` falls back to the CPU.
 #[cfg(feature = "gpu")]
 fn gpu_backend(
-    args: &RunArgs,
+    args: &ModelArgs,
     auto: bool,
 ) -> Result<Option<crate::runtime::kernels::gpu::Gpu>, Failure> {
     use crate::runtime::kernels::gpu::{Gpu, GpuOptions, list_adapters};

@@ -27,6 +27,7 @@ mod progress;
 mod quant_parity;
 mod quant_profiles;
 mod runtime;
+mod serve;
 mod source_http;
 mod sources2;
 mod support;

@@ -20,6 +20,10 @@ pub const GTURBO_LOW_SPEED_TIME: &str = "GTURBO_LOW_SPEED_TIME";
 pub const GTURBO_RANGE_TIMEOUT: &str = "GTURBO_RANGE_TIMEOUT";
 /// `gturbo install --max-attempts`: attempts per request, the first included.
 pub const GTURBO_MAX_ATTEMPTS: &str = "GTURBO_MAX_ATTEMPTS";
+/// `gturbo serve --api-key`: the key every request must carry (`Authorization: Bearer
+/// KEY` or `x-api-key: KEY`). Required when the server listens beyond loopback. Never
+/// printed.
+pub const GTURBO_API_KEY: &str = "GTURBO_API_KEY";
 /// The hub gturbo talks to when neither `--endpoint` nor `HF_ENDPOINT` is given.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// Test hook: the install exits (status 137, as if killed) right after this many reads

@@ -18,6 +18,9 @@ pub trait LanguageModel {
     fn run(&self, s: &mut Self::Session, tokens: &[u32], all: bool) -> Result<Vec<f32>, RunError>;
     /// A copy of `s` that continues independently of it.
     fn copy_session(&self, s: &Self::Session) -> Result<Self::Session, RunError>;
+    /// Bytes `s` holds (host or device): what keeping a copy of it costs (a server's
+    /// snapshot cache is bounded by these).
+    fn session_bytes(&self, s: &Self::Session) -> u64;
     /// Vocabulary size (the logits' width).
     fn vocab(&self) -> usize;
     /// The backend's name.
@@ -96,23 +99,51 @@ pub fn generate<M: LanguageModel + ?Sized>(
     prompt: &[u32],
     max_tokens: usize,
     stop_ids: &[u32],
-    mut pick: impl FnMut(&[f32]) -> u32,
+    pick: impl FnMut(&[f32]) -> u32,
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation, RunError> {
     if prompt.is_empty() {
         return Err(InputError::EmptyPrompt.into());
     }
     let mut s = model.new_session();
+    let (g, _) = generate_in(model, &mut s, prompt, max_tokens, stop_ids, pick, |t| {
+        on_token(t);
+        true
+    })?;
+    Ok(g)
+}
+
+/// [`generate`] continuing the session `s` (a restored snapshot of a prompt's first
+/// tokens, say): `prompt` is the rest of the prompt, prefilled in one pass, and it
+/// must not be empty (its last logits pick the first token). `on_token` returns
+/// whether to go on: `false` ends the generation after that token (a server's client
+/// went away, a stop string appeared). The flag says whether `on_token` ended it.
+pub fn generate_in<M: LanguageModel + ?Sized>(
+    model: &M,
+    s: &mut M::Session,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop_ids: &[u32],
+    mut pick: impl FnMut(&[f32]) -> u32,
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<(Generation, bool), RunError> {
+    if prompt.is_empty() {
+        return Err(InputError::EmptyPrompt.into());
+    }
     let t0 = Instant::now();
-    let mut logits = model.run(&mut s, prompt, false)?;
+    let mut logits = model.run(s, prompt, false)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut tokens = Vec::new();
     let mut stop = StopReason::MaxTokens;
+    let mut ended = false;
     while tokens.len() < max_tokens {
         let t = pick(&logits);
         tokens.push(t);
-        on_token(t);
+        if !on_token(t) {
+            ended = true;
+            break;
+        }
         if stop_ids.contains(&t) {
             stop = StopReason::Eos;
             break;
@@ -120,15 +151,16 @@ pub fn generate<M: LanguageModel + ?Sized>(
         if tokens.len() == max_tokens {
             break;
         }
-        logits = model.run(&mut s, &[t], false)?;
+        logits = model.run(s, &[t], false)?;
     }
-    Ok(Generation {
+    let g = Generation {
         tokens,
         stop,
         prompt_tokens: prompt.len(),
         prefill_s,
         decode_s: t1.elapsed().as_secs_f64(),
-    })
+    };
+    Ok((g, ended))
 }
 
 pub use super::sample::argmax;

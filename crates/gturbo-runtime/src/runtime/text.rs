@@ -73,6 +73,25 @@ pub enum TextError {
     Encode(String),
 }
 
+/// One message of a conversation, as chat templates read it (`role`, `content`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant` (a template may refuse other roles).
+    pub role: String,
+    /// The message's text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message of `role` saying `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
 /// The tokenizer, chat template and stop tokens of one install.
 pub struct TextCodec {
     tokenizer: tokenizers::Tokenizer,
@@ -439,6 +458,22 @@ impl TextCodec {
     /// `system`: `None` leaves the template's default (many add their own system
     /// message), `Some("")` sends an explicitly empty system message.
     pub fn chat_prompt(&self, system: Option<&str>, user: &str) -> Result<String, TextError> {
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(ChatMessage::new("system", s));
+        }
+        messages.push(ChatMessage::new("user", user));
+        self.render_chat(&messages, true)
+    }
+
+    /// `messages` rendered with the install's chat template as transformers'
+    /// `apply_chat_template(messages, add_generation_prompt=...)` renders them (a
+    /// server's multi-turn conversations; [`TextCodec::chat_prompt`] is one turn of it).
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
         let (source, path) = self
             .chat_template
             .as_ref()
@@ -468,14 +503,16 @@ impl TextCodec {
             },
         );
         env.add_template("chat", source).map_err(terr)?;
-        let mut messages = Vec::new();
-        if let Some(s) = system {
-            messages.push(serde_json::json!({"role": "system", "content": s}));
-        }
-        messages.push(serde_json::json!({"role": "user", "content": user}));
+        let messages = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
         let mut ctx = serde_json::Map::new();
         ctx.insert("messages".into(), Value::Array(messages));
-        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(add_generation_prompt),
+        );
         for (field, s) in &self.special_strings {
             ctx.insert((*field).into(), Value::String(s.clone()));
         }

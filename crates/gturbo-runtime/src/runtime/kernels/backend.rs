@@ -260,6 +260,8 @@ pub trait Backend {
     fn copy_rows(&self, x: &Self::Buf, width: usize, rows: Range<usize>) -> OpResult<Self::Buf>;
     /// A copy of `x` (a session snapshot's states).
     fn copy(&self, x: &Self::Buf) -> OpResult<Self::Buf>;
+    /// Bytes `x` holds (host or device): what a kept snapshot of it costs.
+    fn buf_bytes(&self, x: &Self::Buf) -> u64;
     /// The elements of `x`, copied to the host (tests, diagnostics).
     fn read(&self, x: &Self::Buf) -> OpResult<Vec<f32>>;
     /// `x` handed to the host: the logits for sampling (no copy on the CPU).
@@ -345,6 +347,9 @@ pub trait Backend {
     fn kv_cache(&self, spec: AttentionSpec, max_positions: usize) -> OpResult<Self::Kv>;
     /// A copy of `kv` holding the same positions (a session snapshot).
     fn copy_kv(&self, kv: &Self::Kv) -> OpResult<Self::Kv>;
+    /// Bytes `kv` holds (host or device, its reserved capacity included): what a kept
+    /// snapshot of it costs.
+    fn kv_bytes(&self, kv: &Self::Kv) -> u64;
     /// Store `k` `[n, kv_heads·qk_dim]` and `v` `[n, kv_heads·v_dim]` (not read with
     /// [`AttentionSpec::values_in_keys`]: each head's value is then its key's first
     /// `v_dim` dims, and callers pass `k` again) at positions

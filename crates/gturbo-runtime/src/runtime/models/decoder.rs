@@ -612,6 +612,9 @@ impl<B: Backend> LanguageModel for Model<'_, B> {
     fn copy_session(&self, s: &Session<B>) -> Result<Session<B>, RunError> {
         self.copy_session(s)
     }
+    fn session_bytes(&self, s: &Session<B>) -> u64 {
+        s.kv.iter().map(|kv| self.backend.kv_bytes(kv)).sum()
+    }
     fn vocab(&self) -> usize {
         self.cfg.vocab
     }

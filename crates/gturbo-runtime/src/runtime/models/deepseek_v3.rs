@@ -630,6 +630,9 @@ impl<B: Ops> LanguageModel for Model<'_, B> {
                 .collect::<Result<Vec<_>, _>>()?;
         Ok(Session { kv, pos: s.pos })
     }
+    fn session_bytes(&self, s: &Session<B>) -> u64 {
+        s.kv.iter().map(|kv| self.backend.kv_bytes(kv)).sum()
+    }
     fn vocab(&self) -> usize {
         self.cfg.vocab
     }

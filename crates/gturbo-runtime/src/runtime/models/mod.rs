@@ -37,6 +37,9 @@ pub trait Model {
     /// A copy of `s` (its caches and recurrent state) that continues independently: a
     /// snapshot to restore later, or a shared prefix to branch from.
     fn snapshot(&self, s: &Session) -> Result<Session, RunError>;
+    /// Bytes `s` holds (host or device): what keeping a snapshot of it costs. A session
+    /// of another model holds nothing this model can count: 0.
+    fn session_bytes(&self, s: &Session) -> u64;
     /// The backend's name (an adapter's name on a GPU).
     fn backend_name(&self) -> String;
     /// Device memory the backend holds, on a GPU.
@@ -87,6 +90,12 @@ where
         })
     }
 
+    fn session_bytes(&self, s: &Session) -> u64 {
+        s.state
+            .downcast_ref::<M::Session>()
+            .map_or(0, |state| LanguageModel::session_bytes(self, state))
+    }
+
     fn backend_name(&self) -> String {
         LanguageModel::backend_name(self)
     }
@@ -124,6 +133,9 @@ impl LanguageModel for dyn Model + '_ {
     }
     fn copy_session(&self, s: &Session) -> Result<Session, RunError> {
         self.snapshot(s)
+    }
+    fn session_bytes(&self, s: &Session) -> u64 {
+        Model::session_bytes(self, s)
     }
     fn vocab(&self) -> usize {
         Model::vocab(self)

@@ -42,6 +42,11 @@ pub struct CpuKv {
     spec: AttentionSpec,
 }
 
+/// Bytes of `n` f32 values.
+pub(crate) fn f32_bytes(n: usize) -> u64 {
+    (n as u64).saturating_mul(size_of::<f32>() as u64)
+}
+
 impl CpuKv {
     /// Positions held.
     pub fn positions(&self) -> usize {
@@ -117,6 +122,10 @@ impl Backend for Cpu {
 
     fn copy(&self, x: &Vec<f32>) -> OpResult<Vec<f32>> {
         Ok(x.clone())
+    }
+
+    fn buf_bytes(&self, x: &Vec<f32>) -> u64 {
+        f32_bytes(x.capacity())
     }
 
     fn read(&self, x: &Vec<f32>) -> OpResult<Vec<f32>> {
@@ -266,6 +275,10 @@ impl Backend for Cpu {
 
     fn copy_kv(&self, kv: &CpuKv) -> OpResult<CpuKv> {
         Ok(kv.clone())
+    }
+
+    fn kv_bytes(&self, kv: &CpuKv) -> u64 {
+        f32_bytes(kv.k.capacity() + kv.v.capacity())
     }
 
     fn attention(

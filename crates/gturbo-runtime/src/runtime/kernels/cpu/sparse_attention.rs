@@ -30,6 +30,12 @@ impl SparseAttentionOps for Cpu {
         Ok(cache.clone())
     }
 
+    fn cache_bytes(&self, c: &CpuAttnCache) -> u64 {
+        super::f32_bytes(
+            c.k.capacity() + c.v.capacity() + c.raw_keys.capacity() + c.block_keys.capacity(),
+        )
+    }
+
     fn attn_cache(
         &self,
         kv_heads: usize,

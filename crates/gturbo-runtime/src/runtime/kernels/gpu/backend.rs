@@ -355,6 +355,10 @@ impl Backend for Gpu {
         self.copy_rows(x, x.len(), 0..1)
     }
 
+    fn buf_bytes(&self, x: &GpuBuf) -> u64 {
+        x.t.device_bytes()
+    }
+
     fn read(&self, x: &GpuBuf) -> OpResult<Vec<f32>> {
         self.ctx.download_f32(&x.t).map_err(|e| self.err("read", e))
     }
@@ -461,6 +465,10 @@ impl Backend for Gpu {
             max: max_positions.max(1),
             len: 0,
         })
+    }
+
+    fn kv_bytes(&self, kv: &GpuKv) -> u64 {
+        kv.cache.k.device_bytes() + kv.cache.v.device_bytes()
     }
 
     fn copy_kv(&self, kv: &GpuKv) -> OpResult<GpuKv> {

@@ -58,6 +58,11 @@ impl GpuTensor {
         self.len() == 0
     }
 
+    /// Bytes of its device buffer (which a pooled buffer may make larger than the shape).
+    pub fn device_bytes(&self) -> u64 {
+        self.buf.size()
+    }
+
     /// Whether two tensors share device memory.
     pub(crate) fn aliases(&self, other: &GpuTensor) -> bool {
         Arc::ptr_eq(&self.buf, &other.buf)

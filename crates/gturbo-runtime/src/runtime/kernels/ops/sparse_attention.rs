@@ -32,6 +32,8 @@ pub trait SparseAttentionOps: Backend {
 
     /// A copy of `cache` holding the same positions (a session snapshot).
     fn copy_cache(&self, cache: &Self::AttnCache) -> OpResult<Self::AttnCache>;
+    /// Bytes `cache` holds (host or device, reserved capacity included).
+    fn cache_bytes(&self, cache: &Self::AttnCache) -> u64;
     /// An empty indexed-attention cache for `kv_heads` heads of `head_dim` and the
     /// indexer's geometry.
     fn attn_cache(

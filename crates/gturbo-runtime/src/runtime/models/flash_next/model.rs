@@ -884,6 +884,19 @@ impl<B: Ops> LanguageModel for FlashModel<'_, B> {
     fn copy_session(&self, s: &FlashSession<B>) -> Result<FlashSession<B>, RunError> {
         FlashModel::copy_session(self, s)
     }
+    fn session_bytes(&self, s: &FlashSession<B>) -> u64 {
+        let b = self.backend;
+        let mixers: u64 = s
+            .mixers
+            .iter()
+            .map(|m| match m {
+                MixerState::Gdn(g) => b.buf_bytes(&g.conv) + b.buf_bytes(&g.recurrent),
+                MixerState::Attn(c) => b.cache_bytes(c),
+            })
+            .sum();
+        let ple: u64 = s.ple.iter().flatten().map(|p| b.buf_bytes(&p.conv)).sum();
+        mixers + ple
+    }
     fn vocab(&self) -> usize {
         self.cfg.vocab
     }

@@ -154,6 +154,13 @@ fn indexer_tokens(
 impl SparseAttentionOps for Gpu {
     type AttnCache = GpuAttnCache;
 
+    fn cache_bytes(&self, c: &GpuAttnCache) -> u64 {
+        [&c.k, &c.v, &c.raw, &c.blocks]
+            .iter()
+            .map(|t| t.device_bytes())
+            .sum()
+    }
+
     fn copy_cache(&self, cache: &GpuAttnCache) -> OpResult<GpuAttnCache> {
         self.flash("copy_cache", cache.copy_to(self.context(), cache.capacity))
     }
