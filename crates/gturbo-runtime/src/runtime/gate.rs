@@ -44,6 +44,10 @@ pub const MLA_ATTENTION: &str = "multiHeadLatentAttention";
 pub const SIGMOID_GROUP_ROUTING: &str = "sigmoidGroupRouting";
 /// An ungated shared expert beside the routed ones.
 pub const SHARED_EXPERT: &str = "sharedExpert";
+/// Biases on the q, k and v projections (GLM-4.5's `attention_bias`).
+pub const QKV_BIAS: &str = "qkvBias";
+/// Rotary embeddings on the first `partial_rotary_factor` of each head, rotate-half.
+pub const PARTIAL_ROPE: &str = "partialRope";
 
 /// The model a runner builds (`runtime::models::open` turns it into a loader).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +60,9 @@ pub enum Arch {
     Mixtral,
     /// `models::deepseek_v3`: DeepSeek-V3 and Kimi-K2.
     DeepseekV3,
+    /// `models::glm4_moe`: the decoder with GLM-4.5's biases, partial rotary and
+    /// sigmoid routing.
+    Glm4Moe,
 }
 
 /// A runner: the families it reads, the axes it implements and the model it builds.
@@ -112,6 +119,22 @@ pub const RUNNERS: &[Runner] = &[
         axes: &[
             MLA_ATTENTION,
             ROPE,
+            RMS_NORM,
+            SWIGLU,
+            ROUTED_MOE,
+            SIGMOID_GROUP_ROUTING,
+            SHARED_EXPERT,
+        ],
+    },
+    Runner {
+        name: "glm4_moe",
+        arch: Arch::Glm4Moe,
+        families: &["glm4_moe"],
+        axes: &[
+            GQA_ATTENTION,
+            QKV_BIAS,
+            PARTIAL_ROPE,
+            QK_NORM,
             RMS_NORM,
             SWIGLU,
             ROUTED_MOE,

@@ -2,8 +2,10 @@
 //! layer (a SwiGLU beside the routed experts, optionally scaled per token by
 //! `sigmoid(gate·x)`: Qwen3-Next and Flash-Next gate it, DeepSeek-V3 does not).
 
+use crate::runtime::RunError;
 use crate::runtime::kernels::ops::ElementwiseOps;
 use crate::runtime::kernels::{Backend, OpResult};
+use crate::runtime::load::Install;
 
 /// One SwiGLU MLP's weights.
 pub struct SwiGlu<'a, B: Backend> {
@@ -15,7 +17,27 @@ pub struct SwiGlu<'a, B: Backend> {
     pub down: B::Weights<'a>,
 }
 
-impl<B: Backend> SwiGlu<'_, B> {
+impl<'a, B: Backend> SwiGlu<'a, B> {
+    /// The install's `{prefix}.{gate,up,down}_proj.weight`, `i` wide over a model
+    /// `h` wide, bound on `b`.
+    pub fn bind(
+        install: &'a Install,
+        b: &B,
+        prefix: &str,
+        i: usize,
+        h: usize,
+    ) -> Result<Self, RunError> {
+        let m = |part: &str, rows, cols| -> Result<B::Weights<'a>, RunError> {
+            let name = format!("{prefix}.{part}_proj.weight");
+            Ok(b.weights(install.matrix(&name, rows, cols)?)?)
+        };
+        Ok(SwiGlu {
+            gate: m("gate", i, h)?,
+            up: m("up", i, h)?,
+            down: m("down", h, i)?,
+        })
+    }
+
     /// `out = down(silu(gate·x) ⊙ up·x)` for each row of `x`.
     pub fn forward(&self, b: &B, x: &B::Buf, out: &mut B::Buf) -> OpResult {
         b.ffn_swiglu(&self.gate, &self.up, &self.down, x, out)

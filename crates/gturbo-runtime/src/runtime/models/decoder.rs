@@ -1,5 +1,7 @@
 //! The decoder runner: one transformer decoder parametrised by the install's axes,
-//! covering `llama` (tied head), `qwen3` (QK-norm) and `qwen3_moe` (routed experts).
+//! covering `llama` (tied head), `qwen3` (QK-norm) and `qwen3_moe` (routed experts),
+//! and through their [`Variant`]s Mixtral and GLM-4.5 (q/k/v biases, partial rotary,
+//! sigmoid routing with dense first layers and a shared expert).
 //!
 //! Numerics follow mlx-lm's models with f32 activations: RMSNorm
 //! `x · rsqrt(mean(x²) + ε) · w`; RoPE in the rotate-half (Hugging Face) layout,
@@ -18,29 +20,37 @@ use crate::format::pools::ExpertPool;
 use crate::runtime::error::{InputError, RunError};
 use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
-use crate::runtime::kernels::routing::{RouterBias, RoutingSpec};
-use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain};
+use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain, Ops};
 use crate::runtime::layers::axes::{Axes, axis_err};
-use crate::runtime::layers::mlp::SwiGlu;
-use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
+use crate::runtime::layers::linear::Linear;
+use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
+pub use crate::runtime::layers::moe::MoeConfig;
+use crate::runtime::layers::moe::{
+    Ffn, MoeBlock, MoeStack, RoutedExperts, SigmoidDefaults, expert_slots,
+};
 use crate::runtime::layers::rope::{RopeSpec, Scaling};
 use crate::runtime::load::Install;
 
 /// What differs between the families the decoder runs beyond their axes: names and
 /// routing rules that are not in the config.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Variant {
     /// The router's tensor under `model.layers.{l}.`.
     pub router: &'static str,
     /// Renormalise the chosen experts' probabilities whatever the config says, or
     /// (`None`) as its `norm_topk_prob` says.
     pub renormalize: Option<bool>,
+    /// DeepSeek-style routing (sigmoid scores chosen with `e_score_correction_bias`,
+    /// dense first layers, a shared expert) with these defaults for what the config
+    /// omits, or (`None`) softmax top-k.
+    pub sigmoid: Option<&'static SigmoidDefaults>,
 }
 
 /// llama, qwen3 and qwen3_moe.
 pub const QWEN: Variant = Variant {
     router: "mlp.gate.weight",
     renormalize: None,
+    sigmoid: None,
 };
 
 /// Architecture numbers read from the manifest's `arch.axes`.
@@ -56,7 +66,7 @@ pub struct Config {
     pub kv_heads: usize,
     /// Head width.
     pub head_dim: usize,
-    /// Dense MLP width (0 for MoE models).
+    /// Dense MLP width (0 for MoE models without dense layers).
     pub intermediate: usize,
     /// Vocabulary.
     pub vocab: usize,
@@ -64,10 +74,12 @@ pub struct Config {
     pub rope_theta: f64,
     /// RMSNorm epsilon.
     pub eps: f32,
-    /// Per-head RMSNorm of q and k.
+    /// Per-head RMSNorm of q and k (the `qkNorm` axis, or GLM's `use_qk_norm`).
     pub qk_norm: bool,
+    /// Biases on the q, k and v projections (GLM's `attention_bias`).
+    pub qkv_bias: bool,
     /// Routed experts, when the install has them.
-    pub moe: Option<MoeConfig>,
+    pub moe: Option<MoeStack>,
     /// Longest sequence (prompt + generated): `max_position_embeddings`, or for
     /// dynamic NTK RoPE that times its factor ([`context_length`]).
     pub max_positions: usize,
@@ -77,19 +89,6 @@ pub struct Config {
     /// Rotary embeddings as the config describes them (`layers::rope`): partial rotary
     /// dims and RoPE scaling (linear, YaRN, llama3).
     pub rope: RopeSpec,
-}
-
-/// Routed-expert settings.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeConfig {
-    /// Experts per layer.
-    pub experts: usize,
-    /// Experts chosen per token.
-    pub top_k: usize,
-    /// Expert MLP width.
-    pub intermediate: usize,
-    /// Renormalise the top-k probabilities to sum 1.
-    pub norm_topk_prob: bool,
 }
 
 /// The decoder runner reads integer axes below 2^32.
@@ -133,8 +132,14 @@ impl Config {
             Some(w) if w < max_positions => Some(w),
             _ => None,
         };
-        let moe = if m.arch.required_axes.iter().any(|a| a == ROUTED_MOE) {
-            Some(MoeConfig {
+        let layers = a.usize("num_layers")?;
+        let moe = match (
+            m.arch.required_axes.iter().any(|a| a == ROUTED_MOE),
+            variant.sigmoid,
+        ) {
+            (false, _) => None,
+            (true, Some(d)) => Some(MoeStack::sigmoid(&a, layers, d)?),
+            (true, None) => Some(MoeStack::softmax(MoeConfig {
                 experts: a.usize("num_experts")?,
                 top_k: a.usize("num_experts_per_tok")?,
                 intermediate: a.usize("moe_intermediate_size")?,
@@ -142,30 +147,29 @@ impl Config {
                     Some(r) => r,
                     None => a.opt_bool("norm_topk_prob")?.unwrap_or(false),
                 },
-            })
-        } else {
-            None
+            })),
         };
-        if let Some(moe) = &moe
-            && moe.top_k > moe.experts
+        if let Some(s) = &moe
+            && s.moe.top_k > s.moe.experts
         {
             return Err(a.err("num_experts_per_tok", "more than num_experts"));
         }
         Ok(Config {
             hidden,
-            layers: a.usize("num_layers")?,
+            layers,
             heads,
             kv_heads,
             head_dim,
-            intermediate: if moe.is_some() {
-                0
-            } else {
-                a.usize("intermediate_size")?
+            intermediate: match &moe {
+                Some(s) if s.dense_layers == 0 => 0,
+                _ => a.usize("intermediate_size")?,
             },
             vocab: a.usize("vocab_size")?,
             rope_theta: a.opt_f64("rope_theta")?.unwrap_or(10_000.0),
             eps: a.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
-            qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM),
+            qk_norm: m.arch.required_axes.iter().any(|a| a == QK_NORM)
+                || a.opt_bool("use_qk_norm")?.unwrap_or(false),
+            qkv_bias: a.opt_bool("attention_bias")?.unwrap_or(false),
             moe,
             max_positions,
             window,
@@ -201,21 +205,16 @@ pub fn context_length(rope: &RopeSpec, trained: usize) -> usize {
     }
 }
 
-enum Mlp<'a, B: Backend> {
-    Dense(SwiGlu<'a, B>),
-    Moe { router: B::Weights<'a> },
-}
-
 struct Layer<'a, B: Backend> {
     input_norm: B::Buf,
     post_norm: B::Buf,
-    q: B::Weights<'a>,
-    k: B::Weights<'a>,
-    v: B::Weights<'a>,
+    q: Linear<'a, B>,
+    k: Linear<'a, B>,
+    v: Linear<'a, B>,
     o: B::Weights<'a>,
     q_norm: Option<B::Buf>,
     k_norm: Option<B::Buf>,
-    mlp: Mlp<'a, B>,
+    mlp: Ffn<'a, B>,
 }
 
 /// A loaded decoder over an install's mapped weights, computing on `B`.
@@ -267,25 +266,45 @@ impl<'a, B: Backend> Bind<'a, '_, B> {
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let p = format!("model.layers.{l}.");
         let t = |n: &str| format!("{p}{n}");
+        let swiglu = |part: &str, i: usize| SwiGlu::bind(self.install, self.b, &t(part), i, h);
         let mlp = match &cfg.moe {
-            Some(moe) => {
-                pools.push(expert_pool(self.install, moe, h, l)?);
-                Mlp::Moe {
-                    router: self.matrix(&t(self.variant.router), moe.experts, h)?,
-                }
+            Some(s) if l >= s.dense_layers => {
+                let e = s.moe.experts;
+                pools.push(expert_pool(self.install, &s.moe, h, l)?);
+                Ffn::Moe(MoeBlock {
+                    router: self.matrix(&t(self.variant.router), e, h)?,
+                    bias: s
+                        .routing
+                        .selection_bias
+                        .then(|| self.install.vector(&t("mlp.gate.e_score_correction_bias"), e))
+                        .transpose()?,
+                    shared: (s.shared_intermediate > 0)
+                        .then(|| {
+                            Ok::<_, RunError>(SharedExpert {
+                                mlp: swiglu("mlp.shared_experts", s.shared_intermediate)?,
+                                gate: None,
+                            })
+                        })
+                        .transpose()?,
+                })
             }
-            None => Mlp::Dense(SwiGlu {
-                gate: self.matrix(&t("mlp.gate_proj.weight"), cfg.intermediate, h)?,
-                up: self.matrix(&t("mlp.up_proj.weight"), cfg.intermediate, h)?,
-                down: self.matrix(&t("mlp.down_proj.weight"), h, cfg.intermediate)?,
-            }),
+            _ => Ffn::Dense(swiglu("mlp", cfg.intermediate)?),
+        };
+        let proj = |name: &str, rows: usize| -> Result<Linear<'a, B>, RunError> {
+            Ok(Linear {
+                w: self.matrix(&t(&format!("self_attn.{name}.weight")), rows, h)?,
+                bias: cfg
+                    .qkv_bias
+                    .then(|| self.vector(&t(&format!("self_attn.{name}.bias")), rows))
+                    .transpose()?,
+            })
         };
         Ok(Layer {
             input_norm: self.vector(&t("input_layernorm.weight"), h)?,
             post_norm: self.vector(&t("post_attention_layernorm.weight"), h)?,
-            q: self.matrix(&t("self_attn.q_proj.weight"), cfg.heads * hd, h)?,
-            k: self.matrix(&t("self_attn.k_proj.weight"), cfg.kv_heads * hd, h)?,
-            v: self.matrix(&t("self_attn.v_proj.weight"), cfg.kv_heads * hd, h)?,
+            q: proj("q_proj", cfg.heads * hd)?,
+            k: proj("k_proj", cfg.kv_heads * hd)?,
+            v: proj("v_proj", cfg.kv_heads * hd)?,
             o: self.matrix(&t("self_attn.o_proj.weight"), h, cfg.heads * hd)?,
             q_norm: cfg
                 .qk_norm
@@ -352,7 +371,7 @@ fn layer_vec<T>(install: &Install, cfg: &Config) -> Result<Vec<T>, RunError> {
     Ok(layers)
 }
 
-impl<'a, B: Backend> Model<'a, B> {
+impl<'a, B: Ops> Model<'a, B> {
     /// Bind the install's tensors (no weight bytes are read here beyond norms; a
     /// device backend uploads them).
     pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
@@ -475,9 +494,9 @@ impl<'a, B: Backend> Model<'a, B> {
         };
         for (l, layer) in self.layers.iter().enumerate() {
             b.rms_norm(&x, &layer.input_norm, c.eps, NormGain::Weight, &mut xn)?;
-            b.linear(&layer.q, &xn, &mut q)?;
-            b.linear(&layer.k, &xn, &mut k)?;
-            b.linear(&layer.v, &xn, &mut v)?;
+            layer.q.forward(b, &xn, &mut q)?;
+            layer.k.forward(b, &xn, &mut k)?;
+            layer.v.forward(b, &xn, &mut v)?;
             if let (Some(qnw), Some(knw)) = (&layer.q_norm, &layer.k_norm) {
                 b.rms_norm(&q, qnw, c.eps, NormGain::Weight, &mut qn)?;
                 b.rms_norm(&k, knw, c.eps, NormGain::Weight, &mut kn)?;
@@ -490,10 +509,15 @@ impl<'a, B: Backend> Model<'a, B> {
             b.linear(&layer.o, &att, &mut out)?;
             b.add(&mut x, &out)?;
             b.rms_norm(&x, &layer.post_norm, c.eps, NormGain::Weight, &mut xn)?;
-            match &layer.mlp {
-                Mlp::Dense(mlp) => mlp.forward(b, &xn, &mut out)?,
-                Mlp::Moe { router } => self.moe(l, router, &xn, &mut out)?,
-            }
+            let experts = RoutedExperts {
+                b,
+                store: &self.install.experts,
+                slots: &self.slots,
+                layer: l,
+            };
+            layer
+                .mlp
+                .forward(&experts, c.moe.as_ref(), &xn, n, h, &mut out)?;
             b.add(&mut x, &out)?;
         }
         s.pos += n;
@@ -571,37 +595,9 @@ impl<'a, B: Backend> Model<'a, B> {
         }
         Ok(())
     }
-
-    /// Routed experts for the rows of `xn` (`layers::moe`).
-    fn moe(
-        &self,
-        l: usize,
-        router: &B::Weights<'a>,
-        xn: &B::Buf,
-        out: &mut B::Buf,
-    ) -> Result<(), RunError> {
-        let moe = self
-            .cfg
-            .moe
-            .as_ref()
-            .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
-        let spec = RouterSpec {
-            experts: moe.experts,
-            routing: RoutingSpec::softmax_top_k(moe.top_k, moe.norm_topk_prob),
-            bias: RouterBias::NONE,
-        };
-        let experts = RoutedExperts {
-            b: self.backend,
-            store: &self.install.experts,
-            slots: &self.slots,
-            layer: l,
-        };
-        experts.forward(router, spec, xn, out, false)?;
-        Ok(())
-    }
 }
 
-impl<B: Backend> LanguageModel for Model<'_, B> {
+impl<B: Ops> LanguageModel for Model<'_, B> {
     type Session = Session<B>;
     fn new_session(&self) -> Session<B> {
         self.session()

@@ -14,41 +14,25 @@
 use crate::format::manifest::{self, Manifest};
 use crate::runtime::error::{InputError, RunError};
 use crate::runtime::generate::{LanguageModel, Stat};
-use crate::runtime::kernels::routing::{GroupLimit, RouterBias, RoutingSpec, Scores};
 use crate::runtime::kernels::{Backend, FloatDtype, Matrix, NormGain, Ops};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::mla::{Absorbed, KvLayout, Mla, MlaDims, MlaStep, Query};
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
-use crate::runtime::layers::moe::{RoutedExperts, RouterSpec, expert_slots};
+use crate::runtime::layers::moe::{
+    Ffn, MoeBlock, MoeStack, RoutedExperts, SigmoidDefaults, expert_slots,
+};
 use crate::runtime::layers::rope::{Layout, RopeSpec};
 use crate::runtime::load::Install;
 
-use super::decoder::{MoeConfig, context_length, expert_pool};
+use super::decoder::{context_length, expert_pool};
 
 /// The runner reads integer axes below 2^32.
 const AXIS_BELOW: u64 = 1 << 32;
-/// transformers' `DeepseekV3Config` defaults for the fields a config may omit.
-pub struct Defaults {
-    /// `rms_norm_eps`.
-    pub eps: f64,
-    /// `norm_topk_prob`.
-    pub norm_topk_prob: bool,
-    /// `n_group`.
-    pub n_group: usize,
-    /// `topk_group`.
-    pub topk_group: usize,
-    /// `routed_scaling_factor`.
-    pub routed_scaling_factor: f64,
-    /// `n_shared_experts`.
-    pub n_shared_experts: usize,
-    /// `first_k_dense_replace`.
-    pub first_k_dense_replace: usize,
-}
-
-/// The defaults of transformers 5.24's `DeepseekV3Config` (and `rope_interleave`
-/// true, set in [`Config::from_manifest`]).
-pub const DEFAULTS: Defaults = Defaults {
-    eps: 1e-6,
+/// transformers' `DeepseekV3Config` default `rms_norm_eps`.
+pub const EPS: f64 = 1e-6;
+/// The defaults of transformers 5.24's `DeepseekV3Config` for the MoE fields (and
+/// `rope_interleave` true, set in [`Config::from_manifest`]).
+pub const DEFAULTS: SigmoidDefaults = SigmoidDefaults {
     norm_topk_prob: true,
     n_group: 8,
     topk_group: 4,
@@ -70,14 +54,8 @@ pub struct Config {
     pub mla: MlaDims,
     /// Dense MLP width (`intermediate_size`) of the first layers.
     pub intermediate: usize,
-    /// Layers `0..dense_layers` are dense (`first_k_dense_replace`).
-    pub dense_layers: usize,
-    /// The routed experts (`n_routed_experts`, `moe_intermediate_size`, …).
-    pub moe: MoeConfig,
-    /// The router's rule.
-    pub routing: RoutingSpec,
-    /// The shared expert's width (`moe_intermediate_size · n_shared_experts`), 0 for none.
-    pub shared_intermediate: usize,
+    /// The routed experts, their router, the dense first layers and the shared expert.
+    pub moe: MoeStack,
     /// Vocabulary.
     pub vocab: usize,
     /// RMSNorm epsilon.
@@ -106,7 +84,7 @@ impl Config {
                 &format!("{kv}: MLA expands one key and value head per query head ({heads})"),
             ));
         }
-        let eps = a.opt_f64("rms_norm_eps")?.unwrap_or(DEFAULTS.eps) as f32;
+        let eps = a.opt_f64("rms_norm_eps")?.unwrap_or(EPS) as f32;
         let mla = MlaDims {
             hidden,
             heads,
@@ -128,37 +106,17 @@ impl Config {
         };
         let trained = a.opt_usize("max_position_embeddings")?.unwrap_or(1 << 16);
         let softmax_scale = rope.softmax_scale(1.0 / (mla.qk() as f64).sqrt()) as f32;
-        let moe = MoeConfig {
-            experts: a.usize("num_experts")?,
-            top_k: a.usize("num_experts_per_tok")?,
-            intermediate: a.usize("moe_intermediate_size")?,
-            norm_topk_prob: a
-                .opt_bool("norm_topk_prob")?
-                .unwrap_or(DEFAULTS.norm_topk_prob),
-        };
-        let routing = routing(&a, &moe)?;
         let layers = a.usize("num_layers")?;
-        let dense_layers =
-            count_or_zero(&a, "first_k_dense_replace")?.unwrap_or(DEFAULTS.first_k_dense_replace);
-        if dense_layers > layers {
-            return Err(a.err("first_k_dense_replace", "more than num_layers"));
-        }
-        let shared = count_or_zero(&a, "n_shared_experts")?.unwrap_or(DEFAULTS.n_shared_experts);
+        let moe = MoeStack::sigmoid(&a, layers, &DEFAULTS)?;
         Ok(Config {
             layers,
             mla,
-            intermediate: if dense_layers > 0 {
+            intermediate: if moe.dense_layers > 0 {
                 a.usize("intermediate_size")?
             } else {
                 0
             },
-            dense_layers,
-            shared_intermediate: moe
-                .intermediate
-                .checked_mul(shared)
-                .ok_or_else(|| a.err("n_shared_experts", "the shared expert's width overflows"))?,
             moe,
-            routing,
             vocab: a.usize("vocab_size")?,
             eps,
             max_positions: context_length(&rope, trained),
@@ -171,48 +129,6 @@ impl Config {
     pub fn kv_bytes_per_token(&self, layout: KvLayout) -> usize {
         self.mla.cache_values(layout) * self.layers * F32_BYTES
     }
-}
-
-/// A count that may be 0 (`first_k_dense_replace`, `n_shared_experts`), when present.
-fn count_or_zero(a: &Axes<'_>, axis: &str) -> Result<Option<usize>, RunError> {
-    match a.value(axis) {
-        Some(v) if v.as_u64() == Some(0) => Ok(Some(0)),
-        _ => a.opt_usize(axis),
-    }
-}
-
-/// The sigmoid group-limited router the config describes, checked.
-fn routing(a: &Axes<'_>, moe: &MoeConfig) -> Result<RoutingSpec, RunError> {
-    let n_group = a.opt_usize("n_group")?.unwrap_or(DEFAULTS.n_group);
-    let topk_group = a.opt_usize("topk_group")?.unwrap_or(DEFAULTS.topk_group);
-    let scaling = a
-        .opt_f64("routed_scaling_factor")?
-        .unwrap_or(DEFAULTS.routed_scaling_factor) as f32;
-    let spec = RoutingSpec {
-        scores: Scores::Sigmoid,
-        selection_bias: true,
-        groups: (n_group > 1).then_some(GroupLimit {
-            n_group,
-            topk_group,
-        }),
-        renormalize: moe.norm_topk_prob,
-        scaling,
-        ..RoutingSpec::softmax_top_k(moe.top_k, moe.norm_topk_prob)
-    };
-    spec.check(moe.experts)
-        .map_err(|e| a.err("n_group", &e.to_string()))?;
-    Ok(spec)
-}
-
-/// A layer's feed-forward part.
-enum Ffn<'a, B: Backend> {
-    Dense(SwiGlu<'a, B>),
-    Moe {
-        router: B::Weights<'a>,
-        /// `e_score_correction_bias`, f32.
-        bias: Vec<f32>,
-        shared: Option<SharedExpert<'a, B>>,
-    },
 }
 
 struct Layer<'a, B: Backend> {
@@ -313,8 +229,8 @@ impl<'a, B: Ops> Model<'a, B> {
         let mut pools = Vec::new();
         let mut derived = Vec::new();
         for l in 0..cfg.layers {
-            if l >= cfg.dense_layers {
-                pools.push(expert_pool(install, &cfg.moe, h, l)?);
+            if l >= cfg.moe.dense_layers {
+                pools.push(expert_pool(install, &cfg.moe.moe, h, l)?);
             }
             let mut layer = bind_layer(install, backend, &cfg, l)?;
             if layout == KvLayout::Latent {
@@ -420,36 +336,14 @@ impl<'a, B: Ops> Model<'a, B> {
         n: usize,
         out: &mut B::Buf,
     ) -> Result<(), RunError> {
-        let b = self.backend;
-        match ffn {
-            Ffn::Dense(mlp) => mlp.forward(b, xn, out)?,
-            Ffn::Moe {
-                router,
-                bias,
-                shared,
-            } => {
-                let spec = RouterSpec {
-                    experts: self.cfg.moe.experts,
-                    routing: self.cfg.routing,
-                    bias: RouterBias {
-                        logits: None,
-                        selection: Some(bias),
-                    },
-                };
-                let experts = RoutedExperts {
-                    b,
-                    store: &self.install.experts,
-                    slots: &self.slots,
-                    layer: l,
-                };
-                experts.forward(router, spec, xn, out, false)?;
-                if let Some(shared) = shared {
-                    let y = shared.forward(b, xn, n, self.cfg.mla.hidden)?;
-                    b.add(out, &y)?;
-                }
-            }
-        }
-        Ok(())
+        let experts = RoutedExperts {
+            b: self.backend,
+            store: &self.install.experts,
+            slots: &self.slots,
+            layer: l,
+        };
+        let c = &self.cfg;
+        ffn.forward(&experts, Some(&c.moe), xn, n, c.mla.hidden, out)
     }
 
     /// A sequence past the context or a token outside the vocabulary.
@@ -580,29 +474,23 @@ fn bind_layer<'a, B: Ops>(
         o: matrix("self_attn.o_proj.weight", h, d.heads * d.v)?,
         absorbed: None,
     };
-    let swiglu = |prefix: &str, i: usize| -> Result<SwiGlu<'a, B>, RunError> {
-        Ok(SwiGlu {
-            gate: matrix(&format!("{prefix}.gate_proj.weight"), i, h)?,
-            up: matrix(&format!("{prefix}.up_proj.weight"), i, h)?,
-            down: matrix(&format!("{prefix}.down_proj.weight"), h, i)?,
-        })
-    };
-    let ffn = if l < cfg.dense_layers {
+    let swiglu = |part: &str, i: usize| SwiGlu::bind(install, b, &t(part), i, h);
+    let ffn = if l < cfg.moe.dense_layers {
         Ffn::Dense(swiglu("mlp", cfg.intermediate)?)
     } else {
-        let e = cfg.moe.experts;
-        Ffn::Moe {
+        let e = cfg.moe.moe.experts;
+        Ffn::Moe(MoeBlock {
             router: matrix("mlp.gate.weight", e, h)?,
-            bias: install.vector(&t("mlp.gate.e_score_correction_bias"), e)?,
-            shared: (cfg.shared_intermediate > 0)
+            bias: Some(install.vector(&t("mlp.gate.e_score_correction_bias"), e)?),
+            shared: (cfg.moe.shared_intermediate > 0)
                 .then(|| {
                     Ok::<_, RunError>(SharedExpert {
-                        mlp: swiglu("mlp.shared_experts", cfg.shared_intermediate)?,
+                        mlp: swiglu("mlp.shared_experts", cfg.moe.shared_intermediate)?,
                         gate: None,
                     })
                 })
                 .transpose()?,
-        }
+        })
     };
     Ok(Layer {
         input_norm: vector("input_layernorm.weight", h)?,
@@ -706,17 +594,17 @@ mod tests {
     fn the_toy_reads_as_transformers_builds_it() {
         let c = Config::from_manifest(&manifest(axes())).unwrap();
         assert_eq!(c.mla.qk(), 48);
-        assert_eq!(c.dense_layers, 1);
-        assert_eq!(c.shared_intermediate, 64);
+        assert_eq!(c.moe.dense_layers, 1);
+        assert_eq!(c.moe.shared_intermediate, 64);
         assert_eq!(c.rope.layout, Layout::Interleaved);
         assert_eq!(
-            c.routing.groups,
+            c.moe.routing.groups,
             Some(GroupLimit {
                 n_group: 4,
                 topk_group: 2
             })
         );
-        assert_eq!((c.routing.scaling, c.routing.renormalize), (2.5, true));
+        assert_eq!((c.moe.routing.scaling, c.moe.routing.renormalize), (2.5, true));
         // transformers' `scaling` for the toy (golden/meta.json `softmax_scale`):
         // 48^-0.5 · (0.1 · 0.8 · ln 4 + 1)².
         assert!((f64::from(c.softmax_scale) - 0.1781279581324309).abs() < 1e-7);
@@ -745,25 +633,26 @@ mod tests {
         let c = Config::from_manifest(&manifest(a)).unwrap();
         assert_eq!(c.mla.q_lora, None);
         assert_eq!(
-            c.routing.groups,
+            c.moe.routing.groups,
             Some(GroupLimit {
                 n_group: 8,
                 topk_group: 4
             })
         );
-        assert_eq!((c.routing.scaling, c.routing.renormalize), (2.5, true));
+        assert_eq!((c.moe.routing.scaling, c.moe.routing.renormalize), (2.5, true));
         assert_eq!(c.rope.layout, Layout::Interleaved);
-        assert_eq!((c.dense_layers, c.shared_intermediate), (3, 64));
+        assert_eq!((c.moe.dense_layers, c.moe.shared_intermediate), (3, 64));
         let mut a = axes();
         a["n_group"] = json!(1);
         a["topk_group"] = json!(1);
         assert_eq!(
-            Config::from_manifest(&manifest(a)).unwrap().routing.groups,
+            Config::from_manifest(&manifest(a)).unwrap().moe.routing.groups,
             None
         );
         assert_eq!(
             with("first_k_dense_replace", json!(0))
                 .unwrap()
+                .moe
                 .dense_layers,
             0
         );
@@ -774,6 +663,7 @@ mod tests {
         assert_eq!(
             with("n_shared_experts", json!(0))
                 .unwrap()
+                .moe
                 .shared_intermediate,
             0
         );

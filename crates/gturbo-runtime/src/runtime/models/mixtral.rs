@@ -7,17 +7,18 @@
 
 use super::decoder::{Model, Variant};
 use crate::runtime::RunError;
-use crate::runtime::kernels::Backend;
+use crate::runtime::kernels::Ops;
 use crate::runtime::load::Install;
 
 /// Mixtral's place in the decoder.
 pub const MIXTRAL: Variant = Variant {
     router: "block_sparse_moe.gate.weight",
     renormalize: Some(true),
+    sigmoid: None,
 };
 
 /// The Mixtral model of `install` on `backend`.
-pub fn open<'a, B: Backend>(
+pub fn open<'a, B: Ops>(
     install: &'a Install,
     backend: &'a B,
 ) -> Result<Model<'a, B>, RunError> {

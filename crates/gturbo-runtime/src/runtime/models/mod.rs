@@ -8,12 +8,16 @@
 //!   qwen3, qwen3_moe; Mixtral through [`mixtral`]'s names and routing).
 //! - [`deepseek_v3`]: DeepSeek-V3 and Kimi-K2: multi-head latent attention, sigmoid
 //!   group-limited routing, a shared expert, dense first layers.
+//! - [`glm4_moe`]: GLM-4.5, 4.5-Air and 4.6 through the decoder: q/k/v biases, QK norm
+//!   when `use_qk_norm`, partial rotary, sigmoid routing with a correction bias, a
+//!   shared expert, dense first layers.
 //! - [`flash_next`]: Qwen3.8-Flash-Next (`qwen4_exp`): hyper-connections, gated delta
 //!   net, indexed attention, the PLE n-gram embedding.
 
 pub mod decoder;
 pub mod deepseek_v3;
 pub mod flash_next;
+pub mod glm4_moe;
 pub mod mixtral;
 
 use std::any::Any;
@@ -162,5 +166,6 @@ pub fn open<'a, B: Ops + 'static>(
         Arch::FlashNext => Box::new(flash_next::model::FlashModel::new(install, backend)?),
         Arch::Mixtral => Box::new(mixtral::open(install, backend)?),
         Arch::DeepseekV3 => Box::new(deepseek_v3::Model::new(install, backend)?),
+        Arch::Glm4Moe => Box::new(glm4_moe::open(install, backend)?),
     })
 }
