@@ -552,6 +552,7 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
+    use crate::runtime::kernels::routing::GroupLimit;
 
     /// The toy's axes (tests/data/deepseek_toy/config.json through the family file).
     fn axes() -> Value {
