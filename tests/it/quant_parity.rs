@@ -6,8 +6,11 @@
 #[path = "../../crates/gturbo-format/tests/support/mlx_cases.rs"]
 mod mlx_cases;
 
+use std::collections::BTreeSet;
+
+use gturbo::transform::quant::Spec;
 use gturbo_testkit::skip::require_or_skip;
-use mlx_cases::{CaseFile, compare};
+use mlx_cases::{compare, load};
 
 #[test]
 fn mlx_live_crosscheck() {

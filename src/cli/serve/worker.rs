@@ -115,16 +115,15 @@ fn api_error(prompt: usize, e: RunError) -> ApiError {
     }
 }
 
-fn serve(
+/// The session for `job`'s prompt up to its last snapshot boundary: the longest cached
+/// prefix restored, then a prefill to each boundary past it, keeping a snapshot at each
+/// (`None` when the client left meanwhile). Also returns how many tokens were restored.
+fn restore_prefix(
     model: &dyn Model,
-    codec: &TextCodec,
     cache: &mut PrefixCache<Session>,
-    job: Job,
-) -> Result<(), ApiError> {
+    job: &Job,
+) -> Result<Option<(Session, usize)>, ApiError> {
     let prompt = &job.prompt;
-    if prompt.is_empty() {
-        return Err(ApiError::invalid("the prompt encodes to no tokens"));
-    }
     let (mut s, cached) = match cache.longest(prompt) {
         Some((snap, n)) => (
             model
@@ -134,7 +133,6 @@ fn serve(
         ),
         None => (model.session(), 0),
     };
-    // Prefill up to each boundary past the restored prefix, keeping a snapshot there.
     if cache.enabled() {
         for &b in job
             .boundaries
@@ -142,7 +140,7 @@ fn serve(
             .filter(|&&b| b > cached && b < prompt.len())
         {
             if job.events.is_closed() {
-                return Ok(()); // the client left during the prefill
+                return Ok(None);
             }
             let from = s.pos;
             model
@@ -155,6 +153,22 @@ fn serve(
             }
         }
     }
+    Ok(Some((s, cached)))
+}
+
+fn serve(
+    model: &dyn Model,
+    codec: &TextCodec,
+    cache: &mut PrefixCache<Session>,
+    job: Job,
+) -> Result<(), ApiError> {
+    let prompt = &job.prompt;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("the prompt encodes to no tokens"));
+    }
+    let Some((mut s, cached)) = restore_prefix(model, cache, &job)? else {
+        return Ok(()); // the client left during the prefill
+    };
     let p = &job.params;
     let mut sampler = Sampler::new(SamplerConfig {
         temperature: p.temperature,
@@ -233,15 +247,25 @@ fn serve(
         tokens: g.tokens.len(),
         finish,
     });
-    // The conversation so far (the last sampled token is not in the state): the next
-    // turn of it starts with these tokens.
+    keep_conversation(model, cache, prompt, &g.tokens, s);
+    Ok(())
+}
+
+/// Keeps `s`, the conversation so far, for its next turn: the prompt and the answer's
+/// tokens that are in the state (the last sampled token is not).
+fn keep_conversation(
+    model: &dyn Model,
+    cache: &mut PrefixCache<Session>,
+    prompt: &[u32],
+    answer: &[u32],
+    s: Session,
+) {
     if cache.enabled() && s.pos > prompt.len() {
-        let mut key = prompt.clone();
-        key.extend_from_slice(&g.tokens[..s.pos - prompt.len()]);
+        let mut key = prompt.to_vec();
+        key.extend_from_slice(&answer[..s.pos - prompt.len()]);
         let bytes = model.session_bytes(&s);
         cache.insert(key, s, bytes);
     }
-    Ok(())
 }
 
 /// Holds back answer text that may be the start of a stop string, and cuts the answer

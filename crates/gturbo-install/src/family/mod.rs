@@ -347,6 +347,56 @@ pub struct RuleMatch<'a> {
     pub captures: Captures,
 }
 
+/// The compiled `tensors[*].match` patterns of `file`, each rule checked: the captures
+/// its role needs, its expert parts, its sidecar declared.
+fn tensor_rules(
+    file: &FamilyFile,
+    invalid: &dyn Fn(&str, String) -> FamilyError,
+) -> Result<Vec<Pattern>, FamilyError> {
+    let mut rules = Vec::with_capacity(file.tensors.len());
+    for (i, rule) in file.tensors.iter().enumerate() {
+        let field = format!("tensors[{i}].match");
+        let p = Pattern::compile(&rule.pattern).map_err(|e| invalid(&field, e))?;
+        let needs: &[&str] = match rule.role {
+            Role::ExpertsFused | Role::ExpertsStacked => &["{layer}", "{part:"],
+            Role::Expert => &["{layer}", "{expert}", "{part:"],
+            Role::Rows => &["{layer}"],
+            Role::Resident | Role::Excluded => &[],
+        };
+        for n in needs {
+            if !rule.pattern.contains(n) {
+                return Err(invalid(
+                    &field,
+                    format!("role {:?} needs a `{n}…` capture", rule.role),
+                ));
+            }
+        }
+        if let Some((from, to)) = rule
+            .parts
+            .iter()
+            .find(|(_, to)| !EXPERT_PARTS.contains(&to.as_str()))
+        {
+            return Err(invalid(
+                &format!("tensors[{i}].parts.{from}"),
+                format!(
+                    "{to:?} is not an expert part (one of {})",
+                    EXPERT_PARTS.join(", ")
+                ),
+            ));
+        }
+        if let Some(s) = &rule.sidecar
+            && !file.sidecars.contains_key(s)
+        {
+            return Err(invalid(
+                &format!("tensors[{i}].sidecar"),
+                format!("sidecar `{s}` is not declared in `sidecars`"),
+            ));
+        }
+        rules.push(p);
+    }
+    Ok(rules)
+}
+
 impl Family {
     /// Parse and validate a family file.
     pub fn parse(origin: &str, text: &str) -> Result<Family, FamilyError> {
@@ -394,47 +444,7 @@ impl Family {
                 format!("{h:?} is not 64 lowercase hex digits"),
             ));
         }
-        let mut rules = Vec::with_capacity(file.tensors.len());
-        for (i, rule) in file.tensors.iter().enumerate() {
-            let field = format!("tensors[{i}].match");
-            let p = Pattern::compile(&rule.pattern).map_err(|e| invalid(&field, e))?;
-            let needs: &[&str] = match rule.role {
-                Role::ExpertsFused | Role::ExpertsStacked => &["{layer}", "{part:"],
-                Role::Expert => &["{layer}", "{expert}", "{part:"],
-                Role::Rows => &["{layer}"],
-                Role::Resident | Role::Excluded => &[],
-            };
-            for n in needs {
-                if !rule.pattern.contains(n) {
-                    return Err(invalid(
-                        &field,
-                        format!("role {:?} needs a `{n}…` capture", rule.role),
-                    ));
-                }
-            }
-            if let Some((from, to)) = rule
-                .parts
-                .iter()
-                .find(|(_, to)| !EXPERT_PARTS.contains(&to.as_str()))
-            {
-                return Err(invalid(
-                    &format!("tensors[{i}].parts.{from}"),
-                    format!(
-                        "{to:?} is not an expert part (one of {})",
-                        EXPERT_PARTS.join(", ")
-                    ),
-                ));
-            }
-            if let Some(s) = &rule.sidecar
-                && !file.sidecars.contains_key(s)
-            {
-                return Err(invalid(
-                    &format!("tensors[{i}].sidecar"),
-                    format!("sidecar `{s}` is not declared in `sidecars`"),
-                ));
-            }
-            rules.push(p);
-        }
+        let rules = tensor_rules(&file, &invalid)?;
         for (name, sc) in &file.sidecars {
             if !SIDECAR_DEFAULTS.contains(&sc.default.as_str()) {
                 return Err(invalid(
