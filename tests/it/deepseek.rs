@@ -34,13 +34,14 @@ const FAMILY: &str = "deepseek_v3";
 /// same BF16 weights, only the order of the sums differs.
 const LOGIT_ATOL: f32 = 1e-4;
 
-struct Meta {
-    prompt: Vec<u32>,
-    prompt_text: String,
-    greedy: Vec<u32>,
+/// A toy's golden prompt and greedy rollout (`golden/meta.json`).
+pub(crate) struct Meta {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) prompt_text: String,
+    pub(crate) greedy: Vec<u32>,
 }
 
-fn ids(v: &Value) -> Vec<u32> {
+pub(crate) fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
         .iter()
@@ -49,10 +50,15 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn meta(toy: &str) -> Meta {
+    meta_of(toy, FAMILY)
+}
+
+/// The goldens of `toy`, a checkpoint of `family`.
+pub(crate) fn meta_of(toy: &str, family: &str) -> Meta {
     let m: Value =
         serde_json::from_slice(&std::fs::read(Path::new(toy).join("golden/meta.json")).unwrap())
             .unwrap();
-    assert_eq!(m["family"], FAMILY);
+    assert_eq!(m["family"], family);
     Meta {
         prompt: ids(&m["prompt"]),
         prompt_text: m["prompt_text"].as_str().unwrap().to_string(),
@@ -66,7 +72,7 @@ fn f32_tensors(toy: &str, rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)>
 
 /// The golden logits of the prompt's positions, then of the decode steps after the
 /// first greedy token.
-fn golden_rows(toy: &str) -> Vec<Vec<f32>> {
+pub(crate) fn golden_rows(toy: &str) -> Vec<Vec<f32>> {
     let prompt = f32_tensors(toy, "golden/prompt.safetensors");
     let greedy = f32_tensors(toy, "golden/greedy.safetensors");
     let (ps, pl) = &prompt["logits"];
@@ -138,7 +144,7 @@ fn manifest(dir: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
 }
 
-fn csv(ids: &[u32]) -> String {
+pub(crate) fn csv(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
@@ -341,7 +347,7 @@ fn logits_vs_golden<B: Ops + 'static>(
 }
 
 /// Largest difference between two runs' logits.
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+pub(crate) fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter()
         .flatten()
         .zip(b.iter().flatten())
@@ -416,4 +422,92 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
     };
     assert!(!gpu.attends(&v3.cache_spec(KvLayout::Latent)));
     assert!(gpu.attends(&v3.cache_spec(KvLayout::Expanded)));
+}
+
+/// A safetensors file of BF16 tensors `(name, shape)`, every value 1.0.
+fn ones_bf16_safetensors(tensors: &[(String, Vec<u64>)]) -> Vec<u8> {
+    const ONE_BF16: [u8; 2] = 0x3f80u16.to_le_bytes();
+    let mut head = serde_json::Map::new();
+    head.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut at = 0u64;
+    for (name, shape) in tensors {
+        let bytes = 2 * shape.iter().product::<u64>();
+        head.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [at, at + bytes]}),
+        );
+        at += bytes;
+    }
+    let mut header = serde_json::to_vec(&Value::Object(head)).unwrap();
+    while !header.len().is_multiple_of(8) {
+        header.push(b' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    out.extend(ONE_BF16.iter().cycle().take(at as usize));
+    out
+}
+
+/// The toy with a multi-token-prediction layer at `model.layers.3` (layer 3 =
+/// `num_hidden_layers`, in a third shard listed by the index, as DeepSeek-V3's layer
+/// 61): the family's `mtp` sidecar drops it at install by default, and the install runs
+/// transformers' greedy tokens (the runner refuses an install holding a layer past
+/// `num_layers`).
+#[test]
+fn a_toy_with_an_mtp_layer_installs_without_it_and_runs() {
+    let tmp = temp_dir();
+    let snap = tmp.path().join("with-mtp");
+    std::fs::create_dir_all(&snap).unwrap();
+    for entry in std::fs::read_dir(TOY).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), snap.join(entry.file_name())).unwrap();
+        }
+    }
+    let (h, vocab) = (128u64, 512u64);
+    let p = "model.layers.3.";
+    let mtp: Vec<(String, Vec<u64>)> = [
+        ("enorm.weight", vec![h]),
+        ("hnorm.weight", vec![h]),
+        ("eh_proj.weight", vec![h, 2 * h]),
+        ("input_layernorm.weight", vec![h]),
+        ("post_attention_layernorm.weight", vec![h]),
+        ("self_attn.o_proj.weight", vec![h, 4 * 32]),
+        ("mlp.gate.weight", vec![8, h]),
+        ("mlp.experts.0.gate_proj.weight", vec![64, h]),
+        ("shared_head.norm.weight", vec![h]),
+        ("shared_head.head.weight", vec![vocab, h]),
+    ]
+    .into_iter()
+    .map(|(n, s)| (format!("{p}{n}"), s))
+    .collect();
+    let shard = "model-mtp.safetensors";
+    std::fs::write(snap.join(shard), ones_bf16_safetensors(&mtp)).unwrap();
+    let index_path = snap.join("model.safetensors.index.json");
+    let mut index: Value = serde_json::from_slice(&std::fs::read(&index_path).unwrap()).unwrap();
+    for (name, _) in &mtp {
+        index["weight_map"][name] = Value::from(shard);
+    }
+    std::fs::write(&index_path, serde_json::to_vec_pretty(&index).unwrap()).unwrap();
+    let config_path = snap.join("config.json");
+    let mut config: Value = serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    config["num_nextn_predict_layers"] = Value::from(1);
+    std::fs::write(&config_path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+
+    let out = tmp.path().join("bf16.gturbo");
+    install_toy(snap.to_str().unwrap(), &out, &["--quant", "bf16"]);
+    let o = gturbo_args(&["verify-install", out.to_str().unwrap()]);
+    assert!(o.status.success(), "verify-install: {}", text(&o));
+    let m = manifest(&out);
+    assert_eq!(m["sidecars"]["mtp"], "skipped", "{m}");
+    let layers: Vec<u64> = m["expert_pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["layer"].as_u64().unwrap())
+        .collect();
+    assert_eq!(layers, [1, 2], "no pool for the MTP layer's expert");
+    let g = meta(TOY);
+    let (doc, footer) = run_json(&out, &["--backend", "cpu", "--prompt-ids", &csv(&g.prompt)]);
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::generate::argmax;
 use gturbo::runtime::kernels::gpu::{Gpu, GpuOptions};
-use gturbo::runtime::kernels::{Backend, Cpu};
+use gturbo::runtime::kernels::{Backend, Cpu, Ops};
 use gturbo::runtime::load::{self, LoadOptions};
 use gturbo::runtime::models::decoder::Model;
 use gturbo_testkit::skip::{GTURBO_REQUIRE_GPU, require_or_skip};
@@ -37,7 +37,7 @@ pub(crate) fn gpu(test: &str) -> Option<Gpu> {
 
 /// Greedy decoding of `steps` tokens after `prompt`, with the logits of every
 /// position (the prompt's, then each decode step's).
-fn greedy<B: Backend>(
+fn greedy<B: Ops>(
     dir: &Path,
     experts: ExpertMode,
     b: &B,

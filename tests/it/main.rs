@@ -2,6 +2,7 @@
 
 mod decoder_variants;
 mod deepseek;
+mod glm;
 mod doctor;
 mod dry_run;
 mod flash_next;

@@ -603,29 +603,22 @@ fn f32_1d_and_conv1d_tensors_keep_their_source_dtype_at_every_profile() {
     assert_eq!(t["lm_head.weight"].1, "int4_g64");
 }
 
-// ------------------------------------------------------------ families without a runner
+// ------------------------------------------------------------ GLM's synthetic snapshot
 
-/// A family with no runner yet installs (and verifies), and `gturbo run` refuses it
-/// naming the family and the axes no runner implements.
+/// The synthetic GLM-4.5 installs (and verifies) without its NextN layer, and its BF16
+/// install runs on the glm4_moe runner (tests/it/glm.rs checks the numbers).
 #[test]
-fn a_glm_install_works_and_its_run_is_refused_naming_the_missing_axes() {
+fn a_glm_install_works_and_runs() {
     let work = temp_dir();
     let snap = work.path().join("glm");
     write_glm(&snap);
     let out = work.path().join("glm.gturbo");
-    install("glm4_moe", &snap, &out, &[]);
+    install("glm4_moe", &snap, &out, &["--quant", "bf16"]);
     let o = gturbo_args(&["verify-install", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
-    let o = gturbo_args(&["run", out.to_str().unwrap(), "--prompt-ids", "1,2"]);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains(
-            "gturbo: error: family glm4_moe is installed but has no runner; missing axes: \
-             qkvBias, partialRope"
-        ),
-        "{}",
-        text(&o)
-    );
+    let (doc, footer) = run_json(&out, &["--prompt-ids", "1,2", "--max-tokens", "4"]);
+    assert_eq!(doc["runner"], "glm4_moe", "{footer}");
+    assert_eq!(doc["tokens"].as_array().unwrap().len(), 4, "{footer}");
 }
 
 /// gpt-oss's MXFP4 experts are refused before any weight is read, saying so.
