@@ -2,12 +2,12 @@
 
 mod decoder_variants;
 mod deepseek;
-mod glm;
 mod doctor;
 mod dry_run;
 mod flash_next;
 mod flash_next_run;
 mod fp8_source;
+mod glm;
 #[cfg(feature = "gpu")]
 mod gpu;
 #[cfg(feature = "gpu")]

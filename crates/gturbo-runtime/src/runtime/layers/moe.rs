@@ -80,7 +80,11 @@ impl MoeStack {
 
     /// Read and check the DeepSeek-style MoE axes of a model of `layers` layers, a
     /// field the config omits taking `d`'s value.
-    pub(crate) fn sigmoid(a: &Axes<'_>, layers: usize, d: &SigmoidDefaults) -> Result<Self, RunError> {
+    pub(crate) fn sigmoid(
+        a: &Axes<'_>,
+        layers: usize,
+        d: &SigmoidDefaults,
+    ) -> Result<Self, RunError> {
         let moe = MoeConfig {
             experts: a.usize("num_experts")?,
             top_k: a.usize("num_experts_per_tok")?,
@@ -167,8 +171,8 @@ impl<B: Backend + ElementwiseOps> Ffn<'_, B> {
         match self {
             Ffn::Dense(mlp) => mlp.forward(b, xn, out)?,
             Ffn::Moe(m) => {
-                let stack = stack
-                    .ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
+                let stack =
+                    stack.ok_or_else(|| RunError::invalid(manifest::FILE_NAME, "no MoE config"))?;
                 let spec = RouterSpec {
                     experts: stack.moe.experts,
                     routing: stack.routing,

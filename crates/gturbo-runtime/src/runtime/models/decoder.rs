@@ -276,7 +276,10 @@ impl<'a, B: Backend> Bind<'a, '_, B> {
                     bias: s
                         .routing
                         .selection_bias
-                        .then(|| self.install.vector(&t("mlp.gate.e_score_correction_bias"), e))
+                        .then(|| {
+                            self.install
+                                .vector(&t("mlp.gate.e_score_correction_bias"), e)
+                        })
                         .transpose()?,
                     shared: (s.shared_intermediate > 0)
                         .then(|| {

@@ -605,7 +605,10 @@ mod tests {
                 topk_group: 2
             })
         );
-        assert_eq!((c.moe.routing.scaling, c.moe.routing.renormalize), (2.5, true));
+        assert_eq!(
+            (c.moe.routing.scaling, c.moe.routing.renormalize),
+            (2.5, true)
+        );
         // transformers' `scaling` for the toy (golden/meta.json `softmax_scale`):
         // 48^-0.5 · (0.1 · 0.8 · ln 4 + 1)².
         assert!((f64::from(c.softmax_scale) - 0.1781279581324309).abs() < 1e-7);
@@ -640,14 +643,21 @@ mod tests {
                 topk_group: 4
             })
         );
-        assert_eq!((c.moe.routing.scaling, c.moe.routing.renormalize), (2.5, true));
+        assert_eq!(
+            (c.moe.routing.scaling, c.moe.routing.renormalize),
+            (2.5, true)
+        );
         assert_eq!(c.rope.layout, Layout::Interleaved);
         assert_eq!((c.moe.dense_layers, c.moe.shared_intermediate), (3, 64));
         let mut a = axes();
         a["n_group"] = json!(1);
         a["topk_group"] = json!(1);
         assert_eq!(
-            Config::from_manifest(&manifest(a)).unwrap().moe.routing.groups,
+            Config::from_manifest(&manifest(a))
+                .unwrap()
+                .moe
+                .routing
+                .groups,
             None
         );
         assert_eq!(

@@ -18,9 +18,6 @@ pub const MIXTRAL: Variant = Variant {
 };
 
 /// The Mixtral model of `install` on `backend`.
-pub fn open<'a, B: Ops>(
-    install: &'a Install,
-    backend: &'a B,
-) -> Result<Model<'a, B>, RunError> {
+pub fn open<'a, B: Ops>(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
     Model::with(install, backend, &MIXTRAL)
 }
