@@ -56,6 +56,8 @@ pub enum Arch {
     Mixtral,
     /// `models::deepseek_v3`: DeepSeek-V3 and Kimi-K2.
     DeepseekV3,
+    /// `models::qwen3_next`: Qwen3-Next.
+    Qwen3Next,
 }
 
 /// A runner: the families it reads, the axes it implements and the model it builds.
@@ -131,6 +133,18 @@ pub const RUNNERS: &[Runner] = &[
             SHARED_EXPERT_GATED,
             HYPER_CONNECTIONS,
             PLE_NGRAM,
+            OFFSET_RMS_NORM,
+        ],
+    },
+    Runner {
+        name: "qwen3_next",
+        arch: Arch::Qwen3Next,
+        families: &["qwen3_next"],
+        axes: &[
+            GATED_ATTENTION,
+            GATED_DELTA_NET,
+            ROUTED_MOE,
+            SHARED_EXPERT_GATED,
             OFFSET_RMS_NORM,
         ],
     },

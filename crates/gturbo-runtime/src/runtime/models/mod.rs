@@ -10,11 +10,14 @@
 //!   group-limited routing, a shared expert, dense first layers.
 //! - [`flash_next`]: Qwen3.8-Flash-Next (`qwen4_exp`): hyper-connections, gated delta
 //!   net, indexed attention, the PLE n-gram embedding.
+//! - [`qwen3_next`]: Qwen3-Next: gated DeltaNet and gated full attention, softmax-routed
+//!   experts with a gated shared expert.
 
 pub mod decoder;
 pub mod deepseek_v3;
 pub mod flash_next;
 pub mod mixtral;
+pub mod qwen3_next;
 
 use std::any::Any;
 
@@ -162,5 +165,6 @@ pub fn open<'a, B: Ops + 'static>(
         Arch::FlashNext => Box::new(flash_next::model::FlashModel::new(install, backend)?),
         Arch::Mixtral => Box::new(mixtral::open(install, backend)?),
         Arch::DeepseekV3 => Box::new(deepseek_v3::Model::new(install, backend)?),
+        Arch::Qwen3Next => Box::new(qwen3_next::Qwen3NextModel::new(install, backend)?),
     })
 }

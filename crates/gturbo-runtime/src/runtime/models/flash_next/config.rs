@@ -11,7 +11,7 @@
 //! silu) is not reachable from an install.
 
 use super::attention::AttnDims;
-use super::moe::MoeDims;
+use crate::runtime::layers::sparse_moe::MoeDims;
 use super::ple::PleDims;
 use crate::format::manifest::Manifest;
 use crate::runtime::RunError;
