@@ -21,7 +21,7 @@ pub const ROUTED_MOE: &str = "routedMoe";
 /// LM head shared with the token embedding.
 pub const TIED_EMBEDDINGS: &str = "tiedEmbeddings";
 /// Attention whose output is multiplied by a sigmoid gate packed with the query
-/// (Flash-Next's `q_proj`), with partial RoPE and QK-norm.
+/// (Flash-Next's and Qwen3-Next's `q_proj`), with partial RoPE and QK-norm.
 pub const GATED_ATTENTION: &str = "gatedAttention";
 /// Gated DeltaNet linear attention: causal conv state and the delta-rule recurrence.
 pub const GATED_DELTA_NET: &str = "gatedDeltaNetLinearAttention";
@@ -85,7 +85,7 @@ pub const FLASH_NEXT: &str = "flash-next";
 
 /// Every runner gturbo has. One decoder, parametrised by axes, covers the plain
 /// transformer families (Mixtral with its own names and routing); `flash-next` runs
-/// Qwen3.8-Flash-Next.
+/// Qwen3.8-Flash-Next, `qwen3_next` Qwen3-Next.
 pub const RUNNERS: &[Runner] = &[
     Runner {
         name: "decoder",

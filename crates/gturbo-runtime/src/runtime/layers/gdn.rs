@@ -174,7 +174,11 @@ fn grouped_projection<B: Ops>(
     let (kw, ch) = (nk * dk, d.channels());
     let mut packed = be.zeros(t * nk * g)?;
     be.linear(qkvz, u, &mut packed)?;
-    for (cols, dst) in [(0..dk, 0..kw), (dk..2 * dk, kw..2 * kw), (2 * dk..2 * dk + rv, 2 * kw..ch)] {
+    for (cols, dst) in [
+        (0..dk, 0..kw),
+        (dk..2 * dk, kw..2 * kw),
+        (2 * dk..2 * dk + rv, 2 * kw..ch),
+    ] {
         let mut piece = be.zeros(t * dst.len())?;
         be.gather_cols(&packed, g, cols, &mut piece)?;
         be.scatter_cols(&piece, 1.0, ch, dst, qkv)?;

@@ -135,7 +135,10 @@ impl Config {
             return Err(a.err("full_attention_interval", "0"));
         }
         let eps = a.f64("rms_norm_eps")? as f32;
-        let (kd, vd) = (a.usize("linear_key_head_dim")?, a.usize("linear_value_head_dim")?);
+        let (kd, vd) = (
+            a.usize("linear_key_head_dim")?,
+            a.usize("linear_value_head_dim")?,
+        );
         let vocab = a.usize("vocab_size")?;
         let sizes: [(&str, &[usize]); 4] = [
             ("num_attention_heads", &[heads, head_dim, 2]),
@@ -298,7 +301,9 @@ impl<'a, B: Ops> Bind<'a, '_, B> {
     fn mixer(&self, c: &Config, l: usize) -> Result<Mixer<'a, B>, RunError> {
         let p = format!("model.layers.{l}.");
         let h = c.hidden;
-        let linear = self.inst.has(&format!("{p}linear_attn.in_proj_qkvz.weight"));
+        let linear = self
+            .inst
+            .has(&format!("{p}linear_attn.in_proj_qkvz.weight"));
         let full = self.inst.has(&format!("{p}self_attn.q_proj.weight"));
         let want_full = c.is_full_attention(l);
         if (linear, full) != (!want_full, want_full) {
@@ -306,7 +311,11 @@ impl<'a, B: Ops> Bind<'a, '_, B> {
                 &self.inst.manifest.resident.file,
                 format!(
                     "layer {l} should be {} (full_attention_interval {}), but the install holds {} linear_attn.in_proj_qkvz and {} self_attn.q_proj",
-                    if want_full { "full attention" } else { "linear attention" },
+                    if want_full {
+                        "full attention"
+                    } else {
+                        "linear attention"
+                    },
                     c.full_attention_interval,
                     if linear { "a" } else { "no" },
                     if full { "a" } else { "no" },
@@ -379,11 +388,17 @@ impl<'a, B: Ops> Qwen3NextModel<'a, B> {
             ));
         }
         let cfg = Config::from_manifest(m)?;
-        if install.has(&format!("model.layers.{}.input_layernorm.weight", cfg.layers)) {
+        if install.has(&format!(
+            "model.layers.{}.input_layernorm.weight",
+            cfg.layers
+        )) {
             return Err(axis_err(
                 m,
                 "num_layers",
-                &format!("{}, but the install holds tensors of layer {}", cfg.layers, cfg.layers),
+                &format!(
+                    "{}, but the install holds tensors of layer {}",
+                    cfg.layers, cfg.layers
+                ),
             ));
         }
         let b = backend;
@@ -517,7 +532,13 @@ impl<'a, B: Ops> Qwen3NextModel<'a, B> {
         b.embed(&self.embed, tokens, &mut x)?;
         let mut u = b.zeros(t * h)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(&x, &layer.input_norm, c.eps, NormGain::OnePlusWeight, &mut u)?;
+            b.rms_norm(
+                &x,
+                &layer.input_norm,
+                c.eps,
+                NormGain::OnePlusWeight,
+                &mut u,
+            )?;
             let y = match (&layer.mixer, &mut s.mixers[l]) {
                 (Mixer::Gdn(w), MixerState::Gdn(st)) => gdn_forward(b, w, &c.gdn, st, &u, t)?.out,
                 (Mixer::Attn(w), MixerState::Attn(kv)) => self.attention(w, kv, s.pos, &u, t)?,

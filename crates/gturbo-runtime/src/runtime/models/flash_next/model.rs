@@ -18,10 +18,8 @@ use std::collections::BTreeMap;
 
 use super::attention::{AttnWeights, IndexerWeights, attention_forward};
 use super::config::{FlashConfig, LayerKind};
-use crate::runtime::layers::gdn::{GdnProj, GdnState, GdnWeights, gdn_forward};
 use super::hc::{HcRead, HyperConnection, hc_read};
 use super::install::FlashInstall;
-use crate::runtime::layers::sparse_moe::{MoeWeights, moe_forward};
 use super::ple::{PleState, PleTables, PleWeights, ple_forward};
 use crate::format::manifest;
 use crate::format::pools::ExpertPool;
@@ -32,8 +30,10 @@ use crate::runtime::generate::{LanguageModel, Stat};
 use crate::runtime::kernels::ops::Ops;
 use crate::runtime::kernels::rope::inv_freq;
 use crate::runtime::kernels::{Backend, OpResult, RopeLayout};
+use crate::runtime::layers::gdn::{GdnProj, GdnState, GdnWeights, gdn_forward};
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 use crate::runtime::layers::moe::expert_slots;
+use crate::runtime::layers::sparse_moe::{MoeWeights, moe_forward};
 
 /// Prefix of the text model's tensors.
 const LM: &str = "model.language_model.";
