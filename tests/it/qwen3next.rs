@@ -376,3 +376,34 @@ fn an_int4_install_runs_with_its_recorded_quality() {
     let o = gturbo_args(&["verify-install", q.to_str().unwrap()]);
     assert!(o.status.success(), "verify-install: {}", text(&o));
 }
+
+/// Which layers are full attention comes from `full_attention_interval`; an install
+/// whose tensors disagree with it is refused, naming the layer and the axis, before a
+/// weight is read.
+#[test]
+fn an_install_whose_layers_disagree_with_full_attention_interval_is_refused() {
+    let tmp = temp_dir();
+    let out = tmp.path().join("bf16.gturbo");
+    install(&out, &["--quant", "bf16"]);
+    let mut m = manifest(&out);
+    m["arch"]["axes"]["full_attention_interval"] = Value::from(4);
+    std::fs::write(
+        out.join("manifest.json"),
+        serde_json::to_vec_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    let o = gturbo_args(&[
+        "run",
+        out.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("layer 1 should be linear attention (full_attention_interval 4)"),
+        "{}",
+        text(&o)
+    );
+}
