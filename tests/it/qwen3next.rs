@@ -160,6 +160,13 @@ fn greedy_tokens_equal_transformers_on_the_cpu_by_ids_and_by_text() {
     assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
     assert_eq!(doc["runner"], "qwen3_next");
     assert_eq!(doc["family"], "qwen3_next");
+    // Two DeltaNet layers' fixed state (conv 3 × 256 and recurrent 4 × 32 × 32, f32)
+    // and two attention layers' K/V of 2 heads × 32 per position (the last token
+    // generated is never fed back).
+    let positions = (g.prompt.len() + g.greedy.len() - 1) as u64;
+    let gdn = 2 * (3 * 256 + 4 * 32 * 32) * 4;
+    let kv = 2 * positions * 2 * 2 * 32 * 4;
+    assert_eq!(doc["state_bytes"], gdn + kv, "{footer}");
     let (doc, footer) = run_json(dir, &["--backend", "cpu", "--prompt", &g.prompt_text]);
     assert_eq!(ids(&doc["prompt_ids"]), g.prompt, "{footer}");
     assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");

@@ -29,7 +29,7 @@
 use crate::format::manifest::{self, Manifest};
 use crate::format::pools::ExpertPool;
 use crate::runtime::error::{InputError, RunError};
-use crate::runtime::generate::LanguageModel;
+use crate::runtime::generate::{LanguageModel, Stat};
 use crate::runtime::kernels::ops::{GateAct, GdnDims, Ops};
 use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain, OpResult};
 use crate::runtime::layers::axes::{Axes, axis_err};
@@ -491,6 +491,20 @@ impl<'a, B: Ops> Qwen3NextModel<'a, B> {
         Ok(Session { mixers, pos: s.pos })
     }
 
+    /// Bytes of per-sequence state after `positions` tokens: the attention layers'
+    /// K/V caches (f32, growing with the sequence) and the DeltaNet layers' conv and
+    /// recurrent state (fixed).
+    pub fn state_bytes(&self, positions: usize) -> usize {
+        let c = &self.cfg;
+        self.layers
+            .iter()
+            .map(|l| match l.mixer {
+                Mixer::Gdn(_) => c.gdn.state_bytes(),
+                Mixer::Attn(_) => positions * 2 * c.kv_heads * c.head_dim * 4,
+            })
+            .sum()
+    }
+
     /// Refuse a token outside the vocabulary or a sequence past the context, before
     /// anything changes.
     fn check_input(&self, s: &Session<B>, tokens: &[u32]) -> Result<(), RunError> {
@@ -654,5 +668,16 @@ impl<B: Ops> LanguageModel for Qwen3NextModel<'_, B> {
     }
     fn device_memory_bytes(&self) -> Option<u64> {
         self.backend.device_memory_bytes()
+    }
+    fn stats(&self, positions: usize) -> Vec<Stat> {
+        let state = self.state_bytes(positions);
+        vec![Stat {
+            text: format!(
+                "KV cache + GDN state {:.1} KiB at {positions} positions",
+                state as f64 / 1024.0
+            ),
+            key: "state_bytes",
+            value: serde_json::json!(state),
+        }]
     }
 }
