@@ -17,12 +17,12 @@ use gturbo::runtime::experts::ExpertMode;
 use gturbo::runtime::generate::argmax;
 use gturbo::runtime::kernels::Cpu;
 use gturbo::runtime::kernels::ops::SparseAttentionOps;
+use gturbo::runtime::layers::gdn::{GdnState, gdn_forward};
+use gturbo::runtime::layers::sparse_moe::moe_forward;
 use gturbo::runtime::models::flash_next::attention::attention_forward;
-use gturbo::runtime::models::flash_next::gdn::{GdnState, gdn_forward};
 use gturbo::runtime::models::flash_next::hc::hc_read;
 use gturbo::runtime::models::flash_next::install::{self, FlashInstall, FlashOptions};
 use gturbo::runtime::models::flash_next::model::{FlashModel, Mixer, Trace, load_ple_tables};
-use gturbo::runtime::models::flash_next::moe::moe_forward;
 use gturbo::runtime::models::flash_next::ple::{PleState, ngram_ids, ple_forward};
 use serde_json::Value;
 

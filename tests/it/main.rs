@@ -27,6 +27,7 @@ mod models;
 mod progress;
 mod quant_parity;
 mod quant_profiles;
+mod qwen3next;
 mod runtime;
 mod serve;
 mod source_http;

@@ -142,7 +142,7 @@ fn families_lists_the_runner_of_each_family() {
             ("qwen3".to_string(), Value::from("decoder")),
             ("qwen38flashnext".to_string(), Value::from("flash-next")),
             ("qwen3_moe".to_string(), Value::from("decoder")),
-            ("qwen3_next".to_string(), Value::Null),
+            ("qwen3_next".to_string(), Value::from("qwen3_next")),
         ]
     );
     let o = gturbo().arg("families").output().unwrap();

@@ -21,7 +21,7 @@ pub const ROUTED_MOE: &str = "routedMoe";
 /// LM head shared with the token embedding.
 pub const TIED_EMBEDDINGS: &str = "tiedEmbeddings";
 /// Attention whose output is multiplied by a sigmoid gate packed with the query
-/// (Flash-Next's `q_proj`), with partial RoPE and QK-norm.
+/// (Flash-Next's and Qwen3-Next's `q_proj`), with partial RoPE and QK-norm.
 pub const GATED_ATTENTION: &str = "gatedAttention";
 /// Gated DeltaNet linear attention: causal conv state and the delta-rule recurrence.
 pub const GATED_DELTA_NET: &str = "gatedDeltaNetLinearAttention";
@@ -63,6 +63,8 @@ pub enum Arch {
     /// `models::glm4_moe`: the decoder with GLM-4.5's biases, partial rotary and
     /// sigmoid routing.
     Glm4Moe,
+    /// `models::qwen3_next`: Qwen3-Next.
+    Qwen3Next,
 }
 
 /// A runner: the families it reads, the axes it implements and the model it builds.
@@ -90,7 +92,7 @@ pub const FLASH_NEXT: &str = "flash-next";
 
 /// Every runner gturbo has. One decoder, parametrised by axes, covers the plain
 /// transformer families (Mixtral with its own names and routing); `flash-next` runs
-/// Qwen3.8-Flash-Next.
+/// Qwen3.8-Flash-Next, `qwen3_next` Qwen3-Next.
 pub const RUNNERS: &[Runner] = &[
     Runner {
         name: "decoder",
@@ -154,6 +156,18 @@ pub const RUNNERS: &[Runner] = &[
             SHARED_EXPERT_GATED,
             HYPER_CONNECTIONS,
             PLE_NGRAM,
+            OFFSET_RMS_NORM,
+        ],
+    },
+    Runner {
+        name: "qwen3_next",
+        arch: Arch::Qwen3Next,
+        families: &["qwen3_next"],
+        axes: &[
+            GATED_ATTENTION,
+            GATED_DELTA_NET,
+            ROUTED_MOE,
+            SHARED_EXPERT_GATED,
             OFFSET_RMS_NORM,
         ],
     },

@@ -13,12 +13,15 @@
 //!   shared expert, dense first layers.
 //! - [`flash_next`]: Qwen3.8-Flash-Next (`qwen4_exp`): hyper-connections, gated delta
 //!   net, indexed attention, the PLE n-gram embedding.
+//! - [`qwen3_next`]: Qwen3-Next: gated DeltaNet and gated full attention, softmax-routed
+//!   experts with a gated shared expert.
 
 pub mod decoder;
 pub mod deepseek_v3;
 pub mod flash_next;
 pub mod glm4_moe;
 pub mod mixtral;
+pub mod qwen3_next;
 
 use std::any::Any;
 
@@ -167,5 +170,6 @@ pub fn open<'a, B: Ops + 'static>(
         Arch::Mixtral => Box::new(mixtral::open(install, backend)?),
         Arch::DeepseekV3 => Box::new(deepseek_v3::Model::new(install, backend)?),
         Arch::Glm4Moe => Box::new(glm4_moe::open(install, backend)?),
+        Arch::Qwen3Next => Box::new(qwen3_next::Qwen3NextModel::new(install, backend)?),
     })
 }

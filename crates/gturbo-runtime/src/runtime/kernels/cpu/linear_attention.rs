@@ -1,5 +1,5 @@
 //! The CPU's [`LinearAttentionOps`] and the slice functions they run: the depthwise
-//! causal conv and the gated delta rule (the formulas are in `models::flash_next::gdn`).
+//! causal conv and the gated delta rule (the formulas are in `layers::gdn`).
 
 use super::math::{gated_rms_norm, l2_normalize, sigmoid, silu, softplus};
 use crate::runtime::kernels::ops::{GateAct, GdnDims, LinearAttentionOps};

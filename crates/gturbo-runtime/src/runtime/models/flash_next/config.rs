@@ -11,13 +11,13 @@
 //! silu) is not reachable from an install.
 
 use super::attention::AttnDims;
-use super::moe::MoeDims;
 use super::ple::PleDims;
 use crate::format::manifest::Manifest;
 use crate::runtime::RunError;
 use crate::runtime::kernels::ops::GateAct;
 use crate::runtime::kernels::ops::{GdnDims, HcDims, IndexerDims};
 use crate::runtime::layers::axes::Axes;
+use crate::runtime::layers::sparse_moe::MoeDims;
 
 /// What kind of token mixer a layer has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,14 +5,15 @@
 //! reference (transformers 5.24 `models/qwen4_exp/modeling_qwen4_exp.py`;
 //! `tests/data/flashnext_toy/REFERENCE_NOTES.md` gives its math):
 //! - [`hc`]: hyper-connection read (mix, inject) and write-back, the final mixer;
-//! - [`gdn`]: Gated DeltaNet (the causal conv and the delta rule are
-//!   `kernels::ops::LinearAttentionOps`);
+//! - `layers::gdn`: Gated DeltaNet (the causal conv and the delta rule are
+//!   `kernels::ops::LinearAttentionOps`), shared with Qwen3-Next;
 //! - [`attention`]: gated attention and the QSA indexer (block pooling, relu-sum
 //!   scores, selection with `torch.topk`'s tie rule, `kernels::topk`);
 //! - [`ple`]: the PLE n-gram embedding (exact integer row ids, signed-sqrt gating,
 //!   dilated conv) over the install's row caches (`runtime::rows`);
-//! - [`moe`]: the routed experts through `layers::moe` (f32 softmax, top-k,
-//!   renormalise) and the sigmoid-gated shared expert (`layers::mlp`);
+//! - `layers::sparse_moe`: the routed experts through `layers::moe` (f32 softmax, top-k,
+//!   renormalise) and the sigmoid-gated shared expert (`layers::mlp`), shared with
+//!   Qwen3-Next;
 //! - [`config`], [`install`], [`model`]: the numbers from the manifest, opening the
 //!   install, and the forward pass (prefill and cached decode) as a sequence of op
 //!   calls, generic over the backend (`FlashModel<'a, B: Ops>`).
@@ -23,9 +24,7 @@
 
 pub mod attention;
 pub mod config;
-pub mod gdn;
 pub mod hc;
 pub mod install;
 pub mod model;
-pub mod moe;
 pub mod ple;

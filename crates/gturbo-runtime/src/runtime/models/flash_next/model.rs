@@ -18,10 +18,8 @@ use std::collections::BTreeMap;
 
 use super::attention::{AttnWeights, IndexerWeights, attention_forward};
 use super::config::{FlashConfig, LayerKind};
-use super::gdn::{GdnState, GdnWeights, gdn_forward};
 use super::hc::{HcRead, HyperConnection, hc_read};
 use super::install::FlashInstall;
-use super::moe::{MoeWeights, moe_forward};
 use super::ple::{PleState, PleTables, PleWeights, ple_forward};
 use crate::format::manifest;
 use crate::format::pools::ExpertPool;
@@ -32,8 +30,10 @@ use crate::runtime::generate::{LanguageModel, Stat};
 use crate::runtime::kernels::ops::Ops;
 use crate::runtime::kernels::rope::inv_freq;
 use crate::runtime::kernels::{Backend, OpResult, RopeLayout};
+use crate::runtime::layers::gdn::{GdnProj, GdnState, GdnWeights, gdn_forward};
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 use crate::runtime::layers::moe::expert_slots;
+use crate::runtime::layers::sparse_moe::{MoeWeights, moe_forward};
 
 /// Prefix of the text model's tensors.
 const LM: &str = "model.language_model.";
@@ -349,10 +349,12 @@ impl<'a, B: Ops> Bind<'a, '_, B> {
                 let (vd, ch) = (g.value_heads * g.value_dim, g.channels());
                 let q = |n: &str| format!("{p}linear_attn.{n}");
                 Mixer::Gdn(GdnWeights {
-                    qkv: self.matrix(&q("in_proj_qkv.weight"), ch, h)?,
-                    z: self.matrix(&q("in_proj_z.weight"), vd, h)?,
-                    b: self.matrix(&q("in_proj_b.weight"), g.value_heads, h)?,
-                    a: self.matrix(&q("in_proj_a.weight"), g.value_heads, h)?,
+                    proj: GdnProj::Split {
+                        qkv: self.matrix(&q("in_proj_qkv.weight"), ch, h)?,
+                        z: self.matrix(&q("in_proj_z.weight"), vd, h)?,
+                        b: self.matrix(&q("in_proj_b.weight"), g.value_heads, h)?,
+                        a: self.matrix(&q("in_proj_a.weight"), g.value_heads, h)?,
+                    },
                     conv: self.floats(&q("conv1d.weight"), &[ch, 1, g.conv_kernel])?,
                     a_log: self.floats(&q("A_log"), &[g.value_heads])?,
                     dt_bias: self.floats(&q("dt_bias"), &[g.value_heads])?,

@@ -1,5 +1,5 @@
-//! The sparse MoE block (`Qwen4ExpTextSparseMoeBlock`): routed experts plus a
-//! sigmoid-gated shared expert.
+//! The sparse MoE block (`Qwen4ExpTextSparseMoeBlock`, `Qwen3NextSparseMoeBlock`): routed
+//! experts plus a sigmoid-gated shared expert.
 //! ```text
 //! p      = softmax_f32(gate.weight · u)              [E]
 //! idx    = top-k of p (the seam's route)             w = p[idx] / Σ p[idx]  (norm_topk_prob)
