@@ -22,6 +22,7 @@ use crate::runtime::gate::{QK_NORM, ROUTED_MOE};
 use crate::runtime::generate::LanguageModel;
 use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain, Ops};
 use crate::runtime::layers::axes::{Axes, axis_err};
+use crate::runtime::layers::head::OutputHead;
 use crate::runtime::layers::linear::Linear;
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 pub use crate::runtime::layers::moe::MoeConfig;
@@ -524,26 +525,15 @@ impl<'a, B: Ops> Model<'a, B> {
             b.add(&mut x, &out)?;
         }
         s.pos += n;
-        let (rows, m) = if all {
-            (x, n)
-        } else {
-            (b.copy_rows(&x, h, n - 1..n)?, 1)
+        let out = OutputHead {
+            norm: &self.final_norm,
+            eps: c.eps,
+            gain: NormGain::Weight,
+            head: self.head.as_ref().unwrap_or(&self.embed),
+            hidden: h,
+            vocab: c.vocab,
         };
-        let mut normed = b.zeros(m * h)?;
-        b.rms_norm(
-            &rows,
-            &self.final_norm,
-            c.eps,
-            NormGain::Weight,
-            &mut normed,
-        )?;
-        let mut logits = b.zeros(m * c.vocab)?;
-        b.linear(
-            self.head.as_ref().unwrap_or(&self.embed),
-            &normed,
-            &mut logits,
-        )?;
-        Ok(b.read_owned(logits)?)
+        out.logits(b, x, n, all)
     }
 
     /// The input a forward pass refuses: a sequence past `max_position_embeddings` (the

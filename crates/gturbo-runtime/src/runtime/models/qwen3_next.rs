@@ -34,6 +34,7 @@ use crate::runtime::kernels::ops::{GateAct, GdnDims, Ops};
 use crate::runtime::kernels::{AttentionSpec, Backend, Causal, NormGain, OpResult};
 use crate::runtime::layers::axes::{Axes, axis_err};
 use crate::runtime::layers::gdn::{GdnProj, GdnState, GdnWeights, gdn_forward};
+use crate::runtime::layers::head::OutputHead;
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 use crate::runtime::layers::moe::expert_slots;
 use crate::runtime::layers::rope::{RopeSpec, Scaling};
@@ -573,27 +574,17 @@ impl<'a, B: Ops> Qwen3NextModel<'a, B> {
             )?;
             b.add(&mut x, &o.out)?;
         }
-        let (rows, m) = if all {
-            (x, t)
-        } else {
-            (b.copy_rows(&x, h, t - 1..t)?, 1)
+        let out = OutputHead {
+            norm: &self.final_norm,
+            eps: c.eps,
+            gain: NormGain::OnePlusWeight,
+            head: self.head.as_ref().unwrap_or(&self.embed),
+            hidden: h,
+            vocab: c.vocab,
         };
-        let mut normed = b.zeros(m * h)?;
-        b.rms_norm(
-            &rows,
-            &self.final_norm,
-            c.eps,
-            NormGain::OnePlusWeight,
-            &mut normed,
-        )?;
-        let mut logits = b.zeros(m * c.vocab)?;
-        b.linear(
-            self.head.as_ref().unwrap_or(&self.embed),
-            &normed,
-            &mut logits,
-        )?;
+        let logits = out.logits(b, x, t, all)?;
         s.pos += t;
-        Ok(b.read_owned(logits)?)
+        Ok(logits)
     }
 
     /// Gated full attention of the `t` rows of `u` at positions `pos ..`, appending to
