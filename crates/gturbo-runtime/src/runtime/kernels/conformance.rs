@@ -710,23 +710,35 @@ impl AttentionCase<'_> {
     }
 }
 
-/// The `attention` checks of [`all`].
+/// The `attention` checks of [`all`], in three stages sharing one random stream.
 pub(crate) fn attention<B: Backend>(b: &B) {
     let mut rng = Rng(0xC0FF_0008);
     // Prefill, decode, a short batch, then a rewind to position 3 (a failed pass).
     let steps = [(0, 5), (5, 1), (6, 2), (3, 2)];
+    attention_dense(b, &mut rng, &steps);
+    attention_spec_options(b, &mut rng, &steps);
+    attention_long_contexts(b, &mut rng);
+}
+
+/// Dense heads: grouped, ungrouped, one KV head.
+fn attention_dense<B: Backend>(b: &B, rng: &mut Rng, steps: &[(usize, usize)]) {
     // SmolLM2 (9 over 3 of 64), multi-head without grouping, one KV head of 48.
     for (heads, kv_heads, hd) in [(9, 3, 64), (4, 4, 2), (6, 1, 48)] {
         AttentionCase {
             heads,
             spec: AttentionSpec::dense(kv_heads, hd),
             sinks: None,
-            steps: &steps,
+            steps,
             max_positions: 64,
             snapshot: false,
         }
-        .run(b, &mut rng);
+        .run(b, rng);
     }
+}
+
+/// Each option of the spec: sinks, a window, values wider or narrower than keys,
+/// values in the keys.
+fn attention_spec_options<B: Backend>(b: &B, rng: &mut Rng, steps: &[(usize, usize)]) {
     // Sinks of each sign (one joining the softmax as its largest logit, one that is
     // no weight at all), values wider than keys, a window of 3 that the prefill and
     // the decode steps cross.
@@ -745,7 +757,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
         max_positions: 64,
         snapshot: true,
     }
-    .run(b, &mut rng);
+    .run(b, rng);
     // MLA's shape (values narrower than keys), no window, no sinks; SmolLM2's heads
     // under a window of 4.
     let mla = AttentionSpec {
@@ -764,11 +776,11 @@ pub(crate) fn attention<B: Backend>(b: &B) {
             heads,
             spec,
             sinks: None,
-            steps: &steps,
+            steps,
             max_positions: 64,
             snapshot: false,
         }
-        .run(b, &mut rng);
+        .run(b, rng);
     }
     // Values in the keys: MLA's latent cache (one KV head, keys [c | k_pe] 80 wide,
     // values c 64 wide) with a snapshot, and two KV heads (each value its own head's).
@@ -783,12 +795,16 @@ pub(crate) fn attention<B: Backend>(b: &B) {
                 values_in_keys: true,
             },
             sinks: None,
-            steps: &steps,
+            steps,
             max_positions: 64,
             snapshot,
         }
-        .run(b, &mut rng);
+        .run(b, rng);
     }
+}
+
+/// Long contexts (the GPU's split decode and cache growth).
+fn attention_long_contexts<B: Backend>(b: &B, rng: &mut Rng) {
     // Long contexts, where a GPU splits a decode step's positions across workgroups
     // (`gpu::tuning::split_chunk`: fewer than 256 (token, head) pairs, more than 64
     // positions seen) and grows its cache past the 256 positions it starts with: a
@@ -809,7 +825,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
         max_positions: 512,
         snapshot: false,
     }
-    .run(b, &mut rng);
+    .run(b, rng);
     AttentionCase {
         heads: 2,
         spec: AttentionSpec {
@@ -824,7 +840,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
         max_positions: 512,
         snapshot: true,
     }
-    .run(b, &mut rng);
+    .run(b, rng);
 }
 
 /// The `route` checks of [`all`].
