@@ -75,10 +75,18 @@ fn max_abs(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
-/// The activations, gates, gathers and the hyper-connection's expand, mix and inject.
+/// The activations, gates, gathers and the hyper-connection's expand, mix and inject,
+/// in three stages sharing one random stream.
 pub(crate) fn elementwise<B: Ops>(b: &B) {
     let c = cpu();
     let mut rng = Rng(0x5eed_0001);
+    activations_and_gates(b, &c, &mut rng);
+    column_moves(b, &c, &mut rng);
+    hyper_connection_mixes(b, &c, &mut rng);
+}
+
+/// `act`, `sigmoid_mul`, `scale_rows_sigmoid`.
+fn activations_and_gates<B: Ops>(b: &B, c: &Cpu, rng: &mut Rng) {
     // 1001 elements: no workgroup divides them; values to ±14 reach both sides of the
     // two-sided sigmoid and its flat tails.
     let x = rng.scaled(1001, 14.0);
@@ -110,6 +118,10 @@ pub(crate) fn elementwise<B: Ops>(b: &B) {
         c.scale_rows_sigmoid(&mut w, &s).unwrap();
         close("scale_rows_sigmoid", &down(b, &g), &w, elementwise_tol(&w));
     }
+}
+
+/// `gather_cols` and `scatter_cols`.
+fn column_moves<B: Ops>(b: &B, c: &Cpu, rng: &mut Rng) {
     // The attention's [query | gate] split per head, the indexer's [q | k] split.
     let x = rng.scaled(5 * 3 * 80, 1.0);
     for (width, cols) in [(80, 0..40), (80, 40..80), (240, 192..240), (240, 0..1)] {
@@ -139,6 +151,10 @@ pub(crate) fn elementwise<B: Ops>(b: &B) {
             assert_eq!(back, src, "scatter_cols then gather_cols");
         }
     }
+}
+
+/// The hyper-connection's expand, mix and inject.
+fn hyper_connection_mixes<B: Ops>(b: &B, c: &Cpu, rng: &mut Rng) {
     for d in [
         HcDims {
             streams: 3,
