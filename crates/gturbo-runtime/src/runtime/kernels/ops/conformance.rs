@@ -465,96 +465,102 @@ pub(crate) fn indexer<B: Ops>(b: &B) {
         },
     ];
     for case in &cases {
-        let ix = case.indexer;
-        let (di, cr, kb) = (ix.head_dim, ix.compress, ix.block_topk());
-        let (qw, kvw) = (case.heads * case.head_dim, case.kv_heads * case.head_dim);
-        let freqs = inv_freq(1e4, case.rot);
-        let (grope, crope) = (
-            b.rope_table(&freqs, 0..64, RopeLayout::HalfSplit).unwrap(),
-            c.rope_table(&freqs, 0..64, RopeLayout::HalfSplit).unwrap(),
+        indexer_case(b, &c, &mut rng, case);
+    }
+}
+
+/// One [`AttnCase`] of [`indexer`]: its calls' block scores, selections and indexed
+/// attention, GPU against CPU.
+fn indexer_case<B: Ops>(b: &B, c: &Cpu, rng: &mut Rng, case: &AttnCase) {
+    let ix = case.indexer;
+    let (di, cr, kb) = (ix.head_dim, ix.compress, ix.block_topk());
+    let (qw, kvw) = (case.heads * case.head_dim, case.kv_heads * case.head_dim);
+    let freqs = inv_freq(1e4, case.rot);
+    let (grope, crope) = (
+        b.rope_table(&freqs, 0..64, RopeLayout::HalfSplit).unwrap(),
+        c.rope_table(&freqs, 0..64, RopeLayout::HalfSplit).unwrap(),
+    );
+    let k_norm = rng.scaled(di, 0.3);
+    let gk = up(b, &k_norm);
+    let mut gcache = b.attn_cache(case.kv_heads, case.head_dim, ix).unwrap();
+    let mut ccache: CpuAttnCache = c.attn_cache(case.kv_heads, case.head_dim, ix).unwrap();
+    let mut boundary_ties = 0;
+    for &(pos, n) in case.calls {
+        let what = format!(
+            "{}x{} heads, indexer {}x{di}/{cr}, {n} tokens at {pos}",
+            case.heads, case.head_dim, ix.heads
         );
-        let k_norm = rng.scaled(di, 0.3);
-        let gk = up(b, &k_norm);
-        let mut gcache = b.attn_cache(case.kv_heads, case.head_dim, ix).unwrap();
-        let mut ccache: CpuAttnCache = c.attn_cache(case.kv_heads, case.head_dim, ix).unwrap();
-        let mut boundary_ties = 0;
-        for &(pos, n) in case.calls {
-            let what = format!(
-                "{}x{} heads, indexer {}x{di}/{cr}, {n} tokens at {pos}",
-                case.heads, case.head_dim, ix.heads
-            );
-            let iq = rng.scaled(n * ix.heads * di, 1.0);
-            let raw = rng.scaled(n * di, 1.0);
-            let gs = b
-                .indexer_scores(
-                    &mut gcache,
-                    &up(b, &iq),
-                    &up(b, &raw),
-                    &gk,
-                    1e-6,
-                    &grope,
-                    pos,
-                )
-                .unwrap();
-            let cs = c
-                .indexer_scores(&mut ccache, &iq, &raw, &k_norm, 1e-6, &crope, pos)
-                .unwrap();
-            assert_eq!(gs.len(), n, "{what}: score rows");
-            let mut blocks = Vec::with_capacity(n);
-            for (i, (g, w)) in gs.iter().zip(&cs).enumerate() {
-                let q = &iq[i * ix.heads * di..(i + 1) * ix.heads * di];
-                let keys = &ccache.block_keys;
-                close(&format!("{what}: scores of token {i}"), g, w, |blk| {
-                    let mag: f32 = q
-                        .chunks_exact(di)
-                        .map(|qh| {
-                            qh.iter()
-                                .zip(&keys[blk * di..(blk + 1) * di])
-                                .map(|(a, k)| (a * k).abs())
-                                .sum::<f32>()
-                        })
-                        .sum();
-                    1e-5 * mag / (di as f32).sqrt() + 1e-30
-                });
-                let (gsel, csel) = (select_blocks(g, kb), select_blocks(w, kb));
-                assert_eq!(gsel, csel, "{what}: token {i}'s selection (scores {w:?})");
-                let zero_in = csel.iter().any(|&blk| w[blk] == 0.0);
-                let zero_out = (0..w.len()).any(|blk| w[blk] == 0.0 && !csel.contains(&blk));
-                boundary_ties += usize::from(zero_in && zero_out);
-                blocks.push(csel);
-            }
-            let q = rng.scaled(n * qw, 1.0);
-            let k = rng.scaled(n * kvw, 1.0);
-            let v = rng.scaled(n * kvw, 2.0);
-            let at = Causal {
-                pos,
-                heads: case.heads,
-                scale: 1.0 / (case.head_dim as f32).sqrt(),
-            };
-            let mut g = b.zeros(n * qw).unwrap();
-            b.indexed_attention(
+        let iq = rng.scaled(n * ix.heads * di, 1.0);
+        let raw = rng.scaled(n * di, 1.0);
+        let gs = b
+            .indexer_scores(
                 &mut gcache,
-                &up(b, &q),
-                &up(b, &k),
-                &up(b, &v),
-                at,
-                &blocks,
-                &mut g,
+                &up(b, &iq),
+                &up(b, &raw),
+                &gk,
+                1e-6,
+                &grope,
+                pos,
             )
             .unwrap();
-            let mut want = vec![0f32; n * qw];
-            c.indexed_attention(&mut ccache, &q, &k, &v, at, &blocks, &mut want)
-                .unwrap();
-            let vmax = max_abs(&ccache.v);
-            close(&format!("{what}: attention"), &down(b, &g), &want, |_| {
-                1e-5 * vmax
+        let cs = c
+            .indexer_scores(&mut ccache, &iq, &raw, &k_norm, 1e-6, &crope, pos)
+            .unwrap();
+        assert_eq!(gs.len(), n, "{what}: score rows");
+        let mut blocks = Vec::with_capacity(n);
+        for (i, (g, w)) in gs.iter().zip(&cs).enumerate() {
+            let q = &iq[i * ix.heads * di..(i + 1) * ix.heads * di];
+            let keys = &ccache.block_keys;
+            close(&format!("{what}: scores of token {i}"), g, w, |blk| {
+                let mag: f32 = q
+                    .chunks_exact(di)
+                    .map(|qh| {
+                        qh.iter()
+                            .zip(&keys[blk * di..(blk + 1) * di])
+                            .map(|(a, k)| (a * k).abs())
+                            .sum::<f32>()
+                    })
+                    .sum();
+                1e-5 * mag / (di as f32).sqrt() + 1e-30
             });
+            let (gsel, csel) = (select_blocks(g, kb), select_blocks(w, kb));
+            assert_eq!(gsel, csel, "{what}: token {i}'s selection (scores {w:?})");
+            let zero_in = csel.iter().any(|&blk| w[blk] == 0.0);
+            let zero_out = (0..w.len()).any(|blk| w[blk] == 0.0 && !csel.contains(&blk));
+            boundary_ties += usize::from(zero_in && zero_out);
+            blocks.push(csel);
         }
-        if case.zero_ties {
-            assert!(
-                boundary_ties > 0,
-                "no query's top-{kb} boundary fell inside zero scores: the tie case did not run"
-            );
-        }
+        let q = rng.scaled(n * qw, 1.0);
+        let k = rng.scaled(n * kvw, 1.0);
+        let v = rng.scaled(n * kvw, 2.0);
+        let at = Causal {
+            pos,
+            heads: case.heads,
+            scale: 1.0 / (case.head_dim as f32).sqrt(),
+        };
+        let mut g = b.zeros(n * qw).unwrap();
+        b.indexed_attention(
+            &mut gcache,
+            &up(b, &q),
+            &up(b, &k),
+            &up(b, &v),
+            at,
+            &blocks,
+            &mut g,
+        )
+        .unwrap();
+        let mut want = vec![0f32; n * qw];
+        c.indexed_attention(&mut ccache, &q, &k, &v, at, &blocks, &mut want)
+            .unwrap();
+        let vmax = max_abs(&ccache.v);
+        close(&format!("{what}: attention"), &down(b, &g), &want, |_| {
+            1e-5 * vmax
+        });
+    }
+    if case.zero_ties {
+        assert!(
+            boundary_ties > 0,
+            "no query's top-{kb} boundary fell inside zero scores: the tie case did not run"
+        );
     }
 }
