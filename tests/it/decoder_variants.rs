@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use crate::mixtral::TOY;
 use crate::support::cli::{self, gturbo, text};
+use crate::support::toy::{csv, ids};
 use crate::support::{f32_safetensors, temp_dir};
 
 const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/decoder_variants");
@@ -27,14 +28,6 @@ const LOGIT_ATOL: f32 = 1e-3;
 
 fn meta() -> Value {
     serde_json::from_slice(&std::fs::read(Path::new(GOLDEN).join("meta.json")).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 /// The toy with `variant`'s config patch, installed at BF16 (weights as on disk) under
@@ -147,7 +140,6 @@ fn sliding_window_and_dynamic_ntk_follow_transformers_on_the_cpu_by_logits_and_t
     let tmp = temp_dir();
     let m = meta();
     let prompt = ids(&m["prompt"]);
-    let csv = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     for v in VARIANTS {
         let dir = install_variant(tmp.path(), v);
         logits_vs_golden(&dir, v, &Cpu::new(2));

@@ -6,7 +6,6 @@
 //! the CPU and on the GPU; the prompt's and every cached decode step's logits stay
 //! within [`LOGIT_ATOL`] of transformers'; an INT4 install runs.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -17,8 +16,9 @@ use gturbo::runtime::load::{self, LoadOptions};
 use gturbo::runtime::models::{self, Model, deepseek_v3};
 use serde_json::Value;
 
-use crate::support::cli::{self, gturbo, gturbo_args, text};
-use crate::support::{f32_safetensors, temp_dir};
+use crate::support::cli::{self, gturbo_args, text};
+use crate::support::temp_dir;
+use crate::support::toy::{self, Meta, csv, golden_rows, ids, manifest, meta_of};
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_toy");
 /// The other branch of every option: plain `q_proj`, no group limit, no renormalising,
@@ -34,60 +34,8 @@ const FAMILY: &str = "deepseek_v3";
 /// same BF16 weights, only the order of the sums differs.
 const LOGIT_ATOL: f32 = 1e-4;
 
-/// A toy's golden prompt and greedy rollout (`golden/meta.json`).
-pub(crate) struct Meta {
-    pub(crate) prompt: Vec<u32>,
-    pub(crate) prompt_text: String,
-    pub(crate) greedy: Vec<u32>,
-}
-
-pub(crate) fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn meta(toy: &str) -> Meta {
     meta_of(toy, FAMILY)
-}
-
-/// The goldens of `toy`, a checkpoint of `family`.
-pub(crate) fn meta_of(toy: &str, family: &str) -> Meta {
-    let m: Value =
-        serde_json::from_slice(&std::fs::read(Path::new(toy).join("golden/meta.json")).unwrap())
-            .unwrap();
-    assert_eq!(m["family"], family);
-    Meta {
-        prompt: ids(&m["prompt"]),
-        prompt_text: m["prompt_text"].as_str().unwrap().to_string(),
-        greedy: ids(&m["greedy"]),
-    }
-}
-
-fn f32_tensors(toy: &str, rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
-    f32_safetensors(&Path::new(toy).join(rel))
-}
-
-/// The golden logits of the prompt's positions, then of the decode steps after the
-/// first greedy token.
-pub(crate) fn golden_rows(toy: &str) -> Vec<Vec<f32>> {
-    let prompt = f32_tensors(toy, "golden/prompt.safetensors");
-    let greedy = f32_tensors(toy, "golden/greedy.safetensors");
-    let (ps, pl) = &prompt["logits"];
-    let (gs, gl) = &greedy["step_logits"];
-    assert_eq!(ps[1], gs[1], "vocabularies");
-    let vocab = ps[1];
-    let mut rows: Vec<Vec<f32>> = pl.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
-    let steps: Vec<&[f32]> = gl.chunks_exact(vocab).collect();
-    assert_eq!(
-        steps[0],
-        &rows[ps[0] - 1][..],
-        "step 0 is the prompt's last row"
-    );
-    rows.extend(steps[1..].iter().map(|r| r.to_vec()));
-    rows
 }
 
 fn install(out: &Path, extra: &[&str]) {
@@ -95,13 +43,7 @@ fn install(out: &Path, extra: &[&str]) {
 }
 
 fn install_toy(toy: &str, out: &Path, extra: &[&str]) {
-    let o = gturbo()
-        .args(["-q", "install", FAMILY, "--from", toy, "--out"])
-        .arg(out)
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "install {extra:?}: {}", text(&o));
+    toy::install_toy(FAMILY, toy, out, extra)
 }
 
 /// One BF16 (passthrough) install of the toy for this test run.
@@ -138,14 +80,6 @@ fn bias_stays_f32(dir: &Path) -> bool {
             r#"{{"name":"model.layers.{l}.mlp.gate.e_score_correction_bias","dtype":"F32","shape":[8],"scheme":"passthrough""#
         ))
     })
-}
-
-fn manifest(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
-}
-
-pub(crate) fn csv(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
 fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {

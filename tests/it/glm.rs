@@ -16,9 +16,10 @@ use gturbo::runtime::load::{self, LoadOptions};
 use gturbo::runtime::models::{self, Model};
 use serde_json::Value;
 
-use crate::deepseek::{csv, golden_rows, ids, max_diff, meta_of};
+use crate::deepseek::max_diff;
 use crate::support::cli::{self, gturbo, gturbo_args, text};
 use crate::support::temp_dir;
+use crate::support::toy::{csv, golden_rows, ids, meta_of};
 
 const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/glm_toy");
 /// GLM-4.5-Air's options: no QK norm, `routed_scaling_factor` 1, 2 layers.

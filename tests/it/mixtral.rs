@@ -6,7 +6,6 @@
 //! decode step's logits stay within [`LOGIT_ATOL`] of transformers'; an INT4 install
 //! runs with the quality `eval --record` measured against the BF16 one.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -16,8 +15,9 @@ use gturbo::runtime::load::{self, LoadOptions};
 use gturbo::runtime::models;
 use serde_json::Value;
 
-use crate::support::cli::{self, gturbo, gturbo_args, text};
-use crate::support::{f32_safetensors, temp_dir};
+use crate::support::cli::{self, gturbo_args, text};
+use crate::support::temp_dir;
+use crate::support::toy::{Meta, csv, golden_rows, ids, install_toy, manifest, meta_of};
 
 pub(crate) const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mixtral_toy");
 
@@ -25,70 +25,6 @@ pub(crate) const TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mi
 /// same BF16 weights; only the order of the sums differs (a few ulps of values up to
 /// ~15, through 3 layers). Measured: 1.8e-5 on the CPU, 2.1e-5 on llvmpipe.
 const LOGIT_ATOL: f32 = 1e-3;
-
-/// The golden's meta: the prompt (BOS first), its text, the 24 greedy ids.
-struct Meta {
-    prompt: Vec<u32>,
-    prompt_text: String,
-    greedy: Vec<u32>,
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn meta() -> Meta {
-    let m: Value =
-        serde_json::from_slice(&std::fs::read(Path::new(TOY).join("golden/meta.json")).unwrap())
-            .unwrap();
-    assert_eq!(m["family"], "mixtral");
-    Meta {
-        prompt: ids(&m["prompt"]),
-        prompt_text: m["prompt_text"].as_str().unwrap().to_string(),
-        greedy: ids(&m["greedy"]),
-    }
-}
-
-/// The F32 tensors of a golden safetensors file under the toy.
-fn f32_tensors(rel: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
-    f32_safetensors(&Path::new(TOY).join(rel))
-}
-
-/// The golden logits of every position: the prompt's 17 rows, then the 23 decode
-/// steps after the first greedy token (transformers' full recompute at each step).
-fn golden_rows() -> Vec<Vec<f32>> {
-    let prompt = f32_tensors("golden/prompt.safetensors");
-    let greedy = f32_tensors("golden/greedy.safetensors");
-    let (ps, pl) = &prompt["logits"];
-    let (gs, gl) = &greedy["step_logits"];
-    assert_eq!(ps[1], gs[1], "vocabularies");
-    let vocab = ps[1];
-    let mut rows: Vec<Vec<f32>> = pl.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
-    // Step 0 is the prompt's last position again.
-    let steps: Vec<&[f32]> = gl.chunks_exact(vocab).collect();
-    assert_eq!(
-        steps[0],
-        &rows[ps[0] - 1][..],
-        "step 0 is the prompt's last row"
-    );
-    rows.extend(steps[1..].iter().map(|r| r.to_vec()));
-    rows
-}
-
-/// `gturbo install mixtral --from TOY --out OUT EXTRA…`, asserting success.
-fn install(out: &Path, extra: &[&str]) {
-    let o = gturbo()
-        .args(["-q", "install", "mixtral", "--from", TOY, "--out"])
-        .arg(out)
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "install {extra:?}: {}", text(&o));
-}
 
 /// One BF16 (passthrough) install of the toy for this test run, kept under the
 /// target's temp dir; the tests that read it share it.
@@ -103,19 +39,20 @@ pub(crate) fn bf16() -> &'static Path {
     })
 }
 
-fn manifest(dir: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
-}
-
-fn csv(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-}
-
 /// `gturbo run DIR --json --max-tokens 24 --threads 2 EXTRA…`: its JSON and footer.
 fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
     let mut args = vec!["--max-tokens", "24"];
     args.extend_from_slice(extra);
     cli::run_json(dir, &args)
+}
+
+fn meta() -> Meta {
+    meta_of(TOY, "mixtral")
+}
+
+/// `gturbo install mixtral --from TOY --out OUT EXTRA…`, asserting success.
+fn install(out: &Path, extra: &[&str]) {
+    install_toy("mixtral", TOY, out, extra)
 }
 
 #[test]
@@ -185,7 +122,7 @@ fn greedy_tokens_equal_transformers_on_the_gpu_with_expert_slots_and_resident_ex
 /// greedy tokens, on `backend`, with the largest difference from transformers'.
 fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
     let g = meta();
-    let want = golden_rows();
+    let want = golden_rows(TOY);
     let install = load::open(
         bf16(),
         LoadOptions {

@@ -1,0 +1,81 @@
+//! The tiny real-layout checkpoints with transformers goldens (`tests/data/*_toy`, made
+//! by `scripts/golden/gen_*_golden.py`): their meta, their logits in gturbo's call
+//! order, and installing them.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::cli::{gturbo, text};
+use super::f32_safetensors;
+
+/// A golden's meta: the prompt (BOS first), its text, the greedy ids.
+pub struct Meta {
+    pub prompt: Vec<u32>,
+    pub prompt_text: String,
+    pub greedy: Vec<u32>,
+}
+
+/// A JSON array of token ids.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Token ids as `--prompt-ids` takes them.
+pub fn csv(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// `toy`'s `golden/meta.json`, checked to be `family`'s.
+pub fn meta_of(toy: &str, family: &str) -> Meta {
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(Path::new(toy).join("golden/meta.json")).unwrap())
+            .unwrap();
+    assert_eq!(m["family"], family);
+    Meta {
+        prompt: ids(&m["prompt"]),
+        prompt_text: m["prompt_text"].as_str().unwrap().to_string(),
+        greedy: ids(&m["greedy"]),
+    }
+}
+
+/// The golden logits of every position: the prompt's rows, then the decode steps
+/// after the first greedy token.
+pub fn golden_rows(toy: &str) -> Vec<Vec<f32>> {
+    let prompt = f32_safetensors(&Path::new(toy).join("golden/prompt.safetensors"));
+    let greedy = f32_safetensors(&Path::new(toy).join("golden/greedy.safetensors"));
+    let (ps, pl) = &prompt["logits"];
+    let (gs, gl) = &greedy["step_logits"];
+    assert_eq!(ps[1], gs[1], "vocabularies");
+    let vocab = ps[1];
+    let mut rows: Vec<Vec<f32>> = pl.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    // Step 0 is the prompt's last position again.
+    let steps: Vec<&[f32]> = gl.chunks_exact(vocab).collect();
+    assert_eq!(
+        steps[0],
+        &rows[ps[0] - 1][..],
+        "step 0 is the prompt's last row"
+    );
+    rows.extend(steps[1..].iter().map(|r| r.to_vec()));
+    rows
+}
+
+/// `gturbo install FAMILY --from TOY --out OUT EXTRA…`, asserting success.
+pub fn install_toy(family: &str, toy: &str, out: &Path, extra: &[&str]) {
+    let o = gturbo()
+        .args(["-q", "install", family, "--from", toy, "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "install {extra:?}: {}", text(&o));
+}
+
+/// An install's `manifest.json`.
+pub fn manifest(dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+}
