@@ -79,3 +79,59 @@ pub fn install_toy(family: &str, toy: &str, out: &Path, extra: &[&str]) {
 pub fn manifest(dir: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
 }
+
+/// KL and top-1 agreement (`gturbo eval --json`) of the quantized install `quantized` of
+/// `toy` against a `--quant bf16` install of its dequantized twin (every tensor the
+/// install quantized replaced by MLX's quantize-then-dequantize of it in exact F32, by
+/// `scripts/peers/dequantized_twin.py`): the quantized path must compute what its
+/// dequantized weights compute. `None` (the test skipped, named) when MLX cannot run.
+pub fn kl_against_dequantized_twin(
+    test: &str,
+    family: &str,
+    toy: &str,
+    quantized: &Path,
+    text_file: &Path,
+) -> Option<(f64, f64)> {
+    let tmp = quantized.parent().unwrap();
+    let twin = tmp.join("dequantized-twin");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/dequantized_twin.py");
+    let o = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(toy)
+        .arg(quantized)
+        .arg(&twin)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run python3: {e}"));
+    if !o.status.success() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        if err.contains("No module named") {
+            let why = format!("MLX is not importable; scripts/venv.sh test installs it ({err})");
+            return gturbo_testkit::skip::require_or_skip(test, Err::<(), _>(why))
+                .map(|_| (0.0, 0.0));
+        }
+        panic!("dequantized_twin.py failed: {}", text(&o));
+    }
+    let twin_install = tmp.join("dequantized-twin.gturbo");
+    install_toy(
+        family,
+        twin.to_str().unwrap(),
+        &twin_install,
+        &["--quant", "bf16"],
+    );
+    let o = gturbo()
+        .arg("eval")
+        .arg(quantized)
+        .arg(&twin_install)
+        .arg("--text")
+        .arg(text_file)
+        .args(["--threads", "2", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "eval: {}", text(&o));
+    let ev: Value = serde_json::from_slice(&o.stdout).unwrap();
+    eprintln!("{family} quantized vs its dequantized twin: {ev}");
+    Some((
+        ev["mean_kl_nats"].as_f64().unwrap(),
+        ev["top1_agreement"].as_f64().unwrap(),
+    ))
+}
