@@ -36,7 +36,7 @@ const TOL: f32 = 1e-4;
 fn toy_install() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().expect("temp dir").keep();
+        let tmp = crate::support::run_dir("flash-next-toy-bf16");
         let out = tmp.join("toy.gturbo");
         install(
             "qwen38flashnext",
@@ -820,7 +820,7 @@ fn a_manifest_missing_or_overflowing_an_axis_the_runner_needs_is_refused_naming_
 fn toy_install_int4() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().expect("temp dir").keep();
+        let tmp = crate::support::run_dir("flash-next-toy-int4");
         let out = tmp.join("toy-int4.gturbo");
         install("qwen38flashnext", Path::new(TOY), &out, &[]);
         out

@@ -24,7 +24,7 @@ use crate::support::cli::install;
 pub(crate) fn scaled_install() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let tmp = tempfile::tempdir().expect("temp dir").keep();
+        let tmp = crate::support::run_dir("flash-next-scaled-int4");
         let snap = tmp.join("snap");
         replica::write_flash_next(&snap, &FlashNextSpec::scaled()).expect("write the replica");
         let out = tmp.join("flash.gturbo");

@@ -357,7 +357,7 @@ pub(crate) fn smollm2(test: &str) -> Option<&'static (PathBuf, PathBuf, PathBuf)
     INSTALLS
         .get_or_init(|| {
             // Kept for the whole test run (several tests share the installs).
-            let tmp = temp_dir().keep();
+            let tmp = crate::support::run_dir("smollm2-installs");
             let (int4, bf16) = (tmp.join("smol-int4.gturbo"), tmp.join("smol-bf16.gturbo"));
             install("llama", &snap, &int4, &[]);
             install("llama", &snap, &bf16, &["--quant", "bf16"]);

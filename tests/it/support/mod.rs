@@ -20,6 +20,17 @@ pub fn temp_dir() -> tempfile::TempDir {
     tempfile::tempdir().expect("create a temp dir")
 }
 
+/// A folder shared by the tests of one run (installs made once and read by several
+/// tests), at a fixed place under the target's temp dir: emptied when first asked for
+/// in a run and left for the next run to empty, so a run never leaves one more copy
+/// behind (a kept `tempdir()` leaked one into /tmp per run: statics are never dropped).
+pub fn run_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a shared test folder");
+    dir
+}
+
 /// Write `bytes` to `dir/rel`, creating parent folders.
 pub fn write_file(dir: &Path, rel: &str, bytes: &[u8]) -> PathBuf {
     let path = dir.join(rel);
