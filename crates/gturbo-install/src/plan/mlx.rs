@@ -677,7 +677,7 @@ mod tests {
         let s = sources(&module(24, 2), Some(&q), None, None, None).unwrap();
         assert_eq!(
             s[0].packed.as_ref().unwrap().scheme,
-            Affine::new(6, 64).unwrap()
+            Scheme::Affine(Affine::new(6, 64).unwrap())
         );
         // No block: not pre-quantized.
         assert_eq!(read_quant(&json!({"model_type": "llama"})).unwrap(), None);
