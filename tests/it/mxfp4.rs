@@ -34,8 +34,8 @@ fn sha(bytes: &[u8]) -> String {
 /// One expert's three parts as the install stores them: (weights, scales) bytes of
 /// gate, up, down, read from `dir`'s pool of `layer` at the manifest's offsets.
 fn pool_parts(dir: &Path, layer: usize) -> Vec<[(Vec<u8>, Vec<u8>); 3]> {
-    let m: Value = serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap())
-        .unwrap();
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
     let pool = m["expert_pools"]
         .as_array()
         .unwrap()
@@ -52,7 +52,10 @@ fn pool_parts(dir: &Path, layer: usize) -> Vec<[(Vec<u8>, Vec<u8>); 3]> {
                 let at = e * stride + n(&p["offset"]);
                 let (w, s) = (n(&p["weights"]), n(&p["scales"]));
                 assert_eq!(n(&p["biases"]), 0, "MXFP4 and BF16 parts have no biases");
-                (bytes[at..at + w].to_vec(), bytes[at + w..at + w + s].to_vec())
+                (
+                    bytes[at..at + w].to_vec(),
+                    bytes[at + w..at + w + s].to_vec(),
+                )
             };
             [part(0), part(1), part(2)]
         })
@@ -67,7 +70,13 @@ fn src(t: &BTreeMap<String, (String, Vec<u64>, Vec<u8>)>, name: &str) -> (Vec<u8
 }
 
 /// Rows `pick` (of `row` bytes each) of expert `e` of a `[E, rows, ..]` tensor.
-fn rows(bytes: &[u8], e: usize, n_rows: usize, row: usize, pick: impl Fn(usize) -> bool) -> Vec<u8> {
+fn rows(
+    bytes: &[u8],
+    e: usize,
+    n_rows: usize,
+    row: usize,
+    pick: impl Fn(usize) -> bool,
+) -> Vec<u8> {
     let ex = &bytes[e * n_rows * row..(e + 1) * n_rows * row];
     ex.chunks_exact(row)
         .enumerate()
@@ -136,11 +145,12 @@ fn mxfp4_experts_install_as_the_source_bytes_rearranged() {
     let work = temp_dir();
     let out = work.path().join("a.gturbo");
     install("gpt_oss", &toy(), &out, &[]);
-    let golden: Value =
-        serde_json::from_slice(&std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN)).unwrap())
-            .unwrap();
-    let m: Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap())
-        .unwrap();
+    let golden: Value = serde_json::from_slice(
+        &std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN)).unwrap(),
+    )
+    .unwrap();
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
     for pool in m["expert_pools"].as_array().unwrap() {
         assert_eq!(pool["scheme"], "mxfp4_g32", "{pool}");
     }
@@ -172,7 +182,11 @@ fn mxfp4_experts_install_as_the_source_bytes_rearranged() {
         .unwrap();
     assert_eq!(
         (&bias["dtype"], &bias["scheme"], &bias["dest"]["kind"]),
-        (&Value::from("BF16"), &Value::from("passthrough"), &Value::from("resident"))
+        (
+            &Value::from("BF16"),
+            &Value::from("passthrough"),
+            &Value::from("resident")
+        )
     );
     assert!(
         m["quantized_at_install"]["parity_gate"]
@@ -189,7 +203,11 @@ fn mxfp4_experts_install_as_the_source_bytes_rearranged() {
     std::fs::write(&pool, b).unwrap();
     let o = gturbo_args(&["verify-install", out.to_str().unwrap()]);
     assert!(!o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("packed_experts/layer_01.bin"), "{}", text(&o));
+    assert!(
+        text(&o).contains("packed_experts/layer_01.bin"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// `--quant bf16` dequantizes: every expert part is E2M1 × 2^(e − 127) in BF16,
@@ -201,9 +219,10 @@ fn mxfp4_experts_at_bf16_are_the_rule_and_mlx_dequantize() {
     let work = temp_dir();
     let out = work.path().join("b.gturbo");
     install("gpt_oss", &toy(), &out, &["--quant", "bf16"]);
-    let golden: Value =
-        serde_json::from_slice(&std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN)).unwrap())
-            .unwrap();
+    let golden: Value = serde_json::from_slice(
+        &std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN)).unwrap(),
+    )
+    .unwrap();
     for layer in 0..LAYERS {
         let got = pool_parts(&out, layer);
         for (i, part) in ["gate", "up", "down"].iter().enumerate() {
@@ -214,10 +233,17 @@ fn mxfp4_experts_at_bf16_are_the_rule_and_mlx_dequantize() {
                 let (codes, scales) = &expected_parts(&t, layer, e)[i];
                 let want = rule_bf16(codes, scales, cols);
                 assert!(parts[i].1.is_empty(), "a BF16 part has no scales");
-                assert!(parts[i].0 == want, "layer {layer} expert {e} {part}: not the rule");
+                assert!(
+                    parts[i].0 == want,
+                    "layer {layer} expert {e} {part}: not the rule"
+                );
                 all.extend_from_slice(&parts[i].0);
             }
-            assert_eq!(sha(&all), g["bf16_sha256"], "layer {layer} {part}: MLX differs");
+            assert_eq!(
+                sha(&all),
+                g["bf16_sha256"],
+                "layer {layer} {part}: MLX differs"
+            );
             let rows = g["shape"][1].as_u64().unwrap() as usize;
             for s in g["samples"].as_array().unwrap() {
                 let n = |k: usize| s[k].as_u64().unwrap() as usize;
@@ -287,7 +313,9 @@ fn a_nan_scale_is_refused_naming_the_tensor() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
-        text(&o).contains("field `quantization_config.quant_method`: --requantize: the source is MXFP4"),
+        text(&o).contains(
+            "field `quantization_config.quant_method`: --requantize: the source is MXFP4"
+        ),
         "{}",
         text(&o)
     );

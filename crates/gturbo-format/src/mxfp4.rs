@@ -111,8 +111,7 @@ mod tests {
     #[test]
     fn the_codes_are_the_fp4_values_table() {
         let want = [
-            0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
-            -6.0,
+            0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
         ];
         for (c, w) in want.iter().enumerate() {
             assert_eq!(e2m1(c as u8).to_bits(), f32::to_bits(*w), "code {c}");

@@ -161,7 +161,10 @@ impl WireEntry {
             // has no span for it.
             return Err((
                 "scheme",
-                format!("{}: a resident entry is passthrough or affine", self.scheme.label()),
+                format!(
+                    "{}: a resident entry is passthrough or affine",
+                    self.scheme.label()
+                ),
             ));
         }
         let storage = match (

@@ -425,16 +425,25 @@ mod tests {
         assert_eq!(Scheme::Mxfp4.sizes(u64::MAX, 64, 2), None);
         assert_eq!(Scheme::Mxfp4.label(), "mxfp4_g32");
         assert_eq!(Scheme::parse("mxfp4_g32"), Ok(Scheme::Mxfp4));
-        assert_eq!(serde_json::to_string(&Scheme::Mxfp4).unwrap(), "\"mxfp4_g32\"");
+        assert_eq!(
+            serde_json::to_string(&Scheme::Mxfp4).unwrap(),
+            "\"mxfp4_g32\""
+        );
         assert_eq!(
             serde_json::from_str::<Scheme>("\"mxfp4_g32\"").unwrap(),
             Scheme::Mxfp4
         );
         assert_eq!(Scheme::Mxfp4.affine(), None);
-        assert_eq!((Scheme::Mxfp4.bits(), Scheme::Mxfp4.group()), (Some(4), Some(32)));
+        assert_eq!(
+            (Scheme::Mxfp4.bits(), Scheme::Mxfp4.group()),
+            (Some(4), Some(32))
+        );
         assert!(Scheme::Mxfp4.is_quantized() && !Scheme::Passthrough.is_quantized());
         for bad in ["mxfp4", "mxfp4_g64", "mxfp8_g32"] {
-            assert!(Scheme::parse(bad).unwrap_err().contains("mxfp4_g32"), "{bad}");
+            assert!(
+                Scheme::parse(bad).unwrap_err().contains("mxfp4_g32"),
+                "{bad}"
+            );
         }
     }
 

@@ -34,9 +34,9 @@ use crate::format::Scheme;
 use crate::plan::placement::TensorPlacement;
 use crate::plan::{Plan, RangeRead};
 
+use crate::format::mxfp4;
 use crate::source::{RangeSource, SourceError};
 use crate::transform::fp8::{self, Fp8Error};
-use crate::format::mxfp4;
 use crate::transform::int4_ct;
 use crate::transform::quant::{self, Spec};
 
@@ -387,27 +387,7 @@ impl<'a> ReadWriter<'a> {
                 }
                 direct = Some((0, input));
             }
-            (None, Scheme::Affine(affine)) => {
-                let spec = Spec::from_affine(affine);
-                for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
-                    buf.clear();
-                    buf.resize((per * n) as usize, 0);
-                }
-                let [w, s, b] = &mut self.out;
-                quant::quantize_rows_le_bytes(input, p.cols as usize, spec, w, s, b).map_err(
-                    |e| match e {
-                        quant::QuantError::NonFinite { index } => InstallError::NonFinite {
-                            shard: self.plan.shards[t.shard].path.clone(),
-                            tensor: t.name.clone(),
-                            element: self.tile_row0 * p.cols + index as u64,
-                        },
-                        other => InstallError::Transform {
-                            tensor: t.name.clone(),
-                            detail: other.to_string(),
-                        },
-                    },
-                )?;
-            }
+            (None, Scheme::Affine(affine)) => self.quantize_tile(seg, affine, input)?,
         }
         for stream in (0..3).filter(|&k| p.writes(k)) {
             let per = [ow, os, ob][stream];
@@ -430,6 +410,39 @@ impl<'a> ReadWriter<'a> {
         self.tile_row0 += n;
         self.tile_rows = 0;
         Ok(())
+    }
+
+    /// Quantize one tile of BF16 rows, `input`, at `affine` into the three output
+    /// buffers (bit-exact with `mx.quantize`); a non-finite weight names its element.
+    fn quantize_tile(
+        &mut self,
+        seg: &Segment,
+        affine: crate::format::Affine,
+        input: &[u8],
+    ) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let p = self.placements[seg.tensor]
+            .as_ref()
+            .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+        let (ow, os, ob) = p.out_row;
+        let n = self.tile_rows;
+        for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
+            buf.clear();
+            buf.resize((per * n) as usize, 0);
+        }
+        let [w, s, b] = &mut self.out;
+        let spec = Spec::from_affine(affine);
+        quant::quantize_rows_le_bytes(input, p.cols as usize, spec, w, s, b).map_err(|e| match e {
+            quant::QuantError::NonFinite { index } => InstallError::NonFinite {
+                shard: self.plan.shards[t.shard].path.clone(),
+                tensor: t.name.clone(),
+                element: self.tile_row0 * p.cols + index as u64,
+            },
+            other => InstallError::Transform {
+                tensor: t.name.clone(),
+                detail: other.to_string(),
+            },
+        })
     }
 
     /// A tile of an MXFP4 module's scales, `src` (rows `tile_row0..` of `p.cols / 32`
@@ -488,8 +501,15 @@ impl<'a> ReadWriter<'a> {
         }
         let (s, b) = (&scales[at..at + len], &biases[at..at + len]);
         let mut vals = vec![0u16; (self.tile_rows * cols) as usize];
-        quant::dequantize_rows_bf16(src, s, b, cols as usize, Spec::from_affine(affine), &mut vals)
-            .map_err(|e| InstallError::Transform {
+        quant::dequantize_rows_bf16(
+            src,
+            s,
+            b,
+            cols as usize,
+            Spec::from_affine(affine),
+            &mut vals,
+        )
+        .map_err(|e| InstallError::Transform {
             tensor: t.name.clone(),
             detail: format!("dequantizing: {e}"),
         })?;

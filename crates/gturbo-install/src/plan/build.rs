@@ -99,8 +99,8 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     // kept at the INT4 profile and dequantized (`bf16_round(scale × (q − 8))`; E2M1 ×
     // 2^(e − 127)) at any other, as `--requantize` dequantizes an MLX source's.
     let keeps_4bit = profile.id() == KEEPS_4BIT_SOURCES;
-    let requantize = (quant.is_some() && options.requantize)
-        || ((ct.is_some() || mx4.is_some()) && !keeps_4bit);
+    let requantize =
+        (quant.is_some() && options.requantize) || ((ct.is_some() || mx4.is_some()) && !keeps_4bit);
     let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
     if profile.needs_layers() && num_layers.is_none() && (quant.is_none() || requantize) {
         return Err(PlanError::Config {
@@ -326,21 +326,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
         let Some(packed) = d.packed else {
             // A requantized module: one logical matrix whose `src` is its packed
             // weights; its scales and biases are staged by the executor.
-            let requant = d.requant.map(|p| {
-                let [_, s, b] = p.parts.map(|part| SourcePart {
-                    name: part.name,
-                    shard: part.shard,
-                    dtype: part.dtype,
-                    shape: part.shape,
-                    src: part.src,
-                });
-                Requant {
-                    from: p.scheme,
-                    scales: s,
-                    biases: b,
-                    biases_from_scales: p.biases_from_scales,
-                }
-            });
+            let requant = d.requant.map(requant_of);
             // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its
             // FP8 codes; its block scales are staged by the executor.
             let fp8 = d.fp8.map(|p| ScaledFp8 {
@@ -410,6 +396,24 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
     // Reads and segments go in (shard, offset) order.
     out.sort_by_key(|t| (t.shard, t.src[0]));
     out
+}
+
+/// A module `--requantize` (or a profile that does not keep 4-bit sources)
+/// dequantizes: its layout and the scales and biases the executor stages.
+fn requant_of(p: mlx::Packed) -> Requant {
+    let [_, s, b] = p.parts.map(|part| SourcePart {
+        name: part.name,
+        shard: part.shard,
+        dtype: part.dtype,
+        shape: part.shape,
+        src: part.src,
+    });
+    Requant {
+        from: p.scheme,
+        scales: s,
+        biases: b,
+        biases_from_scales: p.biases_from_scales,
+    }
 }
 
 /// The largest copy of `file` accepted, and what the bound is for: `tokenizer.json` has

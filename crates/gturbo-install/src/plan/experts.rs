@@ -157,10 +157,7 @@ fn part_schemes(tensors: &[Draft], members: &[Member]) -> Result<Option<[Scheme;
     for &(ti, part, _) in members {
         let t = &tensors[ti];
         // mlx-lm leaves a projection whose rows are not whole groups unquantized.
-        let s = t
-            .packed
-            .as_ref()
-            .map_or(Scheme::Passthrough, |p| p.scheme);
+        let s = t.packed.as_ref().map_or(Scheme::Passthrough, |p| p.scheme);
         let idx: &[usize] = if part == ExpertPart::GateUp {
             &[0, 1]
         } else {

@@ -563,11 +563,10 @@ fn logical_sources(
                 super::int4_ct::SUFFIXES[0],
                 super::mxfp4::SUFFIXES[0],
             ]
-                .iter()
-                .filter_map(|s| t.name.strip_suffix(s))
-                .find_map(|path| modules.get(path).map(|m| (path, m)))
-                .filter(|(_, m)| m.parts[0].name == t.name)
-            else {
+            .iter()
+            .filter_map(|s| t.name.strip_suffix(s))
+            .find_map(|path| modules.get(path).map(|m| (path, m)))
+            .filter(|(_, m)| m.parts[0].name == t.name) else {
                 continue;
             };
             let mut shape = packed.parts[1].shape.clone();

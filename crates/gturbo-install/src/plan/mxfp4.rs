@@ -180,11 +180,7 @@ fn check(
     (ssi, s): (usize, &TensorHeader),
 ) -> Result<(), PlanError> {
     let n = b.shape.len();
-    if b.dtype != Dtype::U8
-        || n < 3
-        || b.shape[n - 1] != GROUP_BYTES
-        || b.shape.contains(&0)
-    {
+    if b.dtype != Dtype::U8 || n < 3 || b.shape[n - 1] != GROUP_BYTES || b.shape.contains(&0) {
         return Err(tensor_err(
             headers,
             si,
@@ -293,7 +289,10 @@ mod tests {
         assert_eq!(p.parts[0].shape, [4, 6, 32], "last two axes flattened");
         assert_eq!(p.parts[1].shape, [4, 6, 2]);
         let e = run(&ok, None).unwrap_err().to_string();
-        assert!(e.contains("field `quantization_config`: missing or not `mxfp4`"), "{e}");
+        assert!(
+            e.contains("field `quantization_config`: missing or not `mxfp4`"),
+            "{e}"
+        );
         let bad = shard(&[
             ("e.p_blocks", Dtype::U8, &[4, 6, 2, 16]),
             ("e.p_scales", Dtype::U8, &[4, 6, 3]),
@@ -308,7 +307,10 @@ mod tests {
             ("e.p_scales", Dtype::U8, &[4, 6, 2]),
         ]);
         let e = run(&wide, Some(&q)).unwrap_err().to_string();
-        assert!(e.contains("MXFP4 codes are U8 [.., rows, cols / 32, 16]"), "{e}");
+        assert!(
+            e.contains("MXFP4 codes are U8 [.., rows, cols / 32, 16]"),
+            "{e}"
+        );
         let lone = shard(&[("e.p_blocks", Dtype::U8, &[4, 6, 2, 16])]);
         let e = run(&lone, Some(&q)).unwrap_err().to_string();
         assert!(e.contains("the source lacks the scales"), "{e}");

@@ -35,8 +35,8 @@
 //! (never read out of bounds) when that is not so. `check` itself never panics.
 
 use crate::format::dtype::Dtype;
-use crate::format::pools::{BlobPart, ExpertPool};
 use crate::format::mxfp4::GROUP as MXFP4_GROUP;
+use crate::format::pools::{BlobPart, ExpertPool};
 use crate::format::quant::{GROUP, bf16_to_f32};
 use crate::format::{Affine, Scheme};
 use rayon::prelude::*;
@@ -256,18 +256,18 @@ impl Matrix<'_> {
     /// Output features (rows).
     pub fn rows(&self) -> usize {
         match *self {
-            Matrix::Quant { rows, .. } | Matrix::Mxfp4 { rows, .. } | Matrix::Float { rows, .. } => {
-                rows
-            }
+            Matrix::Quant { rows, .. }
+            | Matrix::Mxfp4 { rows, .. }
+            | Matrix::Float { rows, .. } => rows,
         }
     }
 
     /// Input features (columns).
     pub fn cols(&self) -> usize {
         match *self {
-            Matrix::Quant { cols, .. } | Matrix::Mxfp4 { cols, .. } | Matrix::Float { cols, .. } => {
-                cols
-            }
+            Matrix::Quant { cols, .. }
+            | Matrix::Mxfp4 { cols, .. }
+            | Matrix::Float { cols, .. } => cols,
         }
     }
 

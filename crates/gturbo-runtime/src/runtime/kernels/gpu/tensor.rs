@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 use super::context::GpuContext;
 use super::error::{GpuError, Result};
 use super::tuning;
+use crate::format::Scheme;
 use crate::format::dtype::Dtype;
 use crate::format::pools::ExpertPool;
 use crate::format::quant::GROUP;
-use crate::format::Scheme;
 use crate::runtime::kernels::{AttentionSpec, FloatDtype, Matrix};
 
 /// What the GPU says of an MXFP4 matrix: the CPU computes it.
@@ -569,7 +569,11 @@ impl ExpertSlots {
         if slots == 0 {
             return Err(bad("zero slots".into()));
         }
-        if pool.parts.iter().any(|p| pool.part_scheme(p) == Scheme::Mxfp4) {
+        if pool
+            .parts
+            .iter()
+            .any(|p| pool.part_scheme(p) == Scheme::Mxfp4)
+        {
             return Err(bad(MXFP4_NOT_ON_GPU.into()));
         }
         let encoding = match (pool.scheme.bits(), pool.dtype) {
