@@ -25,6 +25,7 @@ mod mixtral;
 mod mlx_lm_parity;
 mod mlx_source;
 mod models;
+mod mxfp4;
 mod progress;
 mod quant_parity;
 mod quant_profiles;

@@ -621,33 +621,25 @@ fn a_glm_install_works_and_runs() {
     assert_eq!(doc["tokens"].as_array().unwrap().len(), 4, "{footer}");
 }
 
-/// gpt-oss's MXFP4 experts are refused before any weight is read, saying so.
+/// gpt-oss's MXFP4 experts (once refused as not installed yet) are planned from the
+/// headers as MXFP4 expert pools at the default profile (tests/it/mxfp4.rs checks the
+/// bytes).
 #[test]
-fn an_mxfp4_source_is_refused_as_not_yet() {
-    let work = temp_dir();
-    let snap = work.path().join("oss");
-    write_llama(&snap, &LlamaSpec::tiny()).unwrap();
-    let mut config: Value =
-        serde_json::from_slice(&std::fs::read(snap.join("config.json")).unwrap()).unwrap();
-    config["model_type"] = json!("gpt_oss");
-    config["num_local_experts"] = json!(4);
-    config["num_experts_per_tok"] = json!(2);
-    config["head_dim"] = json!(32);
-    config["quantization_config"] = json!({"quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"]});
-    std::fs::write(snap.join("config.json"), config.to_string()).unwrap();
-    let o = try_install("gpt_oss", &snap, &work.path().join("o"), &["--dry-run"]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(
-        text(&o)
-            .contains("config.json: field `quantization_config.quant_method`: \"mxfp4\": gturbo")
-            && text(&o).contains(
-                "only; MXFP4 sources (gpt-oss's experts) are not installed yet, a BF16 copy of \
-             the checkpoint installs"
-            ),
-        "{}",
-        text(&o)
+fn an_mxfp4_source_plans_its_experts_as_mxfp4_pools() {
+    let snap = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gptoss_mxfp4_toy");
+    let (report, plan) = dry(&snap, "gpt_oss", "int4", &[]);
+    let t = planned(&plan);
+    assert_eq!(
+        t["model.layers.0.mlp.experts.gate_up_proj_blocks"],
+        ("U8".into(), "mxfp4_g32".into(), "experts_fused".into()),
+        "{report}"
     );
+    assert_eq!(
+        t["model.layers.1.mlp.experts.down_proj_scales"],
+        ("U8".into(), "mxfp4_g32".into(), "experts_fused".into())
+    );
+    assert_eq!(t["model.layers.0.self_attn.q_proj.weight"].1, "int4_g64");
+    assert_eq!(t["model.layers.0.mlp.router.weight"].1, "int8_g64");
 }
 
 // ------------------------------------------------------------ compressed-tensors INT4

@@ -15,6 +15,7 @@ pub mod env;
 pub mod json;
 pub mod lock;
 pub mod manifest;
+pub mod mxfp4;
 pub mod nofollow;
 pub mod pools;
 pub mod quality;
@@ -116,17 +117,25 @@ pub fn align_up(n: u64, align: u64) -> Option<u64> {
 }
 
 /// How one slot's bytes are stored: MLX affine quantization at one of the widths and
-/// groups MLX writes ([`Affine`]), or the source bytes unchanged.
+/// groups MLX writes ([`Affine`]), MLX's `mxfp4` microscaling layout ([`sizes`]'s
+/// MXFP4 section), or the source bytes unchanged.
 ///
-/// Written as its label: `int{bits}_g{group}` (`int4_g64`, `int3_g128`) or
+/// Written as its label: `int{bits}_g{group}` (`int4_g64`, `int3_g128`), `mxfp4_g32` or
 /// `passthrough`; a reader refuses any other name, naming the accepted ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Scheme {
     /// Affine quantization in MLX's layout (U32 words, BF16 scales and biases).
     Affine(Affine),
+    /// MXFP4 in MLX's `mxfp4` layout: E2M1 codes eight to a U32 word, one E8M0 scale
+    /// byte per group of 32, no biases (gpt-oss's experts, kept as published).
+    Mxfp4,
     /// Source bytes unchanged, at the source dtype.
     Passthrough,
 }
+
+/// The label of [`Scheme::Mxfp4`]: MXFP4 in groups of 32 (MLX's `mxfp4` mode has no
+/// other group).
+pub const MXFP4_LABEL: &str = "mxfp4_g32";
 
 #[allow(non_upper_case_globals)]
 impl Scheme {
@@ -137,13 +146,19 @@ impl Scheme {
 }
 
 impl Scheme {
-    /// The affine layout of a quantizing scheme, `None` for passthrough. Every size
-    /// follows from it (see [`sizes`]).
+    /// The affine layout of an affine scheme, `None` for MXFP4 and passthrough. Every
+    /// affine size follows from it (see [`sizes`]).
     pub const fn affine(self) -> Option<Affine> {
         match self {
             Scheme::Affine(a) => Some(a),
-            Scheme::Passthrough => None,
+            Scheme::Mxfp4 | Scheme::Passthrough => None,
         }
+    }
+
+    /// Whether the bytes are quantized codes with scales (affine or MXFP4), not the
+    /// source's elements.
+    pub const fn is_quantized(self) -> bool {
+        !matches!(self, Scheme::Passthrough)
     }
 
     /// The scheme that stores `affine` (every layout [`Affine`] admits).
@@ -153,18 +168,26 @@ impl Scheme {
 
     /// Bits per quantized element, `None` for passthrough.
     pub fn bits(self) -> Option<u32> {
-        self.affine().map(Affine::bits)
+        match self {
+            Scheme::Mxfp4 => Some(sizes::MXFP4_BITS),
+            s => s.affine().map(Affine::bits),
+        }
     }
 
     /// Elements per quantization group, `None` for passthrough.
     pub fn group(self) -> Option<u32> {
-        self.affine().map(Affine::group)
+        match self {
+            Scheme::Mxfp4 => Some(sizes::MXFP4_GROUP as u32),
+            s => s.affine().map(Affine::group),
+        }
     }
 
-    /// The name it is written under: `int4_g64`, `int3_g128`, `passthrough`.
+    /// The name it is written under: `int4_g64`, `int3_g128`, `mxfp4_g32`,
+    /// `passthrough`.
     pub fn label(self) -> String {
         match self {
             Scheme::Affine(a) => a.label(),
+            Scheme::Mxfp4 => MXFP4_LABEL.into(),
             Scheme::Passthrough => "passthrough".into(),
         }
     }
@@ -174,6 +197,9 @@ impl Scheme {
     pub fn parse(name: &str) -> Result<Scheme, String> {
         if name == "passthrough" {
             return Ok(Scheme::Passthrough);
+        }
+        if name == MXFP4_LABEL {
+            return Ok(Scheme::Mxfp4);
         }
         let affine = name
             .strip_prefix("int")
@@ -190,8 +216,8 @@ impl Scheme {
                 )
             }),
             None => Err(format!(
-                "unknown scheme `{name}`; expected `passthrough` or `int{{bits}}_g{{group}}` \
-                 with bits {:?} and group {:?}",
+                "unknown scheme `{name}`; expected `passthrough`, `{MXFP4_LABEL}` or \
+                 `int{{bits}}_g{{group}}` with bits {:?} and group {:?}",
                 Affine::BITS,
                 Affine::GROUPS
             )),

@@ -155,9 +155,9 @@ impl Bits {
         (1 << self.bits()) - 1
     }
 
-    /// The bit width for a quantizing scheme; `None` for passthrough.
+    /// The bit width of an affine scheme; `None` for MXFP4 and passthrough.
     pub fn from_scheme(scheme: Scheme) -> Option<Bits> {
-        scheme.bits().and_then(Bits::from_bits)
+        scheme.affine().and_then(|a| Bits::from_bits(a.bits()))
     }
 
     /// Bytes of packed codes for one group of [`GROUP`] (64) elements.

@@ -156,6 +156,17 @@ impl WireEntry {
                 format!("{:?} is not a safetensors dtype", self.dtype),
             )
         })?;
+        if self.scheme == Scheme::Mxfp4 {
+            // MXFP4 lives in expert pools only (gpt-oss's experts); the resident file
+            // has no span for it.
+            return Err((
+                "scheme",
+                format!(
+                    "{}: a resident entry is passthrough or affine",
+                    self.scheme.label()
+                ),
+            ));
+        }
         let storage = match (
             self.scheme.affine(),
             self.data,
@@ -265,6 +276,10 @@ impl ResidentLayout {
         for t in inputs {
             let start = align_up(cursor, PAGE)?;
             let (rows, cols) = matrix_dims(&t.shape)?;
+            if t.scheme == Scheme::Mxfp4 {
+                // Expert pools only (see `WireEntry::typed`).
+                return None;
+            }
             let q = t.scheme.sizes(rows, cols, t.dtype.size())?;
             let storage = match t.scheme.affine() {
                 None => {

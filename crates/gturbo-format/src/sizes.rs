@@ -17,6 +17,15 @@
 //! A group never crosses a row, so row `r` of every part starts at `r` times the row's
 //! bytes ([`Affine::row_sizes`]), and a tile of whole rows is a plain sub-slice.
 //!
+//! # MLX's `mxfp4` layout
+//! [`Scheme::Mxfp4`] stores a `[rows, cols]` matrix as `mx.quantize(w, group_size=32,
+//! bits=4, mode="mxfp4")` returns it (MLX 0.32.4, checked in
+//! `crate::mxfp4`'s tests against the peers' venv):
+//! - weights: little-endian U32 words `[rows, cols / 8]`, element `j` of a row at bits
+//!   `4·(j % 8)` of word `j / 8` (low nibble first): 4-bit E2M1 codes;
+//! - scales: U8 `[rows, cols / 32]`, one E8M0 exponent per group of 32;
+//! - no biases.
+//!
 //! # What is accepted where
 //! [`Affine`] admits every width and group MLX writes ([`Affine::BITS`] ×
 //! [`Affine::GROUPS`]), and its arithmetic is checked: a hostile shape gives `None`,
@@ -30,6 +39,28 @@ use super::{PAGE, Scheme};
 /// Bytes of one scale (and of one bias): MLX stores them in the model dtype, BF16 for
 /// every source gturbo installs today.
 pub const SCALE_BYTES: u64 = 2;
+
+/// Bits per MXFP4 code (E2M1).
+pub const MXFP4_BITS: u32 = 4;
+/// Elements per MXFP4 scale (the OCP microscaling block; MLX's `mxfp4` group).
+pub const MXFP4_GROUP: u64 = 32;
+
+/// Bytes of a `[rows, cols]` MXFP4 matrix: weights `rows * cols / 2`, scales
+/// `rows * cols / 32` (one byte each), no biases; `None` unless `cols` is a positive
+/// multiple of [`MXFP4_GROUP`], or when a size overflows 64 bits.
+pub fn mxfp4_sizes(rows: u64, cols: u64) -> Option<QuantSizes> {
+    if cols == 0 || !cols.is_multiple_of(MXFP4_GROUP) {
+        return None;
+    }
+    let weights = rows.checked_mul(cols / 2)?;
+    let scales = rows.checked_mul(cols / MXFP4_GROUP)?;
+    weights.checked_add(scales)?;
+    Some(QuantSizes {
+        weights,
+        scales,
+        biases: 0,
+    })
+}
 
 /// An affine quantization layout: `bits` per code, `group` elements per scale and bias.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -150,6 +181,9 @@ impl Scheme {
     /// bytes for passthrough. `None` when the shape has no layout under the scheme
     /// (see [`Affine::fits`]) or a size overflows 64 bits.
     pub fn sizes(self, rows: u64, cols: u64, elem_bytes: u64) -> Option<QuantSizes> {
+        if self == Scheme::Mxfp4 {
+            return mxfp4_sizes(rows, cols);
+        }
         match self.affine() {
             Some(a) => a.sizes(rows, cols),
             None => Some(QuantSizes {
@@ -168,7 +202,10 @@ impl Scheme {
     /// Whether a row of `cols` elements can be stored under this scheme (always, for
     /// passthrough).
     pub fn fits(self, cols: u64) -> bool {
-        self.affine().is_none_or(|a| a.fits(cols))
+        match self {
+            Scheme::Mxfp4 => mxfp4_sizes(1, cols).is_some(),
+            s => s.affine().is_none_or(|a| a.fits(cols)),
+        }
     }
 }
 
@@ -370,6 +407,44 @@ mod tests {
         assert_eq!(a(8, 32).sizes(rows, 32), None);
         assert_eq!(RowBlocks::new(10, PAGE + 1), None);
         assert_eq!(align_up(u64::MAX, PAGE), None);
+    }
+
+    /// `mx.quantize(w, group_size=32, bits=4, mode="mxfp4")` of a `[rows, cols]`
+    /// matrix returns U32 weights `[rows, cols/8]` and U8 scales `[rows, cols/32]`,
+    /// no biases (MLX 0.32.4).
+    #[test]
+    fn mxfp4_follows_the_mlx_shapes_and_round_trips_its_label() {
+        let q = Scheme::Mxfp4.sizes(4, 64, 2).unwrap();
+        assert_eq!((q.weights, q.scales, q.biases), (4 * 8 * 4, 4 * 2, 0));
+        // gpt-oss-120b's expert: gate [2880, 2880] and down [2880, 2880].
+        let e = Scheme::Mxfp4.sizes(2880, 2880, 2).unwrap();
+        assert_eq!(e.total(), 2880 * 1440 + 2880 * 90);
+        assert_eq!(row_bytes(2880, 2, Scheme::Mxfp4), Some(1440 + 90));
+        assert!(Scheme::Mxfp4.fits(32) && !Scheme::Mxfp4.fits(48) && !Scheme::Mxfp4.fits(0));
+        assert_eq!(Scheme::Mxfp4.sizes(1, 48, 2), None);
+        assert_eq!(Scheme::Mxfp4.sizes(u64::MAX, 64, 2), None);
+        assert_eq!(Scheme::Mxfp4.label(), "mxfp4_g32");
+        assert_eq!(Scheme::parse("mxfp4_g32"), Ok(Scheme::Mxfp4));
+        assert_eq!(
+            serde_json::to_string(&Scheme::Mxfp4).unwrap(),
+            "\"mxfp4_g32\""
+        );
+        assert_eq!(
+            serde_json::from_str::<Scheme>("\"mxfp4_g32\"").unwrap(),
+            Scheme::Mxfp4
+        );
+        assert_eq!(Scheme::Mxfp4.affine(), None);
+        assert_eq!(
+            (Scheme::Mxfp4.bits(), Scheme::Mxfp4.group()),
+            (Some(4), Some(32))
+        );
+        assert!(Scheme::Mxfp4.is_quantized() && !Scheme::Passthrough.is_quantized());
+        for bad in ["mxfp4", "mxfp4_g64", "mxfp8_g32"] {
+            assert!(
+                Scheme::parse(bad).unwrap_err().contains("mxfp4_g32"),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

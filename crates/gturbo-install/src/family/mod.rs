@@ -125,6 +125,11 @@ pub struct TensorRule {
     /// "down_proj"}`. A part not listed keeps its own name.
     #[serde(default)]
     pub parts: BTreeMap<String, String>,
+    /// For a fused `gate_up_proj` (`experts_fused`): its rows alternate gate, up (row
+    /// `2i` is gate row `i`, `2i + 1` up row `i`: gpt-oss, MLX-LM `gpt_oss.py`
+    /// `sanitize`), instead of all gate rows then all up rows.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gate_up_interleaved: bool,
 }
 
 /// The expert part names the planner knows: one expert's `gate_proj`, `up_proj` and

@@ -351,9 +351,18 @@ fn source_shards(plan: &Plan) -> Vec<ReceiptSource> {
 /// What the profile of an FP8 source was applied to (the manifest's parity gate);
 /// empty for other sources.
 fn fp8_note(plan: &crate::plan::Plan) -> &'static str {
+    let mxfp4_from = |t: &crate::plan::PlannedTensor| {
+        t.requant.as_ref().is_some_and(|r| r.from == Scheme::Mxfp4)
+    };
     if plan.tensors.iter().any(|t| t.fp8.is_some()) {
         "; from an FP8 e4m3 source with 128×128 block scales, dequantized to BF16 as \
          MLX-LM's deepseek_v3 `sanitize`"
+    } else if plan.tensors.iter().any(|t| t.scheme == Scheme::Mxfp4) {
+        "; MXFP4 experts kept as published (mxfp4_g32, MLX's mxfp4 layout: bytes \
+         unchanged)"
+    } else if plan.tensors.iter().any(mxfp4_from) {
+        "; MXFP4 experts dequantized to BF16 (E2M1 × 2^(e − 127)), then the profile \
+         applied"
     } else {
         ""
     }

@@ -34,6 +34,7 @@ use crate::format::Scheme;
 use crate::plan::placement::TensorPlacement;
 use crate::plan::{Plan, RangeRead};
 
+use crate::format::mxfp4;
 use crate::source::{RangeSource, SourceError};
 use crate::transform::fp8::{self, Fp8Error};
 use crate::transform::int4_ct;
@@ -179,14 +180,14 @@ pub(super) async fn stage(
         };
         let per = p
             .requant
-            .and_then(|a| a.row_sizes(p.cols))
+            .and_then(|a| a.row_sizes(p.cols, t.dtype.size()))
             .map(|s| s.scales)
             .ok_or_else(|| InstallError::Internal(format!("{}: requant layout", t.name)))?;
         let rows = seg.row0..seg.row1;
         let scales = stage_rows(source, plan, &r.scales, rows.clone(), per).await?;
         fetched += (seg.row1 - seg.row0) * per;
-        // A compressed-tensors module has no biases to read.
-        let biases = if r.biases_from_scales {
+        // A compressed-tensors or MXFP4 module has no biases to read.
+        let biases = if r.biases_from_scales || r.from == Scheme::Mxfp4 {
             bytes::Bytes::new()
         } else {
             fetched += (seg.row1 - seg.row0) * per;
@@ -362,7 +363,20 @@ impl<'a> ReadWriter<'a> {
                 })?;
                 direct = Some((k, src));
             }
+            (Some(k), Scheme::Mxfp4) => {
+                if k == 1 {
+                    self.check_mxfp4_scales((&t.name, t.shard), p.cols, src)?;
+                }
+                direct = Some((k, src));
+            }
             (Some(k), _) => direct = Some((k, src)),
+            (None, Scheme::Mxfp4) => {
+                // The planner keeps MXFP4 sources as they are; it never quantizes to it.
+                return Err(InstallError::Internal(format!(
+                    "{}: quantizing to MXFP4 is not planned",
+                    t.name
+                )));
+            }
             (None, Scheme::Passthrough) => {
                 if let Some(i) = crate::transform::first_non_finite(input, t.dtype) {
                     return Err(InstallError::NonFinite {
@@ -373,27 +387,7 @@ impl<'a> ReadWriter<'a> {
                 }
                 direct = Some((0, input));
             }
-            (None, Scheme::Affine(affine)) => {
-                let spec = Spec::from_affine(affine);
-                for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
-                    buf.clear();
-                    buf.resize((per * n) as usize, 0);
-                }
-                let [w, s, b] = &mut self.out;
-                quant::quantize_rows_le_bytes(input, p.cols as usize, spec, w, s, b).map_err(
-                    |e| match e {
-                        quant::QuantError::NonFinite { index } => InstallError::NonFinite {
-                            shard: self.plan.shards[t.shard].path.clone(),
-                            tensor: t.name.clone(),
-                            element: self.tile_row0 * p.cols + index as u64,
-                        },
-                        other => InstallError::Transform {
-                            tensor: t.name.clone(),
-                            detail: other.to_string(),
-                        },
-                    },
-                )?;
-            }
+            (None, Scheme::Affine(affine)) => self.quantize_tile(seg, affine, input)?,
         }
         for stream in (0..3).filter(|&k| p.writes(k)) {
             let per = [ow, os, ob][stream];
@@ -418,13 +412,68 @@ impl<'a> ReadWriter<'a> {
         Ok(())
     }
 
+    /// Quantize one tile of BF16 rows, `input`, at `affine` into the three output
+    /// buffers (bit-exact with `mx.quantize`); a non-finite weight names its element.
+    fn quantize_tile(
+        &mut self,
+        seg: &Segment,
+        affine: crate::format::Affine,
+        input: &[u8],
+    ) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let p = self.placements[seg.tensor]
+            .as_ref()
+            .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+        let (ow, os, ob) = p.out_row;
+        let n = self.tile_rows;
+        for (buf, per) in self.out.iter_mut().zip([ow, os, ob]) {
+            buf.clear();
+            buf.resize((per * n) as usize, 0);
+        }
+        let [w, s, b] = &mut self.out;
+        let spec = Spec::from_affine(affine);
+        quant::quantize_rows_le_bytes(input, p.cols as usize, spec, w, s, b).map_err(|e| match e {
+            quant::QuantError::NonFinite { index } => InstallError::NonFinite {
+                shard: self.plan.shards[t.shard].path.clone(),
+                tensor: t.name.clone(),
+                element: self.tile_row0 * p.cols + index as u64,
+            },
+            other => InstallError::Transform {
+                tensor: t.name.clone(),
+                detail: other.to_string(),
+            },
+        })
+    }
+
+    /// A tile of an MXFP4 module's scales, `src` (rows `tile_row0..` of `p.cols / 32`
+    /// bytes): a `0xFF` byte (E8M0's NaN) is an input error naming the tensor, the
+    /// shard and the scale's row and group.
+    fn check_mxfp4_scales(
+        &self,
+        (tensor, shard): (&str, usize),
+        cols: u64,
+        src: &[u8],
+    ) -> Result<(), InstallError> {
+        let per = (cols / mxfp4::GROUP as u64).max(1);
+        mxfp4::check_scales(src).map_err(|e| InstallError::Transform {
+            tensor: tensor.to_string(),
+            detail: format!(
+                "scale of row {} group {} is 0xFF, E8M0's NaN (in {}); an MXFP4 scale is \
+                 a finite power of two",
+                self.tile_row0 + e.index as u64 / per,
+                e.index as u64 % per,
+                self.plan.shards[shard].path
+            ),
+        })
+    }
+
     /// Dequantize one tile of a requantized module's packed words, `src` (rows
     /// `tile_row0..`, the source's layout `from`), into `deq` (little-endian BF16), with
     /// the scales and biases [`stage`] fetched for it.
     fn dequantize_affine(
         &self,
         seg: &Segment,
-        from: crate::format::Affine,
+        from: Scheme,
         src: &[u8],
         deq: &mut Vec<u8>,
     ) -> Result<(), InstallError> {
@@ -438,9 +487,12 @@ impl<'a> ReadWriter<'a> {
             return Err(InstallError::Internal(format!("{}: not staged", t.name)));
         };
         let cols = self.placements[seg.tensor].as_ref().map_or(0, |p| p.cols);
-        let per = from.row_sizes(cols).map_or(0, |s| s.scales) as usize;
+        let per = from.row_sizes(cols, 2).map_or(0, |s| s.scales) as usize;
         let at = (self.tile_row0 - row0) as usize * per;
         let len = self.tile_rows as usize * per;
+        let Some(affine) = from.affine() else {
+            return self.dequantize_mxfp4(seg, &scales[at..at + len], src, deq);
+        };
         if t.requant.as_ref().is_some_and(|r| r.biases_from_scales) {
             deq.clear();
             deq.resize((self.tile_rows * cols * 2) as usize, 0);
@@ -449,11 +501,41 @@ impl<'a> ReadWriter<'a> {
         }
         let (s, b) = (&scales[at..at + len], &biases[at..at + len]);
         let mut vals = vec![0u16; (self.tile_rows * cols) as usize];
-        quant::dequantize_rows_bf16(src, s, b, cols as usize, Spec::from_affine(from), &mut vals)
-            .map_err(|e| InstallError::Transform {
+        quant::dequantize_rows_bf16(
+            src,
+            s,
+            b,
+            cols as usize,
+            Spec::from_affine(affine),
+            &mut vals,
+        )
+        .map_err(|e| InstallError::Transform {
             tensor: t.name.clone(),
             detail: format!("dequantizing: {e}"),
         })?;
+        deq.clear();
+        deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        Ok(())
+    }
+
+    /// Dequantize one tile of an MXFP4 module's codes, `src`, with its staged scales
+    /// `scales` (the tile's rows), into `deq` (little-endian BF16): E2M1 × 2^(e − 127)
+    /// ([`mxfp4::dequantize_rows_bf16`]), which the profile then applies to.
+    fn dequantize_mxfp4(
+        &self,
+        seg: &Segment,
+        scales: &[u8],
+        src: &[u8],
+        deq: &mut Vec<u8>,
+    ) -> Result<(), InstallError> {
+        let t = &self.plan.tensors[seg.tensor];
+        let (Some(Some(p)), Some(r)) = (self.placements.get(seg.tensor), &t.requant) else {
+            return Err(InstallError::Internal(format!("{}: MXFP4 layout", t.name)));
+        };
+        self.check_mxfp4_scales((&r.scales.name, r.scales.shard), p.cols, scales)?;
+        let mut vals = vec![0u16; (self.tile_rows * p.cols) as usize];
+        mxfp4::dequantize_rows_bf16(src, scales, p.cols as usize, &mut vals)
+            .map_err(|e| InstallError::Internal(format!("{}: {e}", t.name)))?;
         deq.clear();
         deq.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
         Ok(())

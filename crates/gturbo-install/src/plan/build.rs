@@ -13,7 +13,7 @@ use super::types::{
     Placed, Plan, PlanInput, PlanOptions, PlannedShard, PlannedTensor, Requant, ScaledFp8,
     SourcePart,
 };
-use super::{coalesce, experts, fp8, int4_ct, mlx, profile, rows};
+use super::{coalesce, experts, fp8, int4_ct, mlx, mxfp4, profile, rows};
 use crate::format::Scheme;
 use crate::format::resident::{ResidentInput, ResidentLayout};
 
@@ -92,13 +92,15 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     })?;
     let fp8 = fp8::read_fp8(input.config)?;
     let ct = int4_ct::read_ct(input.config)?;
-    check_ct_flags(ct.as_ref(), options)?;
+    let mx4 = mxfp4::read_mxfp4(input.config)?;
+    check_ct_flags(ct.as_ref(), mx4.as_ref(), options)?;
     check_quant_flags(quant.as_ref(), fp8.as_ref(), options)?;
-    // A compressed-tensors source's INT4 modules are kept at the INT4 profile and
-    // dequantized (`bf16_round(scale × (q − 8))`) at any other, as `--requantize`
-    // dequantizes an MLX source's.
+    // A compressed-tensors source's INT4 modules and an MXFP4 source's experts are
+    // kept at the INT4 profile and dequantized (`bf16_round(scale × (q − 8))`; E2M1 ×
+    // 2^(e − 127)) at any other, as `--requantize` dequantizes an MLX source's.
+    let keeps_4bit = profile.id() == KEEPS_4BIT_SOURCES;
     let requantize =
-        (quant.is_some() && options.requantize) || (ct.is_some() && profile.id() != KEEPS_CT_INT4);
+        (quant.is_some() && options.requantize) || ((ct.is_some() || mx4.is_some()) && !keeps_4bit);
     let num_layers = arch.axes.get("num_layers").and_then(|v| v.as_u64());
     if profile.needs_layers() && num_layers.is_none() && (quant.is_none() || requantize) {
         return Err(PlanError::Config {
@@ -110,7 +112,13 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             ),
         });
     }
-    let sources = mlx::sources(input.headers, quant.as_ref(), fp8.as_ref(), ct.as_ref())?;
+    let sources = mlx::sources(
+        input.headers,
+        quant.as_ref(),
+        fp8.as_ref(),
+        ct.as_ref(),
+        mx4.as_ref(),
+    )?;
     let policy = Policy {
         family,
         profile,
@@ -159,20 +167,36 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
 /// pre-quantized source (without `--requantize`), and `--requantize` over a source
 /// that is not MLX-quantized (an FP8 one is always dequantized), are refused.
 /// The profile at which a compressed-tensors source keeps its INT4 modules as
-/// published (MLX affine 4-bit g32, lossless); every other dequantizes them.
-const KEEPS_CT_INT4: &str = "int4";
+/// published (MLX affine 4-bit g32, lossless), and an MXFP4 source its experts (MLX
+/// `mxfp4`, lossless: issue 25 §5); every other dequantizes them.
+const KEEPS_4BIT_SOURCES: &str = "int4";
 
-/// `--requantize` says nothing for a compressed-tensors INT4 source: its modules are
-/// kept at `--quant int4` and dequantized at any other profile.
-fn check_ct_flags(ct: Option<&int4_ct::CtQuant>, options: &PlanOptions) -> Result<(), PlanError> {
-    if ct.is_none() || !options.requantize {
+/// `--requantize` says nothing for a compressed-tensors INT4 or an MXFP4 source: its
+/// 4-bit modules are kept at `--quant int4` and dequantized at any other profile.
+fn check_ct_flags(
+    ct: Option<&int4_ct::CtQuant>,
+    mx4: Option<&mxfp4::Mxfp4Quant>,
+    options: &PlanOptions,
+) -> Result<(), PlanError> {
+    if !options.requantize {
         return Ok(());
     }
+    let (key, what) = match (ct, mx4) {
+        (Some(_), _) => (
+            int4_ct::KEY,
+            "compressed-tensors INT4, whose modules are kept as published (MLX affine 4-bit \
+             g32, lossless)",
+        ),
+        (None, Some(_)) => (
+            mxfp4::KEY,
+            "MXFP4, whose experts are kept as published (MLX mxfp4, lossless)",
+        ),
+        (None, None) => return Ok(()),
+    };
     Err(PlanError::Config {
-        field: format!("{}.quant_method", int4_ct::KEY),
+        field: format!("{key}.quant_method"),
         detail: format!(
-            "--requantize: the source is compressed-tensors INT4, whose modules are kept \
-             as published (MLX affine 4-bit g32, lossless) at --quant {KEEPS_CT_INT4} and \
+            "--requantize: the source is {what} at --quant {KEEPS_4BIT_SOURCES} and \
              dequantized at any other profile; leave --requantize out"
         ),
     })
@@ -302,21 +326,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
         let Some(packed) = d.packed else {
             // A requantized module: one logical matrix whose `src` is its packed
             // weights; its scales and biases are staged by the executor.
-            let requant = d.requant.map(|p| {
-                let [_, s, b] = p.parts.map(|part| SourcePart {
-                    name: part.name,
-                    shard: part.shard,
-                    dtype: part.dtype,
-                    shape: part.shape,
-                    src: part.src,
-                });
-                Requant {
-                    from: Scheme::Affine(p.affine),
-                    scales: s,
-                    biases: b,
-                    biases_from_scales: p.biases_from_scales,
-                }
-            });
+            let requant = d.requant.map(requant_of);
             // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its
             // FP8 codes; its block scales are staged by the executor.
             let fp8 = d.fp8.map(|p| ScaledFp8 {
@@ -342,9 +352,10 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
             });
             continue;
         };
-        // A pre-quantized module is three source tensors, each copied into its
-        // stream of the one stored matrix.
+        // A pre-quantized module is three source tensors (two for MXFP4), each copied
+        // into its stream of the one stored matrix.
         let cols = d.shape.last().copied().unwrap_or(0);
+        let mxfp4 = packed.scheme == Scheme::Mxfp4;
         let stem = d
             .name
             .strip_suffix(".weight")
@@ -355,11 +366,17 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
             .into_iter()
             .zip(["weight", "scales", "biases"])
             .enumerate()
-            // A compressed-tensors module's biases are written from its scales.
-            .filter(|(stream, _)| !(*stream == 2 && packed.biases_from_scales))
+            // A compressed-tensors module's biases are written from its scales; an
+            // MXFP4 module has none.
+            .filter(|(stream, _)| !(*stream == 2 && (packed.biases_from_scales || mxfp4)))
         {
             out.push(PlannedTensor {
-                name: format!("{stem}.{suffix}"),
+                // MXFP4 parts keep their source names (`P_blocks`, `P_scales`), which
+                // an error about their bytes names.
+                name: match mxfp4 {
+                    true => part.name,
+                    false => format!("{stem}.{suffix}"),
+                },
                 shard: part.shard,
                 dtype: part.dtype,
                 shape: part.shape,
@@ -379,6 +396,24 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
     // Reads and segments go in (shard, offset) order.
     out.sort_by_key(|t| (t.shard, t.src[0]));
     out
+}
+
+/// A module `--requantize` (or a profile that does not keep 4-bit sources)
+/// dequantizes: its layout and the scales and biases the executor stages.
+fn requant_of(p: mlx::Packed) -> Requant {
+    let [_, s, b] = p.parts.map(|part| SourcePart {
+        name: part.name,
+        shard: part.shard,
+        dtype: part.dtype,
+        shape: part.shape,
+        src: part.src,
+    });
+    Requant {
+        from: p.scheme,
+        scales: s,
+        biases: b,
+        biases_from_scales: p.biases_from_scales,
+    }
 }
 
 /// The largest copy of `file` accepted, and what the bound is for: `tokenizer.json` has

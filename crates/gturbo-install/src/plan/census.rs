@@ -31,7 +31,7 @@ impl Census {
             let out = match &t.dest {
                 Dest::Excluded { .. } => t.src[1] - t.src[0],
                 Dest::Resident { entry } => outputs.resident.index.tensors[*entry].stored_bytes(),
-                Dest::ExpertsFused { pool, part } => {
+                Dest::ExpertsFused { pool, part, .. } => {
                     let p = &outputs.expert_pools[*pool];
                     let per: u64 = p
                         .parts

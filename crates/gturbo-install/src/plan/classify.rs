@@ -76,6 +76,9 @@ pub(super) enum DraftRole {
         part: ExpertPart,
         /// The expert, for an unfused checkpoint (`None`: the tensor holds every expert).
         expert: Option<u64>,
+        /// A fused gate_up whose rows alternate gate, up (the rule's
+        /// `gate_up_interleaved`).
+        gate_up_interleaved: bool,
     },
     /// One shard of a row table.
     Rows {
@@ -207,7 +210,15 @@ impl Classified<'_> {
             },
             Role::Resident => DraftRole::Resident {
                 scheme: match &t.packed {
-                    Some(p) => Scheme::Affine(p.affine),
+                    Some(p) if p.scheme == Scheme::Mxfp4 => {
+                        return Err(self.tensor_err(
+                            "role",
+                            "an MXFP4 module is installed into an expert pool; the family \
+                             makes this one resident, which has no MXFP4 layout"
+                                .into(),
+                        ));
+                    }
+                    Some(p) => p.scheme,
                     None => policy.resident(self.name, m.captures.layer, t.dtype, &t.shape),
                 },
             },
@@ -258,6 +269,7 @@ impl Classified<'_> {
             ),
             part,
             expert: m.captures.expert,
+            gate_up_interleaved: m.rule.gate_up_interleaved && part == ExpertPart::GateUp,
         })
     }
 

@@ -28,7 +28,10 @@ pub(super) fn place(
 ) -> Result<(Vec<ExpertPool>, Placed), PlanError> {
     let mut groups: BTreeMap<PoolKey, Vec<Member>> = BTreeMap::new();
     for (ti, d) in drafts.iter().enumerate() {
-        if let DraftRole::Expert { pool, part, expert } = &d.role {
+        if let DraftRole::Expert {
+            pool, part, expert, ..
+        } = &d.role
+        {
             groups
                 .entry(pool.clone())
                 .or_default()
@@ -154,10 +157,7 @@ fn part_schemes(tensors: &[Draft], members: &[Member]) -> Result<Option<[Scheme;
     for &(ti, part, _) in members {
         let t = &tensors[ti];
         // mlx-lm leaves a projection whose rows are not whole groups unquantized.
-        let s = t
-            .packed
-            .as_ref()
-            .map_or(Scheme::Passthrough, |p| Scheme::Affine(p.affine));
+        let s = t.packed.as_ref().map_or(Scheme::Passthrough, |p| p.scheme);
         let idx: &[usize] = if part == ExpertPart::GateUp {
             &[0, 1]
         } else {
@@ -227,7 +227,18 @@ fn fused_shape(
             tensors[dn[0]].name, d, g
         ));
     }
-    let dest = |part| Dest::ExpertsFused { pool: pi, part };
+    let interleaved = matches!(
+        tensors[gu[0]].role,
+        DraftRole::Expert {
+            gate_up_interleaved: true,
+            ..
+        }
+    );
+    let dest = |part| Dest::ExpertsFused {
+        pool: pi,
+        part,
+        interleaved: interleaved && part == ExpertPart::GateUp,
+    };
     Ok((
         PoolShape {
             experts,
@@ -277,7 +288,11 @@ fn stacked_shape(
             ));
         }
     }
-    let dest = |part| Dest::ExpertsFused { pool: pi, part };
+    let dest = |part| Dest::ExpertsFused {
+        pool: pi,
+        part,
+        interleaved: false,
+    };
     Ok((
         PoolShape {
             experts,

@@ -270,7 +270,7 @@ mod tests {
         h: &[ShardHeader],
     ) -> Result<Vec<super::super::mlx::Source>, PlanError> {
         let fp8 = read_fp8(config)?;
-        super::super::mlx::sources(h, None, fp8.as_ref(), None)
+        super::super::mlx::sources(h, None, fp8.as_ref(), None, None)
     }
 
     #[test]

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::format::Affine;
+use crate::format::{Affine, Scheme};
 use crate::header::{Dtype, ShardHeader, TensorHeader};
 use crate::transform::int4_ct::{BITS, GROUP, PER_WORD};
 
@@ -149,7 +149,7 @@ pub(super) fn modules(
         out.insert(
             path.to_string(),
             Packed {
-                affine,
+                scheme: Scheme::Affine(affine),
                 parts: [part_src(headers, si, w), scale.clone(), scale],
                 biases_from_scales: true,
             },
@@ -290,7 +290,7 @@ mod tests {
         ]);
         let m = run(&ok, Some(&CtQuant)).unwrap();
         assert!(m["m"].biases_from_scales);
-        assert_eq!(m["m"].affine, Affine::new(4, 32).unwrap());
+        assert_eq!(m["m"].scheme, Scheme::Affine(Affine::new(4, 32).unwrap()));
         let e = run(&ok, None).unwrap_err().to_string();
         assert!(
             e.contains("field `quantization_config`: missing or not"),

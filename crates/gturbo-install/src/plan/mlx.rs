@@ -126,9 +126,6 @@ fn read_affine(v: &serde_json::Value, at: &str) -> Result<Affine, PlanError> {
     Ok(Affine::new(bits as u32, group as u32).expect("both checked just above"))
 }
 
-/// The `quant_method` of gpt-oss's MXFP4 experts (transformers' `Mxfp4Config`).
-const MXFP4: &str = "mxfp4";
-
 /// The `quantization` block of `config`, `None` for a source that is not
 /// pre-quantized.
 pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanError> {
@@ -143,25 +140,20 @@ pub fn read_quant(config: &serde_json::Value) -> Result<Option<MlxQuant>, PlanEr
     };
     // A transformers-style block (`quant_method`) is another format's: FP8
     // block-scaled sources are `super::fp8`'s, compressed-tensors INT4 ones
-    // `super::int4_ct`'s, the rest are refused.
+    // `super::int4_ct`'s, MXFP4 ones `super::mxfp4`'s, the rest are refused.
     if let Some(m) = obj.get("quant_method") {
-        if m.as_str() == Some("fp8") {
+        let theirs = ["fp8", super::int4_ct::METHOD, super::mxfp4::METHOD];
+        if m.as_str().is_some_and(|m| theirs.contains(&m)) {
             return Ok(None);
         }
-        if m.as_str() == Some(super::int4_ct::METHOD) {
-            return Ok(None);
-        }
-        let not_yet = if m.as_str() == Some(MXFP4) {
-            "; MXFP4 sources (gpt-oss's experts) are not installed yet, a BF16 copy of the \
-             checkpoint installs"
-        } else {
-            ""
-        };
         return Err(cfg(
             format!("{key}.quant_method"),
             format!(
-                "{m}: gturbo installs MLX-quantized sources (mlx-lm's `convert` output) and \
-                 FP8 e4m3 block-scaled ones (`\"fp8\"`) only{not_yet}"
+                "{m}: gturbo installs MLX-quantized sources (mlx-lm's `convert` output), \
+                 FP8 e4m3 block-scaled ones (`\"fp8\"`), compressed-tensors INT4 \
+                 (`\"{}\"`) and MXFP4 (`\"{}\"`) ones only",
+                super::int4_ct::METHOD,
+                super::mxfp4::METHOD
             ),
         ));
     }
@@ -211,9 +203,10 @@ pub(super) struct PartSrc {
 /// biases).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Packed {
-    /// Bits and group.
-    pub affine: Affine,
-    /// Weights, scales, biases.
+    /// Its layout: an affine one, or MXFP4 ([`super::mxfp4`]).
+    pub scheme: Scheme,
+    /// Weights, scales, biases (an MXFP4 module has none: its third part repeats its
+    /// scales and is never read).
     pub parts: [PartSrc; 3],
     /// A compressed-tensors module ([`super::int4_ct`]): its biases part is its
     /// scales, written as `−8 × scale` by the executor.
@@ -251,6 +244,7 @@ pub(super) fn sources(
     quant: Option<&MlxQuant>,
     fp8: Option<&super::fp8::Fp8Quant>,
     ct: Option<&super::int4_ct::CtQuant>,
+    mxfp4: Option<&super::mxfp4::Mxfp4Quant>,
 ) -> Result<Vec<Source>, PlanError> {
     let mut by_name: ByName<'_> = BTreeMap::new();
     for (si, h) in headers.iter().enumerate() {
@@ -280,6 +274,7 @@ pub(super) fn sources(
         }
     }
     modules.extend(super::int4_ct::modules(headers, &by_name, ct)?);
+    modules.extend(super::mxfp4::modules(headers, &by_name, mxfp4)?);
     let scaled = super::fp8::pairs(headers, &by_name, fp8)?;
     Ok(logical_sources(headers, &modules, scaled))
 }
@@ -381,7 +376,7 @@ impl Module<'_> {
         self.check_dtypes((wsi, w), (bsi, b))?;
         self.check_widths(affine, &key, (wsi, w))?;
         Ok(Packed {
-            affine,
+            scheme: Scheme::Affine(affine),
             parts: [
                 part_src(self.headers, wsi, w),
                 part_src(self.headers, si, t),
@@ -514,6 +509,7 @@ fn logical_sources(
         [".weight", ".scales", ".biases"]
             .iter()
             .chain(&super::int4_ct::SUFFIXES)
+            .chain(&super::mxfp4::SUFFIXES)
             .any(|s| {
                 name.strip_suffix(s)
                     .is_some_and(|p| modules.contains_key(p))
@@ -562,21 +558,29 @@ fn logical_sources(
                 continue;
             }
             // A module is placed at its packed weights, named `P.weight`.
-            let Some((path, packed)) = [".weight", super::int4_ct::SUFFIXES[0]]
-                .iter()
-                .filter_map(|s| t.name.strip_suffix(s))
-                .find_map(|path| modules.get(path).map(|m| (path, m)))
-                .filter(|(_, m)| m.parts[0].name == t.name)
-            else {
+            let Some((path, packed)) = [
+                ".weight",
+                super::int4_ct::SUFFIXES[0],
+                super::mxfp4::SUFFIXES[0],
+            ]
+            .iter()
+            .filter_map(|s| t.name.strip_suffix(s))
+            .find_map(|path| modules.get(path).map(|m| (path, m)))
+            .filter(|(_, m)| m.parts[0].name == t.name) else {
                 continue;
             };
             let mut shape = packed.parts[1].shape.clone();
             let groups = shape.pop().unwrap_or(0);
-            shape.push(groups * packed.affine.group() as u64);
+            shape.push(groups * packed.scheme.group().unwrap_or(0) as u64);
             out.push(Source {
                 name: format!("{path}.weight"),
                 shard: si,
-                dtype: packed.parts[1].dtype,
+                // The model dtype: an MLX module's scales are in it; MXFP4 modules
+                // (U8 scales) come from BF16 checkpoints.
+                dtype: match packed.scheme {
+                    Scheme::Mxfp4 => Dtype::BF16,
+                    _ => packed.parts[1].dtype,
+                },
                 shape,
                 src: p.src,
                 packed: Some(packed.clone()),
@@ -633,7 +637,7 @@ mod tests {
             Ok(q) => q,
             Err(e) => return e.to_string(),
         };
-        sources(headers, q.as_ref(), None, None)
+        sources(headers, q.as_ref(), None, None, None)
             .unwrap_err()
             .to_string()
     }
@@ -644,7 +648,7 @@ mod tests {
             "m.q": {"bits": 8, "group_size": 32}}});
         let q = read_quant(&cfg).unwrap().unwrap();
         // 128 columns at 8 bits: 32 words; groups of 32: 4 scales per row.
-        let s = sources(&module(32, 4), Some(&q), None, None).unwrap();
+        let s = sources(&module(32, 4), Some(&q), None, None, None).unwrap();
         assert_eq!(s.len(), 2);
         assert_eq!(
             (s[0].name.as_str(), s[0].dtype),
@@ -652,7 +656,7 @@ mod tests {
         );
         assert_eq!(s[0].shape, vec![8, 128]);
         let p = s[0].packed.as_ref().unwrap();
-        assert_eq!(p.affine, Affine::new(8, 32).unwrap());
+        assert_eq!(p.scheme, Scheme::Affine(Affine::new(8, 32).unwrap()));
         assert_eq!(
             p.parts.each_ref().map(|p| p.name.as_str()),
             ["m.q.weight", "m.q.scales", "m.q.biases"]
@@ -669,15 +673,15 @@ mod tests {
         let cfg = json!({"quantization": {"bits": 4, "group_size": 128,
             "m.q": {"bits": 6, "group_size": null, "mode": "affine"}}});
         let q = read_quant(&cfg).unwrap().unwrap();
-        let s = sources(&module(24, 2), Some(&q), None, None).unwrap();
+        let s = sources(&module(24, 2), Some(&q), None, None, None).unwrap();
         assert_eq!(
-            s[0].packed.as_ref().unwrap().affine,
-            Affine::new(6, 64).unwrap()
+            s[0].packed.as_ref().unwrap().scheme,
+            Scheme::Affine(Affine::new(6, 64).unwrap())
         );
         // No block: not pre-quantized.
         assert_eq!(read_quant(&json!({"model_type": "llama"})).unwrap(), None);
         // No block over packed modules: refused, naming the missing key.
-        let e = sources(&module(8, 1), None, None, None)
+        let e = sources(&module(8, 1), None, None, None, None)
             .unwrap_err()
             .to_string();
         assert!(
@@ -710,11 +714,11 @@ mod tests {
         );
         // Another format's block is refused by name; an FP8 one is not MLX's to read.
         let e = err(
-            json!({"quantization_config": {"quant_method": "mxfp4"}}),
+            json!({"quantization_config": {"quant_method": "gptq"}}),
             &ok,
         );
         assert!(
-            e.starts_with("config.json: field `quantization_config.quant_method`: \"mxfp4\": gturbo installs MLX-quantized sources"),
+            e.starts_with("config.json: field `quantization_config.quant_method`: \"gptq\": gturbo installs MLX-quantized sources"),
             "{e}"
         );
         assert_eq!(

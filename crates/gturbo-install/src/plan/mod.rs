@@ -23,6 +23,7 @@ mod experts;
 pub mod fp8;
 pub mod int4_ct;
 pub mod mlx;
+pub mod mxfp4;
 pub mod placement;
 mod policy;
 pub mod profile;

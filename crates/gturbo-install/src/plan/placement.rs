@@ -51,7 +51,7 @@ pub struct TensorPlacement {
     pub stream: Option<usize>,
     /// For a module dequantized and quantized again (`--requantize`): the source's
     /// layout; its source rows are packed words, its scales and biases staged.
-    pub requant: Option<crate::format::Affine>,
+    pub requant: Option<Scheme>,
     /// For an FP8 weight: its source rows are e4m3 codes, its block scales staged.
     pub fp8: bool,
     /// The scales of a compressed-tensors module, which also write its biases.
@@ -72,6 +72,9 @@ enum Kind {
         first_expert: u64,
         rows_per_expert: u64,
         parts: Vec<(u64, u64, u64, u64)>,
+        /// Source rows alternate between the parts (gpt-oss's gate_up) instead of
+        /// filling one part after the other.
+        interleaved: bool,
     },
     /// Row pool region.
     Rows {
@@ -89,7 +92,7 @@ impl Kind {
         match &t.dest {
             Dest::Excluded { .. } => None,
             Dest::Resident { entry } => Some(Kind::resident(plan, *entry)),
-            Dest::ExpertsFused { pool, part } | Dest::Expert { pool, part, .. } => {
+            Dest::ExpertsFused { pool, part, .. } | Dest::Expert { pool, part, .. } => {
                 Kind::experts(plan, t, *pool, *part, rows)
             }
             Dest::Rows { pool, shard } => {
@@ -157,12 +160,20 @@ impl Kind {
             Dest::Expert { expert, .. } => (*expert, rows),
             _ => (0, parts.iter().map(|p| p.0).sum()),
         };
+        let interleaved = matches!(
+            t.dest,
+            Dest::ExpertsFused {
+                interleaved: true,
+                ..
+            }
+        );
         Some(Kind::Experts {
             file: 1 + pool,
             stride: p.stride,
             first_expert,
             rows_per_expert,
             parts,
+            interleaved,
         })
     }
 }
@@ -181,7 +192,8 @@ impl TensorPlacement {
         let elem = t.dtype.size();
         let src_row_bytes = t.src_row_bytes();
         let requant = match &t.requant {
-            Some(r) => Some(r.from.affine()?),
+            Some(r) if r.from.is_quantized() => Some(r.from),
+            Some(_) => return None,
             None => None,
         };
         // A pre-quantized part: the logical matrix's columns, and its stream's bytes
@@ -234,10 +246,23 @@ impl TensorPlacement {
                 first_expert,
                 rows_per_expert,
                 parts,
+                interleaved,
             } => {
                 let e = first_expert + row / rows_per_expert;
                 let mut r = row % rows_per_expert;
                 let base = e * stride;
+                if *interleaved {
+                    // Row 2i + k is row i of part k.
+                    let n = parts.len() as u64;
+                    let (_, w, s, b) = parts[(r % n) as usize];
+                    r /= n;
+                    return RowDest {
+                        file: *file,
+                        weights: base + w + r * ow,
+                        scales: base + s + r * os,
+                        biases: base + b + r * os,
+                    };
+                }
                 for &(n, w, s, b) in parts {
                     if r < n {
                         return RowDest {

@@ -149,6 +149,11 @@ pub enum Dest {
         pool: usize,
         /// `gate_up` or `down`.
         part: ExpertPart,
+        /// A `gate_up` whose rows alternate gate, up (the family rule's
+        /// `gate_up_interleaved`); absent from the plan's JSON when false, so other
+        /// plans keep their fingerprints.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        interleaved: bool,
     },
     /// One expert's projection.
     Expert {
@@ -221,8 +226,8 @@ impl PlannedTensor {
         match &self.requant {
             Some(r) => r
                 .from
-                .affine()
-                .and_then(|a| a.row_sizes(cols))
+                .row_sizes(cols, self.dtype.size())
+                .filter(|_| r.from.is_quantized())
                 .map_or(cols * self.dtype.size(), |s| s.weights),
             None => cols * self.dtype.size(),
         }
@@ -234,7 +239,8 @@ impl PlannedTensor {
 /// the packed weights stream through.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Requant {
-    /// The source's scheme for the module (always an affine one).
+    /// The source's scheme for the module (an affine one, or MXFP4: then `scales` is
+    /// its E8M0 scales and `biases` repeats them, never read).
     pub from: Scheme,
     /// `P.scales`.
     pub scales: SourcePart,

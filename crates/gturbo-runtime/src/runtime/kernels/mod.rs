@@ -35,6 +35,7 @@
 //! (never read out of bounds) when that is not so. `check` itself never panics.
 
 use crate::format::dtype::Dtype;
+use crate::format::mxfp4::GROUP as MXFP4_GROUP;
 use crate::format::pools::{BlobPart, ExpertPool};
 use crate::format::quant::{GROUP, bf16_to_f32};
 use crate::format::{Affine, Scheme};
@@ -88,6 +89,20 @@ pub enum Matrix<'a> {
         /// Output features.
         rows: usize,
         /// Input features, a multiple of `group`.
+        cols: usize,
+    },
+    /// MXFP4 in MLX's `mxfp4` layout ([`crate::format::mxfp4`]): `weights` holds the
+    /// E2M1 codes `[rows, cols/2]` bytes (element `j` of a row in the low nibble of
+    /// byte `j/2` when `j` is even, the high nibble when odd), `scales` one E8M0 byte
+    /// per group of 32 `[rows, cols/32]` (`2^(e−127)`). No biases.
+    Mxfp4 {
+        /// Packed E2M1 codes.
+        weights: &'a [u8],
+        /// E8M0 scale per group of 32.
+        scales: &'a [u8],
+        /// Output features.
+        rows: usize,
+        /// Input features, a multiple of 32.
         cols: usize,
     },
     /// Little-endian floats of `dtype`, `[rows, cols]`.
@@ -208,6 +223,20 @@ impl<'a> Matrix<'a> {
                     cols,
                 }
             }
+            Matrix::Mxfp4 {
+                weights,
+                scales,
+                cols,
+                ..
+            } => {
+                let (wr, sr) = (cols / 2, cols / MXFP4_GROUP);
+                Matrix::Mxfp4 {
+                    weights: &weights[rows.start * wr..rows.end * wr],
+                    scales: &scales[rows.start * sr..rows.end * sr],
+                    rows: n,
+                    cols,
+                }
+            }
             Matrix::Float {
                 dtype, data, cols, ..
             } => {
@@ -227,14 +256,18 @@ impl Matrix<'_> {
     /// Output features (rows).
     pub fn rows(&self) -> usize {
         match *self {
-            Matrix::Quant { rows, .. } | Matrix::Float { rows, .. } => rows,
+            Matrix::Quant { rows, .. }
+            | Matrix::Mxfp4 { rows, .. }
+            | Matrix::Float { rows, .. } => rows,
         }
     }
 
     /// Input features (columns).
     pub fn cols(&self) -> usize {
         match *self {
-            Matrix::Quant { cols, .. } | Matrix::Float { cols, .. } => cols,
+            Matrix::Quant { cols, .. }
+            | Matrix::Mxfp4 { cols, .. }
+            | Matrix::Float { cols, .. } => cols,
         }
     }
 
@@ -248,6 +281,9 @@ impl Matrix<'_> {
                 biases,
                 ..
             } => weights.len() + scales.len() + biases.len(),
+            Matrix::Mxfp4 {
+                weights, scales, ..
+            } => weights.len() + scales.len(),
             Matrix::Float { data, .. } => data.len(),
         }
     }
@@ -314,6 +350,18 @@ impl Matrix<'_> {
                 }
                 Ok(())
             }
+            Matrix::Mxfp4 {
+                weights, scales, ..
+            } => {
+                if cols == 0 || !cols.is_multiple_of(MXFP4_GROUP) {
+                    return Err(KernelError::Cols {
+                        cols,
+                        group: MXFP4_GROUP,
+                    });
+                }
+                want("weights", weights.len(), 1, 2)?;
+                want("scales", scales.len(), 1, MXFP4_GROUP)
+            }
             Matrix::Float { dtype, data, .. } => want("data", data.len(), dtype.bytes(), 1),
         }
     }
@@ -356,6 +404,20 @@ impl Matrix<'_> {
                     weights: &weights[r0 * wr..r1 * wr],
                     scales: &scales[r0 * sr..r1 * sr],
                     biases: &biases[r0 * sr..r1 * sr],
+                    rows: n,
+                    cols,
+                }
+            }
+            Matrix::Mxfp4 {
+                weights,
+                scales,
+                cols,
+                ..
+            } => {
+                let (wr, sr) = (cols / 2, cols / MXFP4_GROUP);
+                Matrix::Mxfp4 {
+                    weights: &weights[r0 * wr..r1 * wr],
+                    scales: &scales[r0 * sr..r1 * sr],
                     rows: n,
                     cols,
                 }
@@ -536,6 +598,13 @@ impl Cpu {
 
     /// `y = W x` for the rows of `w` (one task's share), single-threaded.
     fn matvec_rows(&self, w: &Matrix, prep: &Prepared, y: &mut [f32]) {
+        if let Matrix::Mxfp4 { .. } = *w {
+            return match self.isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => x86::matvec_mxfp4(w, &prep.x, y),
+                _ => portable::matvec_mxfp4(w, &prep.x, y),
+            };
+        }
         if w.general_quant() {
             return portable::matvec_general(w, prep, y);
         }
@@ -551,8 +620,8 @@ impl Cpu {
     /// Row 0 of the one-row matrix `w` into `out`, in the order [`Prepared`] puts
     /// the input in.
     fn row_prepared(&self, w: &Matrix, out: &mut [f32]) {
-        if w.general_quant() {
-            // The general loop reads the input in natural order.
+        if w.general_quant() || matches!(*w, Matrix::Mxfp4 { .. }) {
+            // The general and MXFP4 loops read the input in natural order.
             return portable::row(w, out);
         }
         match self.isa {
@@ -835,6 +904,12 @@ pub fn expert_matrices<'a>(pool: &ExpertPool, blob: &'a [u8]) -> [Matrix<'a>; 3]
                 weights: &blob[o..o + w],
                 scales: &blob[o + w..o + w + s],
                 biases: &blob[o + w + s..o + w + 2 * s],
+                rows,
+                cols,
+            },
+            Scheme::Mxfp4 => Matrix::Mxfp4 {
+                weights: &blob[o..o + w],
+                scales: &blob[o + w..o + w + s],
                 rows,
                 cols,
             },

@@ -169,6 +169,8 @@ fn matvec_neon(w: &Matrix, prep: &Prepared, y: &mut [f32], sdot: bool) {
                 }
             }
         }
+        // Routed to its own loop before reaching here (`Cpu::matvec_rows`).
+        Matrix::Mxfp4 { .. } => unreachable!("MXFP4 has its own loop"),
         Matrix::Float {
             dtype: FloatDtype::Bf16,
             data,

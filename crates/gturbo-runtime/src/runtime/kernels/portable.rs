@@ -2,11 +2,13 @@
 //! vectorises them on any target (NEON on Apple silicon, SSE2 on baseline x86-64).
 
 use super::{FloatDtype, Matrix, Prepared, bf16_at, quant_row_bytes};
+use crate::format::mxfp4::GROUP as MXFP4_GROUP;
 use crate::format::quant::{self, Bits, GROUP, MAX_GROUP, bf16_to_f32};
 
 /// `y = W x` over all rows of `w`.
 pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
     match *w {
+        Matrix::Mxfp4 { .. } => matvec_mxfp4(w, &prep.x, y),
         Matrix::Quant {
             bits,
             weights,
@@ -175,12 +177,92 @@ fn q4_row_q8(w: &[u8], s: &[u8], b: &[u8], prep: &Prepared) -> f32 {
     total
 }
 
+/// The values of the two codes of one byte of an MXFP4 row (low nibble first), by
+/// the byte: E2M1 of each nibble, built once at compile time.
+pub(super) static MXFP4_PAIRS: [[f32; 2]; 256] = {
+    let mut t = [[0.0f32; 2]; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = [e2m1_const(b as u8 & 0xf), e2m1_const(b as u8 >> 4)];
+        b += 1;
+    }
+    t
+};
+
+/// [`crate::format::mxfp4::e2m1`] in a `const` context (the table above).
+const fn e2m1_const(c: u8) -> f32 {
+    let m = crate::format::mxfp4::E2M1[(c & 7) as usize];
+    if c & 8 != 0 { -m } else { m }
+}
+
+/// `y = W x` for an MXFP4 matrix, `x` in natural order: per group of 32, the codes'
+/// E2M1 values dotted with `x` (eight partial sums), times `2^(e − 127)`. Each
+/// product `E2M1 × x` is exact in f32 up to its rounding; the group's scale is a power
+/// of two, so the result agrees with "dequantize, then dot" to f32 rounding.
+pub(super) fn matvec_mxfp4(w: &Matrix, x: &[f32], y: &mut [f32]) {
+    let Matrix::Mxfp4 {
+        weights,
+        scales,
+        cols,
+        ..
+    } = *w
+    else {
+        unreachable!("the MXFP4 loop of another matrix");
+    };
+    let (wr, sr) = (cols / 2, cols / MXFP4_GROUP);
+    for ((o, w), s) in y
+        .iter_mut()
+        .zip(weights.chunks_exact(wr))
+        .zip(scales.chunks_exact(sr))
+    {
+        *o = mxfp4_row_dot(w, s, x);
+    }
+}
+
+/// One MXFP4 row (`w` its code bytes, `s` its scale bytes) against `x`.
+#[inline(always)]
+pub(super) fn mxfp4_row_dot(w: &[u8], s: &[u8], x: &[f32]) -> f32 {
+    let mut total = 0.0f32;
+    for ((wg, &e), xg) in w
+        .chunks_exact(MXFP4_GROUP / 2)
+        .zip(s)
+        .zip(x.chunks_exact(MXFP4_GROUP))
+    {
+        let mut acc = [0.0f32; 8];
+        for (wb, xb) in wg.chunks_exact(4).zip(xg.chunks_exact(8)) {
+            for i in 0..4 {
+                let [lo, hi] = MXFP4_PAIRS[wb[i] as usize];
+                acc[2 * i] += lo * xb[2 * i];
+                acc[2 * i + 1] += hi * xb[2 * i + 1];
+            }
+        }
+        total += crate::format::mxfp4::scale(e) * acc.iter().sum::<f32>();
+    }
+    total
+}
+
 /// Row 0 of `w` (a one-row matrix) as f32.
 pub(super) fn row(w: &Matrix, out: &mut [f32]) {
     if w.general_quant() {
         return row_general(w, out);
     }
     match *w {
+        Matrix::Mxfp4 {
+            weights, scales, ..
+        } => {
+            for ((og, wg), &e) in out
+                .chunks_exact_mut(MXFP4_GROUP)
+                .zip(weights.chunks_exact(MXFP4_GROUP / 2))
+                .zip(scales)
+            {
+                let s = crate::format::mxfp4::scale(e);
+                for (o, &b) in og.chunks_exact_mut(2).zip(wg) {
+                    let [lo, hi] = MXFP4_PAIRS[b as usize];
+                    o[0] = lo * s;
+                    o[1] = hi * s;
+                }
+            }
+        }
         Matrix::Quant {
             bits,
             weights,

@@ -69,6 +69,32 @@ impl Fixture {
         }
     }
 
+    /// MXFP4 (`mxfp4_g32`): random codes; scales mostly 2^-8..2^-2, with an all-zero
+    /// group, and the smallest (2^-127, subnormal) and a large (2^20) exponent in
+    /// play. The reference is the format's own decode.
+    fn mxfp4(rows: usize, cols: usize, rng: &mut Rng) -> Fixture {
+        let n = rows * cols;
+        let mut w: Vec<u8> = (0..n / 2).map(|_| rng.next() as u8).collect();
+        w[..16].fill(0);
+        let mut s: Vec<u8> = (0..n / 32).map(|_| 119 + (rng.next() % 7) as u8).collect();
+        if s.len() > 2 {
+            s[1] = 0;
+            s[2] = 147;
+        }
+        let mut dense = vec![0.0f32; n];
+        crate::format::mxfp4::dequantize_rows(&w, &s, cols, &mut dense).unwrap();
+        Fixture {
+            kind: "mxfp4",
+            bits: 4,
+            group: 32,
+            parts: vec![Odd::new(&w), Odd::new(&s)],
+            rows,
+            cols,
+            bias: vec![0.0; n],
+            dense,
+        }
+    }
+
     fn float(kind: &'static str, rows: usize, cols: usize, rng: &mut Rng) -> Fixture {
         let vals = rng.vec(rows * cols);
         let (bytes, dense): (Vec<u8>, Vec<f32>) = match kind {
@@ -110,6 +136,12 @@ impl Fixture {
                 weights: data,
                 scales: self.parts[1].get(),
                 biases: self.parts[2].get(),
+                rows,
+                cols,
+            },
+            "mxfp4" => Matrix::Mxfp4 {
+                weights: data,
+                scales: self.parts[1].get(),
                 rows,
                 cols,
             },
@@ -184,6 +216,10 @@ fn fixtures(rng: &mut Rng) -> Vec<Fixture> {
         for (rows, cols) in [(1, 128), (37, 384)] {
             f.push(Fixture::quant(spec, rows, cols, rng));
         }
+    }
+    // gpt-oss's MXFP4 experts (one group, odd row counts, gpt-oss-20b's width 2880).
+    for (rows, cols) in [(1, 32), (37, 96), (130, 576), (9, 2880)] {
+        f.push(Fixture::mxfp4(rows, cols, rng));
     }
     for kind in ["bf16", "f16", "f32"] {
         for (rows, cols) in [(1, 1), (5, 7), (33, 100), (70, 129), (19, 576)] {

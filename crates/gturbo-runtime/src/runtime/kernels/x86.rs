@@ -6,6 +6,7 @@
 //! unaligned from the slice's own pointer.
 
 use super::{FloatDtype, Matrix, Prepared, bf16_at, quant_row_bytes};
+use crate::format::mxfp4::GROUP as MXFP4_GROUP;
 use crate::format::quant::GROUP;
 use std::arch::x86_64::*;
 
@@ -22,6 +23,67 @@ pub(super) fn matvec(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
     assert!(available(), "AVX2/FMA/F16C kernels on a CPU without them");
     // SAFETY: the CPU features `matvec_avx2` enables were detected at run time just above.
     unsafe { matvec_avx2(w, prep, y) }
+}
+
+/// `y = W x` for an MXFP4 matrix, `x` in natural order.
+#[allow(unsafe_code)]
+pub(super) fn matvec_mxfp4(w: &Matrix, x: &[f32], y: &mut [f32]) {
+    assert!(available(), "AVX2/FMA/F16C kernels on a CPU without them");
+    // SAFETY: the CPU features `matvec_mxfp4_avx2` enables were detected just above.
+    unsafe { matvec_mxfp4_avx2(w, x, y) }
+}
+
+/// Twice the E2M1 value of each code, as int8 (all integers: {0, 1, 2, 3, 4, 6, 8,
+/// 12} and their negatives): the byte shuffle's table. The group's scale is halved
+/// to match.
+const MXFP4_TWICE: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn matvec_mxfp4_avx2(w: &Matrix, x: &[f32], y: &mut [f32]) {
+    let Matrix::Mxfp4 {
+        weights,
+        scales,
+        cols,
+        ..
+    } = *w
+    else {
+        unreachable!("the MXFP4 loop of another matrix");
+    };
+    let (wr, sr) = (cols / 2, cols / MXFP4_GROUP);
+    let table = ld16(&MXFP4_TWICE.map(|v| v as u8));
+    let nib = _mm_set1_epi8(0x0f);
+    for ((o, w), s) in y
+        .iter_mut()
+        .zip(weights.chunks_exact(wr))
+        .zip(scales.chunks_exact(sr))
+    {
+        let mut row = _mm256_setzero_ps();
+        for ((wg, &e), xg) in w.chunks_exact(16).zip(s).zip(x.chunks_exact(MXFP4_GROUP)) {
+            // 16 bytes → 32 codes in element order (low nibble first), then twice
+            // their values as int8 by table lookup.
+            let b = ld16(wg);
+            let lo = _mm_and_si128(b, nib);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), nib);
+            let v0 = _mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi));
+            let v1 = _mm_shuffle_epi8(table, _mm_unpackhi_epi8(lo, hi));
+            let f = widen8;
+            let mut acc = _mm256_mul_ps(f(v0), ld8(xg));
+            acc = _mm256_fmadd_ps(f(_mm_srli_si128::<8>(v0)), ld8(&xg[8..]), acc);
+            acc = _mm256_fmadd_ps(f(v1), ld8(&xg[16..]), acc);
+            acc = _mm256_fmadd_ps(f(_mm_srli_si128::<8>(v1)), ld8(&xg[24..]), acc);
+            // 2^(e − 127) / 2: exact (the smallest, 2^−128, is an f32 subnormal).
+            let scale = _mm256_set1_ps(crate::format::mxfp4::scale(e) * 0.5);
+            row = _mm256_fmadd_ps(acc, scale, row);
+        }
+        *o = hsum(row);
+    }
+}
+
+/// The low eight int8 lanes of `v` as f32.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn widen8(v: __m128i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
 }
 
 /// One row of `w` (a one-row matrix) in the order [`Prepared`] puts the input in:
@@ -141,6 +203,9 @@ fn matvec_avx2(w: &Matrix, prep: &Prepared, y: &mut [f32]) {
                 }
             }
         }
+        // Routed to their own loops before reaching here (`Cpu::matvec_rows`,
+        // `Cpu::row_prepared`).
+        Matrix::Mxfp4 { .. } => unreachable!("MXFP4 has its own loop"),
         Matrix::Float {
             dtype: FloatDtype::Bf16,
             data,
@@ -391,6 +456,9 @@ fn row_prepared_avx2(w: &Matrix, out: &mut [f32]) {
                 dequant_permuted::<8>(weights, scales, biases, out)
             }
         }
+        // Routed to their own loops before reaching here (`Cpu::matvec_rows`,
+        // `Cpu::row_prepared`).
+        Matrix::Mxfp4 { .. } => unreachable!("MXFP4 has its own loop"),
         Matrix::Float {
             dtype: FloatDtype::Bf16,
             data,

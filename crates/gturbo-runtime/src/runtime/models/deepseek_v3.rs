@@ -410,7 +410,7 @@ fn transposed(w: &Matrix<'_>) -> (FloatDtype, Box<[u8]>) {
             }
             (dtype, t.into_boxed_slice())
         }
-        Matrix::Quant { .. } => {
+        Matrix::Quant { .. } | Matrix::Mxfp4 { .. } => {
             let mut row = vec![0f32; cols];
             let mut t = vec![0f32; rows * cols];
             for i in 0..rows {

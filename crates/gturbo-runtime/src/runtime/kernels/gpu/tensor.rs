@@ -7,10 +7,15 @@ use std::sync::{Arc, Mutex};
 use super::context::GpuContext;
 use super::error::{GpuError, Result};
 use super::tuning;
+use crate::format::Scheme;
 use crate::format::dtype::Dtype;
 use crate::format::pools::ExpertPool;
 use crate::format::quant::GROUP;
 use crate::runtime::kernels::{AttentionSpec, FloatDtype, Matrix};
+
+/// What the GPU says of an MXFP4 matrix: the CPU computes it.
+const MXFP4_NOT_ON_GPU: &str =
+    "MXFP4 (mxfp4_g32) matrices have no GPU kernel yet; use --backend cpu";
 
 /// Element type of a [`GpuTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -309,6 +314,12 @@ impl GpuMatrix {
                     vec![weights, scales, biases],
                 )
             }
+            Matrix::Mxfp4 { .. } => {
+                return Err(GpuError::Shape {
+                    op: "upload",
+                    message: format!("{label}: {MXFP4_NOT_ON_GPU}"),
+                });
+            }
             Matrix::Float { dtype, data, .. } => (Encoding::float(dtype), vec![data]),
         };
         // One buffer: codes (a whole number of words, since cols is a multiple of the
@@ -557,6 +568,13 @@ impl ExpertSlots {
         }
         if slots == 0 {
             return Err(bad("zero slots".into()));
+        }
+        if pool
+            .parts
+            .iter()
+            .any(|p| pool.part_scheme(p) == Scheme::Mxfp4)
+        {
+            return Err(bad(MXFP4_NOT_ON_GPU.into()));
         }
         let encoding = match (pool.scheme.bits(), pool.dtype) {
             (Some(bits), _) => Encoding::Affine {
