@@ -38,6 +38,7 @@ use crate::source::{RangeSource, SourceError};
 use crate::transform::fp8::{self, Fp8Error};
 use crate::transform::int4_ct;
 use crate::transform::quant::{self, Spec};
+use crate::transform::transpose;
 
 use super::stage::OutputFiles;
 use super::{InstallError, io_err};
@@ -68,8 +69,8 @@ pub(super) fn segments(
         if s >= e {
             continue;
         }
-        let row0 = (s - t.src[0]) / p.src_row_bytes;
-        let row1 = (e - t.src[0]).div_ceil(p.src_row_bytes);
+        let row0 = (s - t.src[0]) / p.src_row_bytes * p.rows_per_src_row;
+        let row1 = (e - t.src[0]).div_ceil(p.src_row_bytes) * p.rows_per_src_row;
         out.push(Segment {
             tensor: ti,
             src_start: s,
@@ -286,13 +287,16 @@ impl<'a> ReadWriter<'a> {
             let p = self.placements[seg.tensor]
                 .as_ref()
                 .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+            // A tile is whole source rows (whole experts for transposed ones), counted
+            // in placed rows.
+            let unit = p.rows_per_src_row;
             if self.tile.is_empty() && self.tile_rows == 0 {
                 self.tile_row0 =
-                    (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes;
-                self.tile_rows =
-                    ((tile_bytes as u64 / p.src_row_bytes).max(1)).min(seg.row1 - self.tile_row0);
+                    (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes * unit;
+                self.tile_rows = ((tile_bytes as u64 / p.src_row_bytes).max(1) * unit)
+                    .min(seg.row1 - self.tile_row0);
             }
-            let tile_len = (self.tile_rows * p.src_row_bytes) as usize;
+            let tile_len = (self.tile_rows / unit * p.src_row_bytes) as usize;
             if self.tile.is_empty() && chunk.len() >= tile_len {
                 // The whole tile is in this piece: transform it where it lies.
                 let (whole, rest) = chunk.split_at(tile_len);
@@ -338,8 +342,18 @@ impl<'a> ReadWriter<'a> {
             self.dequantize_fp8(seg, src, &mut deq)?;
         } else if let Some(from) = p.requant {
             self.dequantize_affine(seg, from, src, &mut deq)?;
+        } else if let Some(interleaved) = p.transposed {
+            let expert = transpose::Expert {
+                cols: p.cols as usize,
+                rows: p.rows_per_src_row as usize,
+                elem: t.dtype.size() as usize,
+                interleaved,
+            };
+            expert
+                .transpose(src, &mut deq)
+                .map_err(|e| InstallError::Internal(format!("{}: {e}", t.name)))?;
         }
-        let input: &[u8] = if p.requant.is_some() || p.fp8 {
+        let input: &[u8] = if p.requant.is_some() || p.fp8 || p.transposed.is_some() {
             &deq
         } else {
             src

@@ -339,6 +339,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 packed: None,
                 requant,
                 fp8,
+                transposed: d.transposed,
             });
             continue;
         };
@@ -373,6 +374,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 }),
                 requant: None,
                 fp8: None,
+                transposed: false,
             });
         }
     }
