@@ -314,4 +314,3 @@ fn an_int4_install_runs_with_its_recorded_quality() {
     let o = gturbo_args(&["verify-install", q.to_str().unwrap()]);
     assert!(o.status.success(), "verify-install: {}", text(&o));
 }
-
