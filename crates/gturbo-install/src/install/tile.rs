@@ -334,30 +334,9 @@ impl<'a> ReadWriter<'a> {
             .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
         let n = self.tile_rows;
         let (ow, os, ob) = p.out_row;
-        // A requantized module's tile is packed words: dequantize it to the BF16
-        // matrix `mx.dequantize` gives, which is then quantized (or kept) like a
-        // BF16 source's.
         let mut deq = std::mem::take(&mut self.deq);
-        if p.fp8 {
-            self.dequantize_fp8(seg, src, &mut deq)?;
-        } else if let Some(from) = p.requant {
-            self.dequantize_affine(seg, from, src, &mut deq)?;
-        } else if let Some(interleaved) = p.transposed {
-            let expert = transpose::Expert {
-                cols: p.cols as usize,
-                rows: p.rows_per_src_row as usize,
-                elem: t.dtype.size() as usize,
-                interleaved,
-            };
-            expert
-                .transpose(src, &mut deq)
-                .map_err(|e| InstallError::Internal(format!("{}: {e}", t.name)))?;
-        }
-        let input: &[u8] = if p.requant.is_some() || p.fp8 || p.transposed.is_some() {
-            &deq
-        } else {
-            src
-        };
+        let rewritten = self.rewrite_tile(seg, p, src, &mut deq)?;
+        let input: &[u8] = if rewritten { &deq } else { src };
         // A stream written straight from the input (no copy): a pre-quantized part's
         // bytes are its stream's, a passthrough tensor's its weights'.
         let mut direct: Option<(usize, &[u8])> = None;
@@ -430,6 +409,38 @@ impl<'a> ReadWriter<'a> {
         self.tile_row0 += n;
         self.tile_rows = 0;
         Ok(())
+    }
+
+    /// The tile's rows as the profile takes them, written into `deq` when they are not
+    /// `src` itself (returns whether they are in `deq`): a requantized module's packed
+    /// words dequantized to the BF16 matrix `mx.dequantize` gives, an FP8 tile
+    /// dequantized, transposed experts transposed (whole experts per tile).
+    fn rewrite_tile(
+        &mut self,
+        seg: &Segment,
+        p: &TensorPlacement,
+        src: &[u8],
+        deq: &mut Vec<u8>,
+    ) -> Result<bool, InstallError> {
+        if p.fp8 {
+            self.dequantize_fp8(seg, src, deq)?;
+        } else if let Some(from) = p.requant {
+            self.dequantize_affine(seg, from, src, deq)?;
+        } else if let Some(interleaved) = p.transposed {
+            let t = &self.plan.tensors[seg.tensor];
+            let expert = transpose::Expert {
+                cols: p.cols as usize,
+                rows: p.rows_per_src_row as usize,
+                elem: t.dtype.size() as usize,
+                interleaved,
+            };
+            expert
+                .transpose(src, deq)
+                .map_err(|e| InstallError::Internal(format!("{}: {e}", t.name)))?;
+        } else {
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Dequantize one tile of a requantized module's packed words, `src` (rows

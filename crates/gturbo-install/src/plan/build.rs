@@ -280,6 +280,17 @@ fn place_resident(drafts: &[Draft]) -> Result<(ResidentLayout, Placed), PlanErro
 
 /// Every draft as a planned tensor, with the scheme and destination its stage gave
 /// it; excluded tensors keep their reason.
+/// A source tensor of a module (scales, biases, block scales) as the plan records it.
+fn source_part(p: mlx::PartSrc) -> SourcePart {
+    SourcePart {
+        name: p.name,
+        shard: p.shard,
+        dtype: p.dtype,
+        shape: p.shape,
+        src: p.src,
+    }
+}
+
 fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
     let mut placed: Vec<Option<(Scheme, Dest)>> = drafts
         .iter()
@@ -303,13 +314,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
             // A requantized module: one logical matrix whose `src` is its packed
             // weights; its scales and biases are staged by the executor.
             let requant = d.requant.map(|p| {
-                let [_, s, b] = p.parts.map(|part| SourcePart {
-                    name: part.name,
-                    shard: part.shard,
-                    dtype: part.dtype,
-                    shape: part.shape,
-                    src: part.src,
-                });
+                let [_, s, b] = p.parts.map(source_part);
                 Requant {
                     from: Scheme::Affine(p.affine),
                     scales: s,
@@ -320,13 +325,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
             // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its
             // FP8 codes; its block scales are staged by the executor.
             let fp8 = d.fp8.map(|p| ScaledFp8 {
-                scale_inv: SourcePart {
-                    name: p.name,
-                    shard: p.shard,
-                    dtype: p.dtype,
-                    shape: p.shape,
-                    src: p.src,
-                },
+                scale_inv: source_part(p),
             });
             out.push(PlannedTensor {
                 name: d.name,

@@ -42,7 +42,10 @@ impl Expert {
     /// Every expert of `src` (whole experts, `[in, out]` each) into `dst` as `[out, in]`.
     pub fn transpose(&self, src: &[u8], dst: &mut Vec<u8>) -> Result<(), String> {
         let per = self.bytes();
-        if per == 0 || !src.len().is_multiple_of(per) || (self.interleaved && self.rows % 2 != 0) {
+        if per == 0
+            || !src.len().is_multiple_of(per)
+            || (self.interleaved && !self.rows.is_multiple_of(2))
+        {
             return Err(format!(
                 "{} bytes are not whole experts of {} × {} elements of {} bytes{}",
                 src.len(),
