@@ -14,7 +14,7 @@ use crate::runtime::kernels::Cpu;
 use crate::runtime::load::{self, DEFAULT_ROW_CACHE_ROWS, Install, LoadOptions};
 use crate::runtime::models::{self, Model};
 use crate::runtime::sample::{Sampler, SamplerConfig};
-use crate::runtime::text::{TextCodec, TextError};
+use crate::runtime::text::{TextCodec, TextError, harmony_final};
 use crate::verify::{self, VerifyFailure};
 
 /// Where `gturbo run` computes.
@@ -410,6 +410,10 @@ fn run_on(
     });
     let mut out = std::io::stdout().lock();
     let json = args.json;
+    // A harmony chat (gpt-oss) answers in channels: only the final one is shown, once
+    // the answer is complete, so nothing streams.
+    let harmony = args.chat.is_some() && codec.as_ref().is_some_and(TextCodec::is_harmony);
+    let json = json || harmony;
     // Stop tokens are not printed; everything else streams as soon as it is text.
     let mut stream = codec.as_ref().map(|c| c.stream_decoder(true));
     let mut text = String::new();
@@ -439,7 +443,14 @@ fn run_on(
             let _ = write!(out, "{rest}");
         }
     }
-    if !json {
+    if let (true, Some(c)) = (harmony, &codec) {
+        let decoded = c.decode(&g.tokens, false).map_err(text_failure)?;
+        text = harmony_final(&decoded).unwrap_or_default().to_string();
+        if !args.json {
+            let _ = write!(out, "{text}");
+        }
+    }
+    if !args.json {
         let _ = writeln!(out);
     }
     // The last sampled token is never fed back: the state holds the rest.
@@ -455,7 +466,7 @@ fn run_on(
         device_memory_bytes: model.device_memory_bytes(),
     };
     footer(
-        install, &backend, &g, json, &prompt, &text, &parts, &mut out,
+        install, &backend, &g, args.json, &prompt, &text, &parts, &mut out,
     );
     Ok(())
 }

@@ -9,6 +9,7 @@ mod flash_next;
 mod flash_next_run;
 mod fp8_source;
 mod glm;
+mod gptoss;
 #[cfg(feature = "gpu")]
 mod gpu;
 #[cfg(feature = "gpu")]

@@ -135,7 +135,7 @@ fn families_lists_the_runner_of_each_family() {
         vec![
             ("deepseek_v3".to_string(), Value::from("deepseek_v3")),
             ("glm4_moe".to_string(), Value::from("glm4_moe")),
-            ("gpt_oss".to_string(), Value::Null),
+            ("gpt_oss".to_string(), Value::from("gpt_oss")),
             ("llama".to_string(), Value::from("decoder")),
             ("minimax_m2".to_string(), Value::Null),
             ("mixtral".to_string(), Value::from("mixtral")),

@@ -49,6 +49,9 @@ pub enum Rule {
     Flag,
     /// An object of named parameters (RoPE scaling).
     Object,
+    /// One attention kind per layer (`layer_types`): a list of at most
+    /// [`MAX_LAYER_TYPES`] names from [`LAYER_TYPES`].
+    LayerTypes,
     /// An axis this table does not know: a finite number, a boolean, or null.
     Other,
 }
@@ -57,6 +60,11 @@ pub enum Rule {
 pub const MAX_OBJECT_KEYS: usize = 32;
 /// Longest key or string in a parameter object, and most numbers in one of its lists.
 const MAX_OBJECT_ITEM: usize = 64;
+
+/// Most entries of a `layer_types` list (the `num_layers` bound).
+pub const MAX_LAYER_TYPES: usize = 1024;
+/// The attention kinds a `layer_types` list may name (transformers' names).
+pub const LAYER_TYPES: [&str; 2] = ["sliding_attention", "full_attention"];
 
 /// Largest magnitude of a number on an axis this table does not know.
 pub const MAX_OTHER: f64 = (1u64 << 40) as f64;
@@ -80,6 +88,7 @@ pub fn rule(axis: &str) -> Rule {
         "rms_norm_eps" => Positive { max: 1.0 },
         "tie_word_embeddings" | "norm_topk_prob" => Flag,
         "rope_scaling" | "rope_parameters" => Object,
+        "layer_types" => LayerTypes,
         _ => Other,
     }
 }
@@ -129,6 +138,19 @@ pub fn check_value(axis: &str, v: &Value) -> Result<(), String> {
             other => Err(format!("expected true or false, found {other}")),
         },
         Rule::Object => check_object(v),
+        Rule::LayerTypes => match v {
+            Value::Array(a) if a.len() > MAX_LAYER_TYPES => {
+                Err(format!("a list of {} (at most {MAX_LAYER_TYPES})", a.len()))
+            }
+            Value::Array(a) => a.iter().enumerate().try_for_each(|(i, x)| match x {
+                Value::String(s) if LAYER_TYPES.contains(&s.as_str()) => Ok(()),
+                other => Err(format!(
+                    "entry {i} is {other}, not one of {}",
+                    LAYER_TYPES.join(", ")
+                )),
+            }),
+            other => Err(format!("expected a list of layer kinds, found {other}")),
+        },
         Rule::Other => match v {
             Value::Bool(_) => Ok(()),
             Value::Number(n) => match n.as_f64() {
@@ -324,6 +346,18 @@ mod tests {
             refusal(json!({"norm_topk_prob": 1})),
             "norm_topk_prob: expected true or false, found 1"
         );
+        assert_eq!(
+            refusal(json!({"layer_types": ["full_attention", "linear_attention"]})),
+            "layer_types: entry 1 is \"linear_attention\", not one of sliding_attention, full_attention"
+        );
+        assert_eq!(
+            refusal(json!({"layer_types": 3})),
+            "layer_types: expected a list of layer kinds, found 3"
+        );
+        check(&axes(
+            json!({"layer_types": ["sliding_attention", "full_attention"]}),
+        ))
+        .unwrap();
         assert_eq!(
             refusal(json!({"some_axis": [1]})),
             "some_axis: expected a number or boolean, found [1]"

@@ -130,6 +130,13 @@ pub struct TensorRule {
     /// `sanitize`), instead of all gate rows then all up rows.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gate_up_interleaved: bool,
+    /// For `experts_fused`: each expert's matrix is stored transposed, `[E, in, out]`
+    /// (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`), a `gate_up_proj`'s out axis
+    /// interleaving gate and up (even columns gate, odd up): transformers' gpt-oss
+    /// layout (`GptOssExperts`, `is_transposed=True`). The install writes the pool's
+    /// `[I, H]` gate and up and `[H, I]` down from it.
+    #[serde(default)]
+    pub transposed: bool,
 }
 
 /// The expert part names the planner knows: one expert's `gate_proj`, `up_proj` and
@@ -375,6 +382,15 @@ fn tensor_rules(
                     format!("role {:?} needs a `{n}…` capture", rule.role),
                 ));
             }
+        }
+        if rule.transposed && rule.role != Role::ExpertsFused {
+            return Err(invalid(
+                &format!("tensors[{i}].transposed"),
+                format!(
+                    "only experts_fused rules are transposed, not {:?}",
+                    rule.role
+                ),
+            ));
         }
         if let Some((from, to)) = rule
             .parts

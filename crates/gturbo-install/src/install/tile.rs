@@ -39,6 +39,7 @@ use crate::source::{RangeSource, SourceError};
 use crate::transform::fp8::{self, Fp8Error};
 use crate::transform::int4_ct;
 use crate::transform::quant::{self, Spec};
+use crate::transform::transpose;
 
 use super::stage::OutputFiles;
 use super::{InstallError, io_err};
@@ -69,8 +70,8 @@ pub(super) fn segments(
         if s >= e {
             continue;
         }
-        let row0 = (s - t.src[0]) / p.src_row_bytes;
-        let row1 = (e - t.src[0]).div_ceil(p.src_row_bytes);
+        let row0 = (s - t.src[0]) / p.src_row_bytes * p.rows_per_src_row;
+        let row1 = (e - t.src[0]).div_ceil(p.src_row_bytes) * p.rows_per_src_row;
         out.push(Segment {
             tensor: ti,
             src_start: s,
@@ -287,13 +288,16 @@ impl<'a> ReadWriter<'a> {
             let p = self.placements[seg.tensor]
                 .as_ref()
                 .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
+            // A tile is whole source rows (whole experts for transposed ones), counted
+            // in placed rows.
+            let unit = p.rows_per_src_row;
             if self.tile.is_empty() && self.tile_rows == 0 {
                 self.tile_row0 =
-                    (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes;
-                self.tile_rows =
-                    ((tile_bytes as u64 / p.src_row_bytes).max(1)).min(seg.row1 - self.tile_row0);
+                    (self.pos - self.plan.tensors[seg.tensor].src[0]) / p.src_row_bytes * unit;
+                self.tile_rows = ((tile_bytes as u64 / p.src_row_bytes).max(1) * unit)
+                    .min(seg.row1 - self.tile_row0);
             }
-            let tile_len = (self.tile_rows * p.src_row_bytes) as usize;
+            let tile_len = (self.tile_rows / unit * p.src_row_bytes) as usize;
             if self.tile.is_empty() && chunk.len() >= tile_len {
                 // The whole tile is in this piece: transform it where it lies.
                 let (whole, rest) = chunk.split_at(tile_len);
@@ -331,20 +335,9 @@ impl<'a> ReadWriter<'a> {
             .ok_or_else(|| InstallError::Internal("segment without placement".into()))?;
         let n = self.tile_rows;
         let (ow, os, ob) = p.out_row;
-        // A requantized module's tile is packed words: dequantize it to the BF16
-        // matrix `mx.dequantize` gives, which is then quantized (or kept) like a
-        // BF16 source's.
         let mut deq = std::mem::take(&mut self.deq);
-        if p.fp8 {
-            self.dequantize_fp8(seg, src, &mut deq)?;
-        } else if let Some(from) = p.requant {
-            self.dequantize_affine(seg, from, src, &mut deq)?;
-        }
-        let input: &[u8] = if p.requant.is_some() || p.fp8 {
-            &deq
-        } else {
-            src
-        };
+        let rewritten = self.rewrite_tile(seg, p, src, &mut deq)?;
+        let input: &[u8] = if rewritten { &deq } else { src };
         // A stream written straight from the input (no copy): a pre-quantized part's
         // bytes are its stream's, a passthrough tensor's its weights'.
         let mut direct: Option<(usize, &[u8])> = None;
@@ -465,6 +458,38 @@ impl<'a> ReadWriter<'a> {
                 self.plan.shards[shard].path
             ),
         })
+    }
+
+    /// The tile's rows as the profile takes them, written into `deq` when they are not
+    /// `src` itself (returns whether they are in `deq`): a requantized module's packed
+    /// words dequantized to the BF16 matrix `mx.dequantize` gives, an FP8 tile
+    /// dequantized, transposed experts transposed (whole experts per tile).
+    fn rewrite_tile(
+        &mut self,
+        seg: &Segment,
+        p: &TensorPlacement,
+        src: &[u8],
+        deq: &mut Vec<u8>,
+    ) -> Result<bool, InstallError> {
+        if p.fp8 {
+            self.dequantize_fp8(seg, src, deq)?;
+        } else if let Some(from) = p.requant {
+            self.dequantize_affine(seg, from, src, deq)?;
+        } else if let Some(interleaved) = p.transposed {
+            let t = &self.plan.tensors[seg.tensor];
+            let expert = transpose::Expert {
+                cols: p.cols as usize,
+                rows: p.rows_per_src_row as usize,
+                elem: t.dtype.size() as usize,
+                interleaved,
+            };
+            expert
+                .transpose(src, deq)
+                .map_err(|e| InstallError::Internal(format!("{}: {e}", t.name)))?;
+        } else {
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Dequantize one tile of a requantized module's packed words, `src` (rows

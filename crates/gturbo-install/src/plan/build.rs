@@ -304,6 +304,17 @@ fn place_resident(drafts: &[Draft]) -> Result<(ResidentLayout, Placed), PlanErro
 
 /// Every draft as a planned tensor, with the scheme and destination its stage gave
 /// it; excluded tensors keep their reason.
+/// A source tensor of a module (scales, biases, block scales) as the plan records it.
+fn source_part(p: mlx::PartSrc) -> SourcePart {
+    SourcePart {
+        name: p.name,
+        shard: p.shard,
+        dtype: p.dtype,
+        shape: p.shape,
+        src: p.src,
+    }
+}
+
 fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
     let mut placed: Vec<Option<(Scheme, Dest)>> = drafts
         .iter()
@@ -330,13 +341,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
             // An FP8 weight: the BF16 matrix it dequantizes to, whose `src` is its
             // FP8 codes; its block scales are staged by the executor.
             let fp8 = d.fp8.map(|p| ScaledFp8 {
-                scale_inv: SourcePart {
-                    name: p.name,
-                    shard: p.shard,
-                    dtype: p.dtype,
-                    shape: p.shape,
-                    src: p.src,
-                },
+                scale_inv: source_part(p),
             });
             out.push(PlannedTensor {
                 name: d.name,
@@ -349,6 +354,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 packed: None,
                 requant,
                 fp8,
+                transposed: d.transposed,
             });
             continue;
         };
@@ -390,6 +396,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
                 }),
                 requant: None,
                 fp8: None,
+                transposed: false,
             });
         }
     }
@@ -401,13 +408,7 @@ fn assemble(drafts: Vec<Draft>, stages: [Placed; 3]) -> Vec<PlannedTensor> {
 /// A module `--requantize` (or a profile that does not keep 4-bit sources)
 /// dequantizes: its layout and the scales and biases the executor stages.
 fn requant_of(p: mlx::Packed) -> Requant {
-    let [_, s, b] = p.parts.map(|part| SourcePart {
-        name: part.name,
-        shard: part.shard,
-        dtype: part.dtype,
-        shape: part.shape,
-        src: part.src,
-    });
+    let [_, s, b] = p.parts.map(source_part);
     Requant {
         from: p.scheme,
         scales: s,

@@ -53,6 +53,9 @@ pub(super) struct Draft {
     /// The block scales of an FP8 weight (planned like the BF16 matrix it
     /// dequantizes to, dequantized by the executor).
     pub fp8: Option<PartSrc>,
+    /// Fused experts stored transposed ([`crate::family::TensorRule::transposed`]):
+    /// `shape` is then the logical `[E, out, in]`, not the source's `[E, in, out]`.
+    pub transposed: bool,
 }
 
 /// Which stage places a tensor.
@@ -144,11 +147,22 @@ pub(super) fn classify(
             requantized: requant.is_some(),
         };
         let role = tensor.role(family, options, policy)?;
+        let transposed = m.rule.transposed;
+        if transposed && (t.packed.is_some() || requant.is_some() || t.fp8.is_some()) {
+            return Err(tensor.tensor_err(
+                "dtype",
+                "transposed experts are installed from unquantized weights".into(),
+            ));
+        }
+        let mut shape = t.shape;
+        if transposed && let [_, a, b] = &mut shape[..] {
+            std::mem::swap(a, b);
+        }
         drafts.push(Draft {
             name,
             shard: si,
             dtype: t.dtype,
-            shape: t.shape,
+            shape,
             src: t.src,
             role,
             layer: m.captures.layer,
@@ -156,6 +170,7 @@ pub(super) fn classify(
             packed: t.packed,
             requant,
             fp8: t.fp8,
+            transposed,
         });
     }
     Ok(drafts)

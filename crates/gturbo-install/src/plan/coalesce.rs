@@ -159,6 +159,7 @@ mod tests {
             packed: None,
             requant: None,
             fp8: None,
+            transposed: false,
             dest: if excluded {
                 Dest::Excluded { why: "x".into() }
             } else {

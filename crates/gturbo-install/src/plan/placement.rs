@@ -56,6 +56,13 @@ pub struct TensorPlacement {
     pub fp8: bool,
     /// The scales of a compressed-tensors module, which also write its biases.
     pub biases_from_scales: bool,
+    /// Rows (of the tensor as placed) per source row: 1, or one expert's rows for
+    /// transposed experts, whose source row is a whole expert.
+    pub rows_per_src_row: u64,
+    /// Transposed experts (gpt-oss): each source row is one expert's `[in, out]`
+    /// matrix, `Some(interleaved)` (a `gate_up` whose out axis alternates gate and
+    /// up); the placed rows are its transpose, gate rows before up rows.
+    pub transposed: Option<bool>,
     kind: Kind,
 }
 
@@ -221,6 +228,14 @@ impl TensorPlacement {
             requant,
             fp8: t.fp8.is_some(),
             biases_from_scales: t.packed.is_some_and(|p| p.biases_from_scales),
+            rows_per_src_row: t.rows_per_src_row(),
+            transposed: t.transposed.then_some(matches!(
+                t.dest,
+                Dest::ExpertsFused {
+                    part: ExpertPart::GateUp,
+                    ..
+                }
+            )),
             kind,
         })
     }

@@ -211,14 +211,34 @@ pub struct PlannedTensor {
     /// sources keep their fingerprints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fp8: Option<ScaledFp8>,
+    /// Fused experts stored transposed (gpt-oss): `shape` is the logical `[E, out,
+    /// in]` the pool receives, the source holds each expert as `[in, out]` (a
+    /// `gate_up` part's columns interleaving gate and up), and a source row is a whole
+    /// expert ([`PlannedTensor::src_row_bytes`]). Absent otherwise (so other plans keep
+    /// their fingerprints).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub transposed: bool,
 }
 
 impl PlannedTensor {
+    /// Logical rows per source row: 1, or for transposed experts one expert's
+    /// `out` rows (the source's unit is a whole expert).
+    pub fn rows_per_src_row(&self) -> u64 {
+        match (self.transposed, &self.shape[..]) {
+            (true, [_, out, _]) => (*out).max(1),
+            _ => 1,
+        }
+    }
+
     /// Source bytes of one row (the last axis) as stored: the packed row of a
     /// requantized module, else the row at the tensor's dtype. Reads that split a
     /// tensor cut at multiples of this.
     pub fn src_row_bytes(&self) -> u64 {
         let cols = self.shape.last().copied().unwrap_or(1).max(1);
+        if self.transposed {
+            // A whole expert: the transpose needs all of its columns.
+            return self.rows_per_src_row() * cols * self.dtype.size();
+        }
         if self.fp8.is_some() {
             // One e4m3 code per element.
             return cols;

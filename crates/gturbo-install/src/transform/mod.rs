@@ -1,9 +1,11 @@
 //! What happens to bytes between the source and the output: INT4/INT8 affine
 //! quantization bit-exact with MLX, in bounded scratch, and the FP8 e4m3 block
-//! dequantization ([`fp8`]) that turns an FP8 source into the BF16 the profile applies to.
+//! dequantization ([`fp8`]) that turns an FP8 source into the BF16 the profile applies to,
+//! and the transpose of experts stored `[in, out]` ([`transpose`]: gpt-oss).
 
 pub mod fp8;
 pub mod int4_ct;
+pub mod transpose;
 
 pub use crate::format::quant;
 

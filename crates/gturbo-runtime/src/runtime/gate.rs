@@ -49,6 +49,15 @@ pub const QKV_BIAS: &str = "qkvBias";
 /// Rotary embeddings on the first `partial_rotary_factor` of each head, rotate-half.
 pub const PARTIAL_ROPE: &str = "partialRope";
 
+/// A learned per-head logit in each attention softmax's denominator (gpt-oss's
+/// `self_attn.sinks`).
+pub const ATTENTION_SINKS: &str = "attentionSinks";
+/// Layers alternating a sliding window and full attention as `layer_types` says.
+pub const SLIDING_WINDOW_ALTERNATING: &str = "slidingWindowAlternating";
+/// gpt-oss's experts: gate and up interleaved in the source, biases on every
+/// projection, the clamped SwiGLU `(clamp(up) + 1) · g · σ(α g)`, `g = min(gate, limit)`.
+pub const CLAMPED_SWIGLU_INTERLEAVED: &str = "clampedSwigluInterleaved";
+
 /// The model a runner builds (`runtime::models::open` turns it into a loader).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
@@ -65,6 +74,8 @@ pub enum Arch {
     Glm4Moe,
     /// `models::qwen3_next`: Qwen3-Next.
     Qwen3Next,
+    /// `models::gpt_oss`: gpt-oss.
+    GptOss,
 }
 
 /// A runner: the families it reads, the axes it implements and the model it builds.
@@ -169,6 +180,21 @@ pub const RUNNERS: &[Runner] = &[
             ROUTED_MOE,
             SHARED_EXPERT_GATED,
             OFFSET_RMS_NORM,
+        ],
+    },
+    Runner {
+        name: "gpt_oss",
+        arch: Arch::GptOss,
+        families: &["gpt_oss"],
+        axes: &[
+            GQA_ATTENTION,
+            QKV_BIAS,
+            ATTENTION_SINKS,
+            SLIDING_WINDOW_ALTERNATING,
+            ROPE,
+            RMS_NORM,
+            ROUTED_MOE,
+            CLAMPED_SWIGLU_INTERLEAVED,
         ],
     },
 ];

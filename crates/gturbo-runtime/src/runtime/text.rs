@@ -550,6 +550,13 @@ impl TextCodec {
         }
     }
 
+    /// Whether the tokenizer speaks OpenAI's harmony format (gpt-oss): it has the
+    /// [`HARMONY_CHANNEL`] special token, so an answer comes in channels and only the
+    /// final one is for the user ([`harmony_final`]).
+    pub fn is_harmony(&self) -> bool {
+        self.tokenizer.token_to_id(HARMONY_CHANNEL).is_some()
+    }
+
     /// A decoder for a stream of generated ids.
     pub fn stream_decoder(&self, skip_special: bool) -> StreamDecoder<'_> {
         StreamDecoder {
@@ -618,5 +625,52 @@ impl StreamDecoder<'_> {
             Some(rest) if now.starts_with(&before) => rest.to_string(),
             _ => String::new(),
         })
+    }
+}
+
+/// Harmony's channel marker: `<|channel|>NAME<|message|>TEXT<|end|>`.
+pub const HARMONY_CHANNEL: &str = "<|channel|>";
+/// Harmony's marker between a channel's name and its text.
+const HARMONY_MESSAGE: &str = "<|message|>";
+/// What ends a harmony message: the end of a turn's message, of the answer, or a tool
+/// call.
+const HARMONY_ENDS: [&str; 3] = ["<|end|>", "<|return|>", "<|call|>"];
+
+/// The text of the last `final` channel in `decoded` (an answer decoded with its
+/// special tokens), up to the message's end marker or the end of the text (a reply
+/// cut by `--max-tokens`); `None` when the answer has no final channel yet (it was cut
+/// while still in `analysis`).
+pub fn harmony_final(decoded: &str) -> Option<&str> {
+    let marker = format!("{HARMONY_CHANNEL}final");
+    let at = decoded.rfind(&marker)? + marker.len();
+    let rest = &decoded[at..];
+    let body = &rest[rest.find(HARMONY_MESSAGE)? + HARMONY_MESSAGE.len()..];
+    let end = HARMONY_ENDS
+        .iter()
+        .filter_map(|e| body.find(e))
+        .min()
+        .unwrap_or(body.len());
+    Some(&body[..end])
+}
+
+#[cfg(test)]
+mod harmony_tests {
+    use super::harmony_final;
+
+    #[test]
+    fn the_final_channel_is_kept_and_the_analysis_dropped() {
+        let answer = "<|channel|>analysis<|message|>The user asks for 2+2. Easy.<|end|>\
+                      <|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>";
+        assert_eq!(harmony_final(answer), Some("2 + 2 = 4."));
+        // A channel with a constraint after its name, and a reply cut mid-answer.
+        let cut = "<|channel|>analysis<|message|>x<|end|><|start|>assistant\
+                   <|channel|>final <|constrain|>json<|message|>{\"a\": 1";
+        assert_eq!(harmony_final(cut), Some("{\"a\": 1"));
+        // Still thinking when the budget ran out: no final channel.
+        assert_eq!(
+            harmony_final("<|channel|>analysis<|message|>Let me think"),
+            None
+        );
+        assert_eq!(harmony_final("plain text"), None);
     }
 }

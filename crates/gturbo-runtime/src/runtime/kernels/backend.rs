@@ -408,6 +408,12 @@ pub trait Backend {
         slots: &'e Self::Slots,
         blob: ExpertRef<'e>,
     ) -> OpResult<Self::Expert<'e>>;
+    /// The gate, up and down matrices of `expert` as weights for [`Backend::linear`]:
+    /// a runner whose experts are more than [`Backend::expert_ffn`]'s SwiGLU (gpt-oss:
+    /// a bias on every projection, a clamped activation) composes them from the ops.
+    fn expert_weights<'x, 'e>(&self, expert: &'x Self::Expert<'e>) -> &'x [Self::Weights<'e>; 3]
+    where
+        Self: 'e;
     /// Called once at load for each layer whose pool is mapped (resident experts), so
     /// a backend that keeps whole pools in its own memory (a GPU) uploads them before
     /// the first prompt instead of inside it. The default does nothing.

@@ -269,6 +269,28 @@ impl<B: Backend> RoutedExperts<'_, B> {
                 return Ok(None);
             }
         }
+        self.routed(router, spec, x, out, |expert, _, routes, out| {
+            Ok(b.expert_ffn(expert, x, routes, out)?)
+        })
+        .map(Some)
+    }
+
+    /// Route `x` on the host, then `ffn(expert, e, routes, out)` for each chosen expert
+    /// `e` in ascending id over the `(row, weight)` pairs that chose it, after `out` is
+    /// zeroed: the dispatch of [`RoutedExperts::forward`] for experts the runner
+    /// composes from the ops itself (gpt-oss: biases and a clamped activation).
+    pub fn routed<F>(
+        &self,
+        router: &B::Weights<'_>,
+        spec: RouterSpec<'_>,
+        x: &B::Buf,
+        out: &mut B::Buf,
+        mut ffn: F,
+    ) -> Result<Routing, RunError>
+    where
+        F: FnMut(&B::Expert<'_>, usize, &[(usize, f32)], &mut B::Buf) -> Result<(), RunError>,
+    {
+        let (b, l) = (self.b, self.layer);
         let routing = b.route(router, x, &spec.routing, spec.bias)?;
         let chosen = by_expert(b, &routing, spec.experts)?;
         b.zero(out)?;
@@ -290,9 +312,9 @@ impl<B: Backend> RoutedExperts<'_, B> {
                     bytes: blob.bytes(),
                 },
             )?;
-            b.expert_ffn(&expert, x, routes, out)?;
+            ffn(&expert, e, routes, out)?;
         }
-        Ok(Some(routing))
+        Ok(routing)
     }
 }
 

@@ -348,9 +348,29 @@ pub(crate) fn expert_pool<'a>(
     Ok(pool)
 }
 
+/// The input a forward pass of `cfg`'s model refuses after `pos` tokens: a sequence
+/// past `max_position_embeddings` or a token id outside the vocabulary.
+pub(crate) fn check_input(c: &Config, pos: usize, tokens: &[u32]) -> Result<(), RunError> {
+    if pos + tokens.len() > c.max_positions {
+        return Err(InputError::SequenceTooLong {
+            tokens: pos + tokens.len(),
+            max: c.max_positions,
+        }
+        .into());
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+        return Err(InputError::TokenOutsideVocabulary {
+            token: t,
+            vocab: c.vocab,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The `num_layers` axis against the tensors present (a layer past the last is a
 /// manifest that lies about its depth), and room for that many layers.
-fn layer_vec<T>(install: &Install, cfg: &Config) -> Result<Vec<T>, RunError> {
+pub(crate) fn layer_vec<T>(install: &Install, cfg: &Config) -> Result<Vec<T>, RunError> {
     if install.has(&format!(
         "model.layers.{}.input_layernorm.weight",
         cfg.layers
@@ -540,22 +560,7 @@ impl<'a, B: Ops> Model<'a, B> {
     /// install is fine, the prompt plus what was generated is too long) or a token id
     /// outside the vocabulary.
     fn check_input(&self, s: &Session<B>, tokens: &[u32]) -> Result<(), RunError> {
-        let c = &self.cfg;
-        if s.pos + tokens.len() > c.max_positions {
-            return Err(InputError::SequenceTooLong {
-                tokens: s.pos + tokens.len(),
-                max: c.max_positions,
-            }
-            .into());
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(InputError::TokenOutsideVocabulary {
-                token: t,
-                vocab: c.vocab,
-            }
-            .into());
-        }
-        Ok(())
+        check_input(&self.cfg, s.pos, tokens)
     }
 
     /// The RoPE table of a call whose frequencies are not the load-time table's:

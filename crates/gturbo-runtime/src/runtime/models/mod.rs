@@ -13,6 +13,8 @@
 //!   shared expert, dense first layers.
 //! - [`flash_next`]: Qwen3.8-Flash-Next (`qwen4_exp`): hyper-connections, gated delta
 //!   net, indexed attention, the PLE n-gram embedding.
+//! - [`gpt_oss`]: gpt-oss: attention sinks, alternating sliding windows, biases on
+//!   every projection, top-k-then-softmax routing, the clamped SwiGLU.
 //! - [`qwen3_next`]: Qwen3-Next: gated DeltaNet and gated full attention, softmax-routed
 //!   experts with a gated shared expert.
 
@@ -20,6 +22,7 @@ pub mod decoder;
 pub mod deepseek_v3;
 pub mod flash_next;
 pub mod glm4_moe;
+pub mod gpt_oss;
 pub mod mixtral;
 pub mod qwen3_next;
 
@@ -171,5 +174,6 @@ pub fn open<'a, B: Ops + 'static>(
         Arch::DeepseekV3 => Box::new(deepseek_v3::Model::new(install, backend)?),
         Arch::Glm4Moe => Box::new(glm4_moe::open(install, backend)?),
         Arch::Qwen3Next => Box::new(qwen3_next::Qwen3NextModel::new(install, backend)?),
+        Arch::GptOss => Box::new(gpt_oss::GptOss::new(install, backend)?),
     })
 }

@@ -6,7 +6,8 @@ use super::math::{offset_rms_norm, sigmoid, silu};
 use super::rows_of;
 use crate::runtime::kernels::Cpu;
 use crate::runtime::kernels::OpResult;
-use crate::runtime::kernels::ops::{Act, ElementwiseOps};
+use crate::runtime::kernels::axpy;
+use crate::runtime::kernels::ops::{Act, ClampedGlu, ElementwiseOps};
 
 impl ElementwiseOps for Cpu {
     fn norm_grouped(
@@ -84,6 +85,46 @@ impl ElementwiseOps for Cpu {
             for (d, &v) in o[cols.clone()].iter_mut().zip(row) {
                 *d = v * scale;
             }
+        }
+        Ok(())
+    }
+
+    fn clamped_swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, glu: ClampedGlu) -> OpResult {
+        assert_eq!(gate.len(), up.len(), "clamped_swiglu: lengths");
+        for (g, &u) in gate.iter_mut().zip(up) {
+            *g = glu.apply(*g, u);
+        }
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        x: &Vec<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        let n = rows_of("gather_rows", x.len(), width);
+        assert_eq!(out.len(), rows.len() * width, "gather_rows: out length");
+        for (o, &r) in out.chunks_exact_mut(width.max(1)).zip(rows) {
+            assert!(r < n, "gather_rows: row {r} of {n}");
+            o.copy_from_slice(&x[r * width..(r + 1) * width]);
+        }
+        Ok(())
+    }
+
+    fn scatter_add_rows(
+        &self,
+        x: &Vec<f32>,
+        width: usize,
+        routes: &[(usize, f32)],
+        out: &mut Vec<f32>,
+    ) -> OpResult {
+        let n = rows_of("scatter_add_rows", out.len(), width);
+        assert_eq!(x.len(), routes.len() * width, "scatter_add_rows: x length");
+        for (row, &(t, w)) in x.chunks_exact(width.max(1)).zip(routes) {
+            assert!(t < n, "scatter_add_rows: row {t} of {n}");
+            axpy(w, row, &mut out[t * width..(t + 1) * width]);
         }
         Ok(())
     }

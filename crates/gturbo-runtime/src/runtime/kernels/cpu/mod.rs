@@ -377,6 +377,13 @@ impl Backend for Cpu {
         Ok(expert_matrices(blob.pool, blob.bytes))
     }
 
+    fn expert_weights<'x, 'e>(&self, expert: &'x [Matrix<'e>; 3]) -> &'x [Matrix<'e>; 3]
+    where
+        Self: 'e,
+    {
+        expert
+    }
+
     fn expert_ffn(
         &self,
         expert: &[Matrix<'_>; 3],

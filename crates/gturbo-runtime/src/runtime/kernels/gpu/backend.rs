@@ -648,6 +648,13 @@ impl Backend for Gpu {
         run().map_err(|e| self.err("expert", e))
     }
 
+    fn expert_weights<'x, 'e>(&self, expert: &'x GpuExpert) -> &'x [GpuMatrix; 3]
+    where
+        Self: 'e,
+    {
+        &expert.mats
+    }
+
     fn expert_ffn(
         &self,
         expert: &GpuExpert,

@@ -419,6 +419,7 @@ impl FlashShader {
             (F::Elementwise, "hc_expand"),
             (F::Elementwise, "hc_mix"),
             (F::Elementwise, "hc_inject"),
+            (F::Elementwise, "clamped_swiglu"),
             (F::Norm, "norm_grouped"),
             (F::Norm, "gated_norm"),
             (F::Norm, "ple_gate"),

@@ -11,7 +11,8 @@
 //! # Tolerances (what a backend may differ from the CPU by)
 //! - `gather_cols`, `scatter_cols`, `hc_expand`, the conv state: exact (copies, or
 //!   one product per element).
-//! - `act`, `sigmoid_mul`, `scale_rows_sigmoid`: `1e-5 · |cpu| + 1e-7` (`exp` differs
+//! - `gather_rows`: exact; `scatter_add_rows`: `1e-6 · (|out| + |w·x|)`.
+//! - `act`, `sigmoid_mul`, `scale_rows_sigmoid`, `clamped_swiglu`: `1e-5 · |cpu| + 1e-7` (`exp` differs
 //!   between libraries; WGSL allows `3 + 2·|x|` ulp).
 //! - `hc_mix`, `hc_inject`: `1e-6 · Σ |terms|` (same order of operations; a device may
 //!   fuse a multiply-add).
@@ -34,7 +35,7 @@
 
 use crate::runtime::kernels::CpuAttnCache;
 use crate::runtime::kernels::ops::{
-    Act, ElementwiseOps, GateAct, GdnDims, HcDims, HyperConnectionOps, IndexerDims,
+    Act, ClampedGlu, ElementwiseOps, GateAct, GdnDims, HcDims, HyperConnectionOps, IndexerDims,
     LinearAttentionOps, NgramOps, Ops, SparseAttentionOps,
 };
 use crate::runtime::kernels::rope::inv_freq;
@@ -83,6 +84,7 @@ pub(crate) fn elementwise<B: Ops>(b: &B) {
     activations_and_gates(b, &c, &mut rng);
     column_moves(b, &c, &mut rng);
     hyper_connection_mixes(b, &c, &mut rng);
+    expert_rows(b, &c, &mut rng);
 }
 
 /// `act`, `sigmoid_mul`, `scale_rows_sigmoid`.
@@ -151,6 +153,39 @@ fn column_moves<B: Ops>(b: &B, c: &Cpu, rng: &mut Rng) {
             assert_eq!(back, src, "scatter_cols then gather_cols");
         }
     }
+}
+
+/// What an expert composed from the ops needs: `clamped_swiglu` (gpt-oss's limits,
+/// inputs past them on both sides), `gather_rows` (exact) and `scatter_add_rows`
+/// (`1e-6 · (|out| + |w·x|)`: a device may fuse the multiply-add).
+fn expert_rows<B: Ops>(b: &B, c: &Cpu, rng: &mut Rng) {
+    let glu = ClampedGlu {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    let (gate, upv) = (rng.scaled(1001, 12.0), rng.scaled(1001, 12.0));
+    let mut g = up(b, &gate);
+    b.clamped_swiglu(&mut g, &up(b, &upv), glu).unwrap();
+    let mut w = gate.clone();
+    c.clamped_swiglu(&mut w, &upv, glu).unwrap();
+    close("clamped_swiglu", &down(b, &g), &w, elementwise_tol(&w));
+    // 9 rows of 37; rows picked out of order, one of them twice for the gather.
+    let (width, x) = (37, rng.scaled(9 * 37, 2.0));
+    let rows = [4usize, 0, 8, 4, 2];
+    let mut g = b.zeros(rows.len() * width).unwrap();
+    b.gather_rows(&up(b, &x), width, &rows, &mut g).unwrap();
+    let mut w = vec![0f32; rows.len() * width];
+    c.gather_rows(&x, width, &rows, &mut w).unwrap();
+    assert_eq!(down(b, &g), w, "gather_rows");
+    let routes = [(7usize, 0.25f32), (1, -1.5), (3, 0.75)];
+    let src = rng.scaled(routes.len() * width, 2.0);
+    let mut g = up(b, &x);
+    b.scatter_add_rows(&up(b, &src), width, &routes, &mut g)
+        .unwrap();
+    let mut w = x.clone();
+    c.scatter_add_rows(&src, width, &routes, &mut w).unwrap();
+    let tol = |i: usize| 1e-6 * (x[i].abs() + (w[i] - x[i]).abs()) + 1e-7;
+    close("scatter_add_rows", &down(b, &g), &w, tol);
 }
 
 /// The hyper-connection's expand, mix and inject.

@@ -67,4 +67,80 @@ pub trait ElementwiseOps: Backend {
         cols: Range<usize>,
         out: &mut Self::Buf,
     ) -> OpResult;
+    /// gpt-oss's clamped, offset SwiGLU in place, elementwise over `gate` and `up`
+    /// (same lengths): with `g = min(gate, limit)` and `u = clamp(up, −limit, limit)`,
+    /// `gate = (u + 1) · g · sigmoid(alpha · g)` (transformers' `GptOssExperts._apply_gate`).
+    fn clamped_swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, glu: ClampedGlu) -> OpResult;
+    /// Rows `rows` (each below `x`'s row count) of the `width`-wide rows of `x`, in
+    /// that order, into `out` (`[rows.len(), width]`): the tokens one expert runs over.
+    fn gather_rows(
+        &self,
+        x: &Self::Buf,
+        width: usize,
+        rows: &[usize],
+        out: &mut Self::Buf,
+    ) -> OpResult;
+    /// The weighted inverse of [`ElementwiseOps::gather_rows`]: for each `(t, w)` of
+    /// `routes` (distinct `t`), row `t` of `out` `+= w ·` row `r` of `x` (`r` the
+    /// route's index), rows `width` wide.
+    fn scatter_add_rows(
+        &self,
+        x: &Self::Buf,
+        width: usize,
+        routes: &[(usize, f32)],
+        out: &mut Self::Buf,
+    ) -> OpResult;
+}
+
+/// The constants of [`ElementwiseOps::clamped_swiglu`]: gpt-oss's `swiglu_alpha`
+/// (1.702) and `swiglu_limit` (7.0).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClampedGlu {
+    /// The sigmoid's slope `alpha`.
+    pub alpha: f32,
+    /// The clamp `limit` (positive).
+    pub limit: f32,
+}
+
+impl ClampedGlu {
+    /// The formula on one pair: the reference the backends are held to.
+    pub fn apply(self, gate: f32, up: f32) -> f32 {
+        let g = gate.min(self.limit);
+        let u = up.clamp(-self.limit, self.limit);
+        let s = 1.0 / (1.0 + (-self.alpha * g).exp());
+        (u + 1.0) * (g * s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::kernels::Cpu;
+
+    #[test]
+    fn clamped_swiglu_clamps_gate_above_and_up_both_sides_then_offsets_up() {
+        let glu = ClampedGlu {
+            alpha: 1.702,
+            limit: 7.0,
+        };
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        // gate past the limit is 7; up past −7 is −7: (−7 + 1) · 7 · σ(1.702 · 7).
+        assert_eq!(glu.apply(10.0, -9.0), -6.0 * (7.0 * sig(1.702 * 7.0)));
+        // a very negative gate is not clamped below: its sigmoid vanishes.
+        assert_eq!(glu.apply(-100.0, 2.0), 3.0 * (-100.0 * sig(-170.2)));
+        // inside the limits: (u + 1) · g · σ(α g).
+        assert_eq!(glu.apply(0.5, 0.25), 1.25 * (0.5 * sig(0.851)));
+        let mut g = vec![10.0, -100.0, 0.5];
+        Cpu::new(1)
+            .clamped_swiglu(&mut g, &vec![-9.0, 2.0, 0.25], glu)
+            .unwrap();
+        assert_eq!(
+            g,
+            [
+                glu.apply(10.0, -9.0),
+                glu.apply(-100.0, 2.0),
+                glu.apply(0.5, 0.25)
+            ]
+        );
+    }
 }

@@ -16,7 +16,7 @@ pub mod linear_attention;
 pub mod ngram;
 pub mod sparse_attention;
 
-pub use elementwise::{Act, ElementwiseOps, GateAct};
+pub use elementwise::{Act, ClampedGlu, ElementwiseOps, GateAct};
 pub use hyper::{HcDims, HyperConnectionOps};
 pub use linear_attention::{GdnDims, LinearAttentionOps};
 pub use ngram::NgramOps;

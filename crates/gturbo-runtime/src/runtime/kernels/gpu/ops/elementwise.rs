@@ -7,7 +7,7 @@ use crate::runtime::kernels::gpu::error::Result;
 use std::ops::Range;
 
 use crate::runtime::kernels::gpu::shaders::{FlashElementwiseParams, FlashNormParams};
-use crate::runtime::kernels::ops::{Act, ElementwiseOps};
+use crate::runtime::kernels::ops::{Act, ClampedGlu, ElementwiseOps};
 
 impl ElementwiseOps for Gpu {
     fn norm_grouped(
@@ -154,4 +154,83 @@ impl ElementwiseOps for Gpu {
         };
         self.flash(OP, run())
     }
+
+    fn clamped_swiglu(&self, gate: &mut GpuBuf, up: &GpuBuf, glu: ClampedGlu) -> OpResult {
+        const OP: &str = "clamped_swiglu";
+        let run = || -> Result<()> {
+            need(OP, gate.len() == up.len(), || {
+                format!("lengths differ: {} and {}", gate.len(), up.len())
+            })?;
+            if gate.is_empty() {
+                return Ok(());
+            }
+            let p = FlashElementwiseParams {
+                n: u32_of(OP, gate.len())?,
+                mode: glu.alpha.to_bits(),
+                c: glu.limit,
+                ..FlashElementwiseParams::default()
+            };
+            self.elementwise(OP, p, &[(1, buf(gate)), (2, buf(up))])
+        };
+        self.flash(OP, run())
+    }
+
+    fn gather_rows(&self, x: &GpuBuf, width: usize, rows: &[usize], out: &mut GpuBuf) -> OpResult {
+        const OP: &str = "gather_rows";
+        let run = || -> Result<()> {
+            let n = super::launch::rows(OP, "x", x.len(), width)?;
+            need(OP, out.len() == rows.len() * width, || {
+                format!(
+                    "out has {} elements for {} rows of {width}",
+                    out.len(),
+                    rows.len()
+                )
+            })?;
+            need(OP, rows.iter().all(|&r| r < n), || {
+                format!("rows {rows:?} of {n}")
+            })?;
+            let idx = u32_rows(OP, rows)?;
+            self.context()
+                .gather_rows(x.tensor(), out.tensor(), &idx, width)
+        };
+        self.flash(OP, run())
+    }
+
+    fn scatter_add_rows(
+        &self,
+        x: &GpuBuf,
+        width: usize,
+        routes: &[(usize, f32)],
+        out: &mut GpuBuf,
+    ) -> OpResult {
+        const OP: &str = "scatter_add_rows";
+        let run = || -> Result<()> {
+            let n = super::launch::rows(OP, "out", out.len(), width)?;
+            need(OP, x.len() == routes.len() * width, || {
+                format!(
+                    "x has {} elements for {} rows of {width}",
+                    x.len(),
+                    routes.len()
+                )
+            })?;
+            let rows: Vec<usize> = routes.iter().map(|r| r.0).collect();
+            let mut seen = vec![false; n];
+            need(
+                OP,
+                rows.iter()
+                    .all(|&t| t < n && !std::mem::replace(&mut seen[t], true)),
+                || format!("rows {rows:?} are not distinct rows below {n}"),
+            )?;
+            let idx = u32_rows(OP, &rows)?;
+            let weights: Vec<f32> = routes.iter().map(|r| r.1).collect();
+            self.context()
+                .scatter_add_rows(x.tensor(), out.tensor(), &idx, &weights, width)
+        };
+        self.flash(OP, run())
+    }
+}
+
+/// Row indices as the kernels' `u32`s.
+fn u32_rows(op: &'static str, rows: &[usize]) -> Result<Vec<u32>> {
+    rows.iter().map(|&r| u32_of(op, r)).collect()
 }

@@ -1051,6 +1051,62 @@ impl GpuContext {
         self.expert_ffn_with(&mats, &scratch, x, tokens, weights, out)
     }
 
+    /// Rows `rows` of the `width`-wide rows of `x` into `out` (`[rows.len(), width]`);
+    /// operands checked by the caller.
+    pub(crate) fn gather_rows(
+        &self,
+        x: &GpuTensor,
+        out: &GpuTensor,
+        rows: &[u32],
+        width: usize,
+    ) -> Result<()> {
+        const OP: &str = "gather_rows";
+        if rows.is_empty() || width == 0 {
+            return Ok(());
+        }
+        let p = ElementwiseParams {
+            n: u32_of(OP, rows.len())?,
+            d: u32_of(OP, width)?,
+            a_off: 0,
+            b_off: 0,
+        };
+        self.dispatch(
+            &Kernel::plain(Shader::Elementwise, "gather_rows"),
+            &p.bytes(),
+            &[&out.buf, &x.buf, &self.small_u32(rows)],
+            (rows.len() * width).div_ceil(ELEMENTWISE_WG),
+        )
+    }
+
+    /// Row `rows[r]` of `out` `+= weights[r] ·` row `r` of `x` (rows `width` wide,
+    /// `rows` distinct); operands checked by the caller.
+    pub(crate) fn scatter_add_rows(
+        &self,
+        x: &GpuTensor,
+        out: &GpuTensor,
+        rows: &[u32],
+        weights: &[f32],
+        width: usize,
+    ) -> Result<()> {
+        const OP: &str = "scatter_add_rows";
+        if rows.is_empty() || width == 0 {
+            return Ok(());
+        }
+        let p = ElementwiseParams {
+            n: u32_of(OP, rows.len())?,
+            d: u32_of(OP, width)?,
+            a_off: 0,
+            b_off: 0,
+        };
+        let wts = self.small_u32(&weights.iter().map(|w| w.to_bits()).collect::<Vec<_>>());
+        self.dispatch(
+            &Kernel::plain(Shader::Elementwise, "scatter_add"),
+            &p.bytes(),
+            &[&out.buf, &x.buf, &self.small_u32(rows), &wts],
+            (rows.len() * width).div_ceil(ELEMENTWISE_WG),
+        )
+    }
+
     /// [`GpuContext::expert_ffn`] over the matrices of one expert, with `scratch` for
     /// at least `tokens.len()` rows (operands checked by the caller).
     pub(crate) fn expert_ffn_with(

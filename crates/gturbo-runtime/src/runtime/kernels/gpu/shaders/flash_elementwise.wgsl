@@ -14,9 +14,10 @@ struct Params {
     // Columns gathered or scattered (gather_cols, scatter_cols) or streams S (hc_*).
     s: u32,
     // First column gathered or scattered; the activation (act): 0 silu(x / c),
-    // 1 sigmoid(x), 2 2·sigmoid(x / c).
+    // 1 sigmoid(x), 2 2·sigmoid(x / c); the bits of alpha (clamped_swiglu).
     mode: u32,
-    // The activation's divisor (act); the factor (scatter_cols).
+    // The activation's divisor (act); the factor (scatter_cols); the limit
+    // (clamped_swiglu).
     c: f32,
 }
 
@@ -136,4 +137,16 @@ fn hc_inject(@builtin(global_invocation_id) gid: vec3<u32>,
     let t = i / w;
     let j = (i % w) / p.d;
     a[i] += b[t * p.d + i % p.d] * c[t * p.s + j];
+}
+
+// gpt-oss's clamped SwiGLU in place: with g = min(a, limit), u = clamp(b, -limit,
+// limit), a = (u + 1) · g · sigmoid(alpha · g); alpha is the f32 whose bits are `mode`.
+@compute @workgroup_size(256)
+fn clamped_swiglu(@builtin(global_invocation_id) gid: vec3<u32>,
+                  @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = index(gid, nwg);
+    if (i >= p.n) { return; }
+    let g = min(a[i], p.c);
+    let u = clamp(b[i], -p.c, p.c);
+    a[i] = (u + 1.0) * (g * sigmoid(bitcast<f32>(p.mode) * g));
 }
