@@ -71,22 +71,25 @@ timed() {
   awk -F: '/Maximum resident set size/ { gsub(/ /, "", $2); print $2 }' "$tag.time" > "$tag.rss"
 }
 
-# bench ROW CMD...: RUNS runs of CMD (its last stdout line is JSON with prefill_tps or
-# prefill_tok_s, decode_*, and the generated count); appends "ROW pre dec rss_mib n" to $TABLE.
-bench() {
-  local row=$1; shift
-  local pre=() dec=() rss=() n="" tag
-  for i in $(seq "$RUNS"); do
-    tag="$W/$(tr ' /' '__' <<< "$row").$i"
-    timed "$tag" "$@" || { echo "$row failed (see $tag.err)" >&2; echo "$row failed - - -" >> "$TABLE"; return 0; }
-    pre+=("$(json_field "$tag.out" prefill_tok_s prefill_tps)")
-    dec+=("$(json_field "$tag.out" decode_tok_s decode_tps)")
-    n=$(json_field "$tag.out" generated_tokens generated)
-    rss+=("$(echo "$(cat "$tag.rss") / 1024" | bc -l)")
-    printf '  %s run %d: prefill %.1f tok/s, decode %.2f tok/s, peak RSS %.0f MiB, %s tokens\n' \
-      "$row" "$i" "${pre[-1]}" "${dec[-1]}" "${rss[-1]}" "$n" >&2
-  done
-  echo "$row $(printf '%s\n' "${pre[@]}" | median) $(printf '%s\n' "${dec[@]}" | median) $(printf '%s\n' "${rss[@]}" | median) $n" >> "$TABLE"
+# One run of row ROW (its command in CMD_<n>): RUNS rounds, each running every row of
+# the family once (interleaved, so load from other work on the host falls on all rows
+# alike). A command's last stdout line is JSON with prefill_tok_s or prefill_tps,
+# decode_*, and the generated count; appends "ROW pre dec rss_mib n" to $TABLE.
+declare -A PRE DEC RSS NGEN FAILED
+run_once() { # ROW I CMD...
+  local row=$1 i=$2 tag; shift 2
+  tag="$W/$(tr ' /' '__' <<< "$row").$i"
+  timed "$tag" "$@" || { echo "$row failed (see $tag.err)" >&2; FAILED[$row]=1; return 0; }
+  PRE[$row]+="$(json_field "$tag.out" prefill_tok_s prefill_tps) "
+  DEC[$row]+="$(json_field "$tag.out" decode_tok_s decode_tps) "
+  NGEN[$row]=$(json_field "$tag.out" generated_tokens generated)
+  RSS[$row]+="$(echo "$(cat "$tag.rss") / 1024" | bc -l) "
+  echo "  $row run $i: prefill/decode/RSS so far: ${PRE[$row]}/ ${DEC[$row]}/ ${RSS[$row]}, ${NGEN[$row]} tokens" >&2
+}
+summarize() { # ROW
+  local row=$1
+  if [ -n "${FAILED[$row]:-}" ]; then echo "$row failed - - -" >> "$TABLE"; return; fi
+  echo "$row $(tr ' ' '\n' <<< "${PRE[$row]}" | grep . | median) $(tr ' ' '\n' <<< "${DEC[$row]}" | grep . | median) $(tr ' ' '\n' <<< "${RSS[$row]}" | grep . | median) ${NGEN[$row]}" >> "$TABLE"
 }
 
 TABLE="$OUT/table.txt"
@@ -115,16 +118,23 @@ for fam in "${FAMILIES[@]}"; do
   ids=$(python3 -c 'import sys; print(",".join(str(17 + (7919 * i + 13) % (49152 - 17)) for i in range(int(sys.argv[1]))))' "$PROMPT_LEN")
   echo "$ids" > "$W/prompt.ids"
   echo "== $fam: $(du -sh "$W/int4.gturbo" | cut -f1) gturbo INT4, $(du -sh "$W/q4_0.gguf" | cut -f1) GGUF Q4_0; $RUNS runs each" >&2
+  rows=()
   for mode in $EXPERT_MODES; do
-    case $mode in
-      slots*) flag=(--expert-cache-slots "${mode#slots}") ;;
-      resident) flag=(--resident-experts) ;;
-      *) echo "unknown expert mode $mode" >&2; exit 2 ;;
-    esac
-    bench "$fam gturbo-$mode" "$G" run "$W/int4.gturbo" --backend cpu --prompt-ids "$ids" --max-tokens "$TOKENS" \
-      --threads "$THREADS" --allow-unmeasured --json "${flag[@]}"
+    case $mode in slots*|resident) rows+=("$fam gturbo-$mode") ;; *) echo "unknown expert mode $mode" >&2; exit 2 ;; esac
   done
-  bench "$fam llama.cpp-Q4_0" "$LLAMA_PY" scripts/bench/bench_peers.py llama-ids "$W/q4_0.gguf" "$W/prompt.ids" "$TOKENS" "$THREADS"
+  rows+=("$fam llama.cpp-Q4_0")
+  for i in $(seq "$RUNS"); do
+    for row in "${rows[@]}"; do
+      case ${row#* } in
+        gturbo-slots*) flag=(--expert-cache-slots "${row##*gturbo-slots}") ;;
+        gturbo-resident) flag=(--resident-experts) ;;
+        *) run_once "$row" "$i" "$LLAMA_PY" scripts/bench/bench_peers.py llama-ids "$W/q4_0.gguf" "$W/prompt.ids" "$TOKENS" "$THREADS"; continue ;;
+      esac
+      run_once "$row" "$i" "$G" run "$W/int4.gturbo" --backend cpu --prompt-ids "$ids" --max-tokens "$TOKENS" \
+        --threads "$THREADS" --allow-unmeasured --json "${flag[@]}"
+    done
+  done
+  for row in "${rows[@]}"; do summarize "$row"; done
   sizes="$fam sizes: gturbo INT4 $(du -sh "$W/int4.gturbo" | cut -f1), GGUF Q4_0 $(du -sh "$W/q4_0.gguf" | cut -f1)"
   echo "$sizes" >&2
   echo "# $sizes; $(head -1 "$W/shape.txt" 2> /dev/null)" >> "$TABLE"
