@@ -17,7 +17,9 @@
 # family; about 9 GB of disk at the peak of each).
 #
 # Environment: RUNS (3), PROMPT_LEN (128), TOKENS (64), THREADS (2), TARGET_GB (1.1),
-# EXPERT_MODES ("slots16 resident"), SHAPE_PYTHON (the generator's interpreter: torch +
+# EXPERT_MODES ("slots16 resident"), LLAMA_OMP_WAIT (passive: llama.cpp's OpenMP threads
+# sleep at barriers instead of spinning; on this 2-core host loaded by other builds the
+# spinning default ran its decode at 1.4 tok/s against 42 passive), SHAPE_PYTHON (the generator's interpreter: torch +
 # transformers; default $GOLDEN_VENV/bin/python, else python3), TOKENIZER (a folder with
 # SmolLM2's tokenizer.json; default target/smollm2/snapshot, fetched when missing),
 # LLAMA_SRC (llama-cpp-python's source tree, holding vendor/llama.cpp; default
@@ -57,11 +59,19 @@ if [ "${NO_BUILD:-0}" != 1 ]; then
   nice cargo build -q --release -p gturbo --bin gturbo >&2
 fi
 G=target/release/gturbo
+LLAMA_OMP_WAIT="${LLAMA_OMP_WAIT:-passive}"
 mkdir -p "$OUT"
 
 median() { sort -g | awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
-# json_field FILE KEY...: the first KEY present in FILE's last line (a JSON object).
-json_field() { python3 -c 'import json,sys; d=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); print(next(d[k] for k in sys.argv[2:] if k in d))' "$@"; }
+# json_field FILE KEY...: the first KEY present in FILE's JSON (the whole file: gturbo's
+# --json document; else its last line: bench_peers.py's).
+json_field() {
+  python3 -c 'import json,sys
+t = open(sys.argv[1]).read().strip()
+try: d = json.loads(t)
+except ValueError: d = json.loads(t.splitlines()[-1])
+print(next(d[k] for k in sys.argv[2:] if k in d))' "$@"
+}
 free_gb() { df -BG --output=avail "$OUT" | tail -1 | tr -dc 0-9; }
 
 # timed TAG CMD...: CMD under /usr/bin/time -v; stdout -> TAG.out, peak RSS (KiB) -> TAG.rss.
@@ -128,7 +138,7 @@ for fam in "${FAMILIES[@]}"; do
       case ${row#* } in
         gturbo-slots*) flag=(--expert-cache-slots "${row##*gturbo-slots}") ;;
         gturbo-resident) flag=(--resident-experts) ;;
-        *) run_once "$row" "$i" "$LLAMA_PY" scripts/bench/bench_peers.py llama-ids "$W/q4_0.gguf" "$W/prompt.ids" "$TOKENS" "$THREADS"; continue ;;
+        *) run_once "$row" "$i" env OMP_WAIT_POLICY="$LLAMA_OMP_WAIT" "$LLAMA_PY" scripts/bench/bench_peers.py llama-ids "$W/q4_0.gguf" "$W/prompt.ids" "$TOKENS" "$THREADS"; continue ;;
       esac
       run_once "$row" "$i" "$G" run "$W/int4.gturbo" --backend cpu --prompt-ids "$ids" --max-tokens "$TOKENS" \
         --threads "$THREADS" --allow-unmeasured --json "${flag[@]}"
