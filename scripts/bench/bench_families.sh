@@ -116,7 +116,9 @@ for fam in "${FAMILIES[@]}"; do
     /usr/bin/time -v -o "$W/install.time" "$G" -q install --family "$fam" "bench/$fam-shape" --from "$W/snap" \
       --out "$W/int4.gturbo" --quant int4 --no-progress --overwrite > "$W/install.log" 2>&1
     echo "== $fam: llama.cpp GGUF (BF16, then Q4_0)" >&2
-    PYTHONPATH="$LLAMA_SRC/vendor/llama.cpp/gguf-py" nice "$SHAPE_PYTHON" "$CONVERT" --outtype bf16 \
+    # The converter counts Qwen3-Next's `mtp.*` layer in unless told there is none.
+    extra=(); [ "$fam" != qwen3_next ] || extra=(--no-mtp)
+    PYTHONPATH="$LLAMA_SRC/vendor/llama.cpp/gguf-py" nice "$SHAPE_PYTHON" "$CONVERT" --outtype bf16 "${extra[@]}" \
       --outfile "$W/bf16.gguf" "$W/snap" > "$W/convert.log" 2>&1 || { tail -20 "$W/convert.log" >&2; exit 2; }
     rm -rf "$W/snap"
     "$LLAMA_PY" scripts/bench/bench_peers.py llama-quantize "$W/bf16.gguf" "$W/q4_0.gguf" q4_0 "$THREADS" > "$W/quantize.log" 2>&1 ||
