@@ -19,6 +19,7 @@ mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
 mod install_lock;
+mod kimi;
 mod line_rate;
 mod mixtral;
 mod mlx_lm_parity;
