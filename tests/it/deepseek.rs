@@ -28,6 +28,9 @@ const VARIANT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/data/deepseek_toy_variant"
 );
+/// DeepSeek-V3's own latent widths (`kv_lora_rank` 512, `qk_rope_head_dim` 64: latent
+/// keys of 576) on the main toy's options, 2 layers (the generator's `--wide`).
+const WIDE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_toy_wide");
 const FAMILY: &str = "deepseek_v3";
 
 /// Largest `|gturbo − transformers|` accepted on a logit: both compute in f32 from the
@@ -55,6 +58,18 @@ fn variant_bf16() -> &'static Path {
         let _ = std::fs::remove_dir_all(&root);
         let out = root.join("bf16.gturbo");
         install_toy(VARIANT, &out, &["--quant", "bf16"]);
+        out
+    })
+}
+
+/// One BF16 install of the wide toy.
+fn wide_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deepseek-wide-bf16");
+        let _ = std::fs::remove_dir_all(&root);
+        let out = root.join("bf16.gturbo");
+        install_toy(WIDE, &out, &["--quant", "bf16"]);
         out
     })
 }
@@ -252,7 +267,11 @@ fn logits_vs_golden<B: Ops + 'static>(
     layout: KvLayout,
 ) -> Vec<Vec<f32>> {
     let want = golden_rows(toy);
-    let dir = if toy == TOY { bf16() } else { variant_bf16() };
+    let dir = match toy {
+        TOY => bf16(),
+        WIDE => wide_bf16(),
+        _ => variant_bf16(),
+    };
     let (got, stats) = rows_of_run(toy, dir, backend, experts, layout);
     assert_eq!(got.len(), want.len(), "positions");
     let mut worst = (0f32, 0);
@@ -323,6 +342,30 @@ fn the_variant_plain_q_ungrouped_half_split_toy_matches_transformers_on_both_bac
 }
 
 #[test]
+fn the_wide_toy_with_v3s_576_wide_latent_keys_matches_transformers_on_both_backends() {
+    const TEST: &str =
+        "the_wide_toy_with_v3s_576_wide_latent_keys_matches_transformers_on_both_backends";
+    let g = meta(WIDE);
+    let prompt = csv(&g.prompt);
+    let (doc, footer) = run_json(wide_bf16(), &["--backend", "cpu", "--prompt-ids", &prompt]);
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+    both_layouts(WIDE, &Cpu::new(2), ExpertMode::Slots(2));
+    let Some(gpu) = crate::gpu::gpu(TEST) else {
+        return;
+    };
+    let install = load::open(wide_bf16(), LoadOptions::default()).unwrap();
+    let cfg = deepseek_v3::Config::from_manifest(&install.manifest).unwrap();
+    let latent = cfg.mla.cache_spec(KvLayout::Latent);
+    assert_eq!((latent.qk_dim, latent.v_dim), (576, 512));
+    assert!(gpu.attends(&latent), "the GPU takes 576-wide latent keys");
+    both_layouts(WIDE, &gpu, ExpertMode::Resident);
+    drop(gpu);
+    let (doc, footer) = run_json(wide_bf16(), &["--backend", "gpu", "--prompt-ids", &prompt]);
+    assert!(doc["backend"].as_str().unwrap().starts_with("gpu "), "{doc}");
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+}
+
+#[test]
 fn the_latent_cache_is_smaller_than_the_expanded_one_by_the_shapes() {
     let install = load::open(bf16(), LoadOptions::default()).unwrap();
     let cfg = deepseek_v3::Config::from_manifest(&install.manifest).unwrap();
@@ -342,8 +385,8 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
     };
     both_layouts(TOY, &gpu, ExpertMode::Slots(2));
     both_layouts(TOY, &gpu, ExpertMode::Resident);
-    // DeepSeek-V3's own widths: its latent cache (keys 512 + 64) is past the GPU
-    // kernel's heads, so `models::open` builds the expanded one there.
+    // DeepSeek-V3's own widths: the GPU kernel takes its latent cache (keys 512 + 64,
+    // values the 512 inside them), so `models::open` builds the latent one there too.
     let v3 = MlaDims {
         hidden: 7168,
         heads: 128,
@@ -354,7 +397,7 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
         v: 128,
         eps: 1e-6,
     };
-    assert!(!gpu.attends(&v3.cache_spec(KvLayout::Latent)));
+    assert!(gpu.attends(&v3.cache_spec(KvLayout::Latent)));
     assert!(gpu.attends(&v3.cache_spec(KvLayout::Expanded)));
 }
 
