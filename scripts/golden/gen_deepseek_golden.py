@@ -33,7 +33,15 @@ transformers 5.x fuses the experts on load; the script checks that every tensor 
 arrives, unchanged, and that nothing is missing.
 
 The tokenizer is the Mixtral toy's (tests/data/mixtral_toy: a Llama-shaped BPE, vocab
-512, `<s>` 1, `</s>` 2), copied: Kimi-K2's tiktoken tokenizer is another task.
+512, `<s>` 1, `</s>` 2), copied; the Kimi toy (`--store ct-int4`) has Kimi's tiktoken
+files instead.
+
+`--store fp8` writes tests/data/deepseek_fp8_toy/ and `--store ct-int4`
+tests/data/kimi_int4_toy/: the same kind of random model saved as the real repos store
+it (FP8 e4m3 with 128×128 block scales as DeepSeek-V3; a Kimi-K2-shaped model with
+compressed-tensors INT4 routed experts as Kimi-K2-Thinking; see FP8 and KIMI below).
+Their goldens are transformers' logits of the dequantized weights, which the install
+reproduces exactly (`--quant bf16`).
 
 Goldens (tests/data/deepseek_toy/golden/), from the reference reloaded with
 `from_pretrained`, upcast to float32 (exact: the weights are BF16 on disk), eager
@@ -150,7 +158,7 @@ KIMI = {"LAYERS": 3, "DENSE": 1, "EXPERTS": 16, "TOP_K": 4, "N_GROUP": 1, "TOPK_
         "ROPE_SCALING": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
                          "type": "yarn"}}
-KIMI_SEED = 10  # 6, 7 and 11 pass with smaller gaps or margins; the others fail the checks
+KIMI_SEED = 4  # seed 1 passes with a smaller gap; 2, 3 and 5-14 fail the checks
 KIMI_RANKS = 512
 CT_GROUP = 32
 CT_CONFIG = {
@@ -444,15 +452,22 @@ def fp8_store(name: str, w: torch.Tensor):
 
 def ct_store(name: str, w: torch.Tensor):
     """compressed-tensors `pack-quantized` INT4 of one BF16 weight (symmetric, group 32):
-    scale bf16(amax / 7), q = clamp(round(w / scale), −8, 7), stored as q + 8 eight to an
-    int32; returns the stored triple and the dequantized weight (q × scale, exact in
-    F32)."""
+    scale bf16(amax / 7) to 5 significant bits, q = clamp(round(w / scale), −8, 7), stored
+    as q + 8 eight to an int32; returns the stored triple and the dequantized weight
+    (q × scale, exact in BF16)."""
     r, c = w.shape
     g = w.float().view(r, c // CT_GROUP, CT_GROUP)
     amax = g.abs().amax(-1)
     scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).to(torch.bfloat16)
+    # Scales rounded to 5 significant bits: q × scale (q of at most 3) then fits BF16's
+    # 8, so `--quant bf16`'s bf16(q × scale) is the reference's weight exactly.
+    bits = scale.view(torch.int16).to(torch.int32)
+    scale = ((bits + 4) & ~7).to(torch.int16).view(torch.bfloat16)
     q = (g / scale.float().unsqueeze(-1)).round().clamp(-8, 7)
     deq = (q * scale.float().unsqueeze(-1)).view(r, c)
+    if not torch.equal(deq.to(torch.bfloat16).float(), deq):
+        raise SystemExit(f"{name}: q × scale is not exact in BF16")
+    deq = deq.to(torch.bfloat16)
     u = (q + 8).to(torch.int64).view(r, c // 8, 8)
     words = sum(u[..., i] << (4 * i) for i in range(8))
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)

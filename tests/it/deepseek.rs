@@ -31,13 +31,19 @@ const VARIANT: &str = concat!(
 /// DeepSeek-V3's own latent widths (`kv_lora_rank` 512, `qk_rope_head_dim` 64: latent
 /// keys of 576) on the main toy's options, 2 layers (the generator's `--wide`).
 const WIDE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_toy_wide");
-const FAMILY: &str = "deepseek_v3";
+/// The main toy stored in FP8 e4m3 with 128×128 block scales (`--store fp8`).
+pub(crate) const FP8_TOY: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_fp8_toy");
+/// A Kimi-K2-shaped toy with compressed-tensors INT4 routed experts and Kimi's tiktoken
+/// tokenizer (`--store ct-int4`).
+pub(crate) const KIMI_TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/kimi_int4_toy");
+pub(crate) const FAMILY: &str = "deepseek_v3";
 
 /// Largest `|gturbo − transformers|` accepted on a logit: both compute in f32 from the
 /// same BF16 weights, only the order of the sums differs.
 const LOGIT_ATOL: f32 = 1e-4;
 
-fn meta(toy: &str) -> Meta {
+pub(crate) fn meta(toy: &str) -> Meta {
     meta_of(toy, FAMILY)
 }
 
@@ -62,16 +68,34 @@ fn variant_bf16() -> &'static Path {
     })
 }
 
+/// One `--quant bf16` install of `toy` into `name` under the test run's temporary
+/// folder, made once in `cell`.
+fn bf16_once(cell: &'static OnceLock<PathBuf>, toy: &str, name: &str) -> &'static Path {
+    cell.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+        let _ = std::fs::remove_dir_all(&root);
+        let out = root.join("bf16.gturbo");
+        install_toy(toy, &out, &["--quant", "bf16"]);
+        out
+    })
+}
+
 /// One BF16 install of the wide toy.
 fn wide_bf16() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deepseek-wide-bf16");
-        let _ = std::fs::remove_dir_all(&root);
-        let out = root.join("bf16.gturbo");
-        install_toy(WIDE, &out, &["--quant", "bf16"]);
-        out
-    })
+    bf16_once(&DIR, WIDE, "deepseek-wide-bf16")
+}
+
+/// One `--quant bf16` install of the FP8 toy (dequantized as MLX-LM does).
+pub(crate) fn fp8_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    bf16_once(&DIR, FP8_TOY, "deepseek-fp8-bf16")
+}
+
+/// One `--quant bf16` install of the Kimi toy (its INT4 experts dequantized).
+pub(crate) fn kimi_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    bf16_once(&DIR, KIMI_TOY, "kimi-int4-bf16")
 }
 
 pub(crate) fn bf16() -> &'static Path {
@@ -97,7 +121,7 @@ fn bias_stays_f32(dir: &Path) -> bool {
     })
 }
 
-fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
+pub(crate) fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
     let mut args = vec!["--max-tokens", "24"];
     args.extend_from_slice(extra);
     cli::run_json(dir, &args)
@@ -270,6 +294,8 @@ fn logits_vs_golden<B: Ops + 'static>(
     let dir = match toy {
         TOY => bf16(),
         WIDE => wide_bf16(),
+        FP8_TOY => fp8_bf16(),
+        KIMI_TOY => kimi_bf16(),
         _ => variant_bf16(),
     };
     let (got, stats) = rows_of_run(toy, dir, backend, experts, layout);
@@ -308,7 +334,7 @@ pub(crate) fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 /// Both cache layouts against transformers, and against each other.
-fn both_layouts<B: Ops + 'static>(toy: &str, backend: &B, experts: ExpertMode) {
+pub(crate) fn both_layouts<B: Ops + 'static>(toy: &str, backend: &B, experts: ExpertMode) {
     let latent = logits_vs_golden(toy, backend, experts, KvLayout::Latent);
     let expanded = logits_vs_golden(toy, backend, experts, KvLayout::Expanded);
     let d = max_diff(&latent, &expanded);
@@ -361,7 +387,10 @@ fn the_wide_toy_with_v3s_576_wide_latent_keys_matches_transformers_on_both_backe
     both_layouts(WIDE, &gpu, ExpertMode::Resident);
     drop(gpu);
     let (doc, footer) = run_json(wide_bf16(), &["--backend", "gpu", "--prompt-ids", &prompt]);
-    assert!(doc["backend"].as_str().unwrap().starts_with("gpu "), "{doc}");
+    assert!(
+        doc["backend"].as_str().unwrap().starts_with("gpu "),
+        "{doc}"
+    );
     assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
 }
 

@@ -2,6 +2,7 @@
 
 mod decoder_variants;
 mod deepseek;
+mod deepseek_stored;
 mod doctor;
 mod dry_run;
 mod flash_next;
