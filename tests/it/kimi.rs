@@ -102,3 +102,24 @@ fn kimi_tiktoken_is_converted_at_install_and_encodes_as_tiktoken() {
     assert_eq!(enc[0], n + 3);
     assert_eq!(&enc[enc.len() - 3..], &[n + 2, n + 1, n + 5]);
 }
+
+#[test]
+fn a_broken_tiktoken_file_is_refused_naming_the_file_and_the_line() {
+    let tmp = temp_dir();
+    let snap = kimi_snapshot(tmp.path());
+    let model = std::fs::read_to_string(snap.join("tiktoken.model")).unwrap();
+    let mut lines: Vec<&str> = model.lines().collect();
+    // Line 3 gives rank 0's token again.
+    let dup = lines[0].split(' ').next().unwrap().to_string() + " 2";
+    lines[2] = &dup;
+    std::fs::write(snap.join("tiktoken.model"), lines.join("\n")).unwrap();
+    let out = tmp.path().join("out");
+    let o = crate::support::cli::try_install("deepseek_v3", &snap, &out, &["--quant", "bf16"]);
+    assert!(!o.status.success());
+    let e = crate::support::cli::error_line(&o);
+    assert!(
+        e.contains("tiktoken.model: field `line 3`: the token of rank 0 again"),
+        "{e}"
+    );
+    assert!(!out.exists(), "nothing is published");
+}
