@@ -856,7 +856,9 @@ fn attention_wide_heads<B: Backend>(b: &B, rng: &mut Rng) {
         window: None,
         values_in_keys: true,
     };
-    let cases: [(usize, AttentionSpec, &[(usize, usize)], bool); 4] = [
+    // (query heads, spec, steps, snapshot)
+    type Case<'s> = (usize, AttentionSpec, &'s [(usize, usize)], bool);
+    let cases: [Case; 4] = [
         (
             4,
             latent(1, 576, 512),
