@@ -4,6 +4,7 @@
 #   source scripts/venv.sh test    # target/venv/test: the test suite's Python peers
 #   source scripts/venv.sh llama   # target/venv/llama: bench_run.sh's llama.cpp peer
 #   source scripts/venv.sh serve   # target/venv/serve: the openai and anthropic clients tests/it/serve.rs drives
+#   source scripts/venv.sh tiktoken # target/venv/tiktoken: tiktoken, the Kimi tokenizer golden's reference
 #
 # It makes target/venv/NAME from the pinned scripts/requirements/requirements-*.txt of NAME with the
 # interpreter behind the `python3` on PATH, and puts its bin/ first on PATH, so that every `python3` (and
@@ -21,7 +22,8 @@ gturbo_venv() {
     test) reqs=(requirements-ci.txt requirements-check.txt) ;;
     llama) reqs=(requirements-llama.txt) ;;
     serve) reqs=(requirements-serve.txt) ;;
-    *) echo "venv.sh: unknown environment '$name' (demo | test | llama | serve)" >&2; return 2 ;;
+    tiktoken) reqs=(requirements-tiktoken.txt) ;;
+    *) echo "venv.sh: unknown environment '$name' (demo | test | llama | serve | tiktoken)" >&2; return 2 ;;
   esac
   command -v python3 >/dev/null || { echo "venv.sh: python3 is required" >&2; return 2; }
   # The interpreter behind `python3`, even when a venv (this one's, another's) is first on

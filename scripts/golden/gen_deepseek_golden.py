@@ -33,7 +33,15 @@ transformers 5.x fuses the experts on load; the script checks that every tensor 
 arrives, unchanged, and that nothing is missing.
 
 The tokenizer is the Mixtral toy's (tests/data/mixtral_toy: a Llama-shaped BPE, vocab
-512, `<s>` 1, `</s>` 2), copied: Kimi-K2's tiktoken tokenizer is another task.
+512, `<s>` 1, `</s>` 2), copied; the Kimi toy (`--store ct-int4`) has Kimi's tiktoken
+files instead.
+
+`--store fp8` writes tests/data/deepseek_fp8_toy/ and `--store ct-int4`
+tests/data/kimi_int4_toy/: the same kind of random model saved as the real repos store
+it (FP8 e4m3 with 128×128 block scales as DeepSeek-V3; a Kimi-K2-shaped model with
+compressed-tensors INT4 routed experts as Kimi-K2-Thinking; see FP8 and KIMI below).
+Their goldens are transformers' logits of the dequantized weights, which the install
+reproduces exactly (`--quant bf16`).
 
 Goldens (tests/data/deepseek_toy/golden/), from the reference reloaded with
 `from_pretrained`, upcast to float32 (exact: the weights are BF16 on disk), eager
@@ -44,6 +52,10 @@ prompt.safetensors the prompt's logits [T, V], and per MoE layer the router's
                    `layers.{i}.moe.topk_idx` I64 [T, 2] / `topk_w` [T, 2].
 greedy.safetensors tokens I64 [S]; step_logits [S, V] (full recompute per step, no
                    cache).
+
+`--wide` writes tests/data/deepseek_toy_wide/: the main toy's options on 2 layers with
+DeepSeek-V3's latent widths (`kv_lora_rank` 512, `qk_rope_head_dim` 64: latent keys of
+576, the GPU attention kernel's widest case).
 
 `--variant` writes tests/data/deepseek_toy_variant/ instead: the other branch of every
 option (VARIANT): a plain `q_proj` (`q_lora_rank` null), no group limit (`n_group` =
@@ -114,6 +126,57 @@ ROPE_SCALING = {"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0,
 VARIANT = {"LAYERS": 2, "DENSE": 0, "Q_LORA": None, "N_GROUP": 1, "TOPK_GROUP": 1,
            "NORM_TOPK": False, "SHARED": 2, "ROPE_INTERLEAVE": False, "ROPE_SCALING": None}
 VARIANT_SEED = 3  # seeds 1 and 2 fail the gap checks
+
+# The wide toy's settings (`--wide`): DeepSeek-V3's own latent widths, kv_lora_rank 512
+# and qk_rope_head_dim 64, so the latent cache's keys are 576 wide (past the 256 a GPU
+# attention kernel used to hold), on 2 layers; every other option as the main toy.
+WIDE = {"LAYERS": 2, "KV_LORA": 512, "ROPE_D": 64, "QK": NOPE + 64}
+WIDE_SEED = 1
+MODE = "main"
+
+# `--store fp8`: the main toy stored as DeepSeek-V3's hub checkpoint stores it: every
+# linear weight of the decoder layers FP8 e4m3 with an F32 `weight_scale_inv` per 128×128
+# block (`quantization_config` as V3's config.json has it); the router, the norms, the
+# correction bias, the embeddings and lm_head stay as they are. The dense intermediate is
+# 192, so some matrices have a full and a partial 128-block along each dim.
+FP8 = {"INTER": 192}
+FP8_SEED = 4
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [128, 128]}
+FP8_BLOCK = 128
+FP8_LINEAR = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+              "gate_proj", "up_proj", "down_proj")
+# `--store ct-int4`: a Kimi-K2-shaped toy (`model_type: kimi_k2`, one expert group, YaRN
+# with beta 1/1 and mscale = mscale_all_dim = 1, routed_scaling_factor 2.827, 16 experts
+# with 4 per token) whose routed experts are compressed-tensors INT4 as
+# Kimi-K2-Thinking ships them: `weight_packed` I32 [rows, cols/8] (column 8k + i at bits
+# 4i of word k, as q + 8), `weight_scale` BF16 [rows, cols/32] (amax / 7, symmetric),
+# `weight_shape` I32 [2]; every other weight BF16. Its tokenizer is Kimi's: the first
+# 512 ranks of tests/data/kimi_tiktoken/tiktoken.model, 256 special tokens after them.
+KIMI = {"LAYERS": 3, "DENSE": 1, "EXPERTS": 16, "TOP_K": 4, "N_GROUP": 1, "TOPK_GROUP": 1,
+        "SCALING": 2.827, "VOCAB": 768, "BOS": 512, "EOS": 513,
+        "ROPE_SCALING": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                         "type": "yarn"}}
+KIMI_SEED = 4  # seed 1 passes with a smaller gap; 2, 3 and 5-14 fail the checks
+KIMI_RANKS = 512
+CT_GROUP = 32
+CT_CONFIG = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False,
+                    "group_size": CT_GROUP, "num_bits": 4, "observer": "minmax",
+                    "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*mlp\\.gate$"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+KIMI_TIKTOKEN = Path(__file__).resolve().parents[2] / "tests/data/kimi_tiktoken"
+STORE = None
 
 
 def config() -> dict:
@@ -367,6 +430,120 @@ def save_tensors(path: Path, tensors: dict) -> None:
               metadata={"format": "pt"})
 
 
+def fp8_store(name: str, w: torch.Tensor):
+    """DeepSeek-V3's FP8 block scaling of one BF16 weight: per 128×128 block the scale is
+    amax / 448 (F32, `weight_scale_inv`: what multiplies the codes back) and the codes
+    e4m3 of w / scale; returns the stored pair and the dequantized weight the install
+    makes, bf16(f32(code) × scale) (MLX-LM's `sanitize`)."""
+    r, c = w.shape
+    nb_r, nb_c = -(-r // FP8_BLOCK), -(-c // FP8_BLOCK)
+    wf = w.float()
+    scale = torch.zeros(nb_r, nb_c, dtype=torch.float32)
+    for i in range(nb_r):
+        for j in range(nb_c):
+            blk = wf[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK]
+            amax = float(blk.abs().max())
+            scale[i, j] = amax / 448.0 if amax > 0 else 1.0
+    full = scale.repeat_interleave(FP8_BLOCK, 0)[:r].repeat_interleave(FP8_BLOCK, 1)[:, :c]
+    codes = (wf / full).to(torch.float8_e4m3fn)
+    deq = (codes.float() * full).to(torch.bfloat16)
+    return [(name, codes), (name + "_scale_inv", scale)], deq
+
+
+def ct_store(name: str, w: torch.Tensor):
+    """compressed-tensors `pack-quantized` INT4 of one BF16 weight (symmetric, group 32):
+    scale bf16(amax / 7) to 5 significant bits, q = clamp(round(w / scale), −8, 7), stored
+    as q + 8 eight to an int32; returns the stored triple and the dequantized weight
+    (q × scale, exact in BF16)."""
+    r, c = w.shape
+    g = w.float().view(r, c // CT_GROUP, CT_GROUP)
+    amax = g.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).to(torch.bfloat16)
+    # Scales rounded to 5 significant bits: q × scale (q of at most 3) then fits BF16's
+    # 8, so `--quant bf16`'s bf16(q × scale) is the reference's weight exactly.
+    bits = scale.view(torch.int16).to(torch.int32)
+    scale = ((bits + 4) & ~7).to(torch.int16).view(torch.bfloat16)
+    q = (g / scale.float().unsqueeze(-1)).round().clamp(-8, 7)
+    deq = (q * scale.float().unsqueeze(-1)).view(r, c)
+    if not torch.equal(deq.to(torch.bfloat16).float(), deq):
+        raise SystemExit(f"{name}: q × scale is not exact in BF16")
+    deq = deq.to(torch.bfloat16)
+    u = (q + 8).to(torch.int64).view(r, c // 8, 8)
+    words = sum(u[..., i] << (4 * i) for i in range(8))
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    base = name[: -len(".weight")]
+    return [(base + ".weight_packed", words), (base + ".weight_scale", scale),
+            (base + ".weight_shape", torch.tensor([r, c], dtype=torch.int32))], deq
+
+
+def stored_layout(tensors: list):
+    """The hub tensors as STORE keeps them, and the dequantized weights the reference
+    runs (what the install reproduces)."""
+    stored, reference = [], []
+    for name, t in tensors:
+        parts = name.split(".")
+        if STORE == "fp8" and name.startswith("model.layers.") and parts[-2] in FP8_LINEAR:
+            st, deq = fp8_store(name, t)
+        elif STORE == "ct-int4" and ".mlp.experts." in name:
+            st, deq = ct_store(name, t)
+        else:
+            st, deq = [(name, t)], t
+        stored += st
+        reference.append((name, deq))
+    return stored, reference
+
+
+def tiktoken_files(out: Path) -> None:
+    """Kimi's tokenizer files for the Kimi toy: the first KIMI_RANKS ranks of the
+    tokenizer golden's file (a BPE in their own right: every merge's halves rank
+    lower), its tokenizer_config.json with the special ids moved to follow them."""
+    lines = (KIMI_TIKTOKEN / "tiktoken.model").read_text().splitlines(keepends=True)
+    (out / "tiktoken.model").write_text("".join(lines[:KIMI_RANKS]))
+    cfg = json.loads((KIMI_TIKTOKEN / "tokenizer_config.json").read_text())
+    first = min(int(k) for k in cfg["added_tokens_decoder"])
+    cfg["added_tokens_decoder"] = {str(int(k) - first + KIMI_RANKS): v
+                                   for k, v in cfg["added_tokens_decoder"].items()}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    write_json(out / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": EOS})
+
+
+class TiktokenToy:
+    """tiktoken's encoding, written out (its `_byte_pair_merge`: merge the adjacent pair
+    whose bytes have the lowest rank, leftmost first) with Kimi's pat_str, for the
+    prompt of the Kimi toy (the goldens' venv has no tiktoken; the tokenizer golden
+    checks the converted tokenizer against tiktoken itself)."""
+
+    def __init__(self, out: Path):
+        import base64
+        import regex
+        # The family's pattern: tokenization_kimi.py's pat_str (the tokenizer golden's
+        # test checks the two are equal).
+        family = Path(__file__).resolve().parents[2] / "families/deepseek_v3.json"
+        pat_str = json.loads(family.read_text())["tiktoken"]["pattern"]
+        self.ranks = {}
+        for line in (out / "tiktoken.model").read_text().splitlines():
+            b64, r = line.split()
+            self.ranks[base64.b64decode(b64)] = int(r)
+        self.by_id = {r: t for t, r in self.ranks.items()}
+        self.pat = regex.compile(pat_str, flags=regex.V1)  # V1: `&&` is set intersection
+
+    def encode(self, text: str) -> list:
+        ids = []
+        for piece in self.pat.findall(text):
+            parts = [bytes([b]) for b in piece.encode()]
+            while len(parts) > 1:
+                best = min(range(len(parts) - 1),
+                           key=lambda i: self.ranks.get(parts[i] + parts[i + 1], math.inf))
+                if parts[best] + parts[best + 1] not in self.ranks:
+                    break
+                parts[best:best + 2] = [parts[best] + parts[best + 1]]
+            ids += [self.ranks[p] for p in parts]
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return b"".join(self.by_id.get(i, b"") for i in ids).decode("utf-8", "replace")
+
+
 def generate(out: Path, seed: int) -> dict:
     import tokenizers
     import transformers
@@ -387,16 +564,21 @@ def generate(out: Path, seed: int) -> dict:
             or cfg.q_lora_rank != Q_LORA:
         raise SystemExit(f"config read back with rope {rp}, interleave {cfg.rope_interleave}, "
                          f"q_lora_rank {cfg.q_lora_rank}")
-    tensors = build_tensors(seed)
+    stored, tensors = stored_layout(build_tensors(seed))
     ckpt = write_checkpoint(out, tensors)
     saved = dict(tensors)
-    for f in TOKENIZER_FILES:
-        shutil.copyfile(MIXTRAL_TOY / f, out / f)
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    prompt = tok.encode(PROMPT_TEXT).ids
-    hf_tok = AutoTokenizer.from_pretrained(out)
-    if hf_tok(PROMPT_TEXT).input_ids != prompt or prompt[0] != BOS:
-        raise SystemExit(f"transformers encodes the prompt as {hf_tok(PROMPT_TEXT).input_ids}, not {prompt}")
+    if STORE == "ct-int4":
+        tiktoken_files(out)
+        tok = TiktokenToy(out)
+        prompt = tok.encode(PROMPT_TEXT)
+    else:
+        for f in TOKENIZER_FILES:
+            shutil.copyfile(MIXTRAL_TOY / f, out / f)
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        prompt = tok.encode(PROMPT_TEXT).ids
+        hf_tok = AutoTokenizer.from_pretrained(out)
+        if hf_tok(PROMPT_TEXT).input_ids != prompt or prompt[0] != BOS:
+            raise SystemExit(f"transformers encodes the prompt as {hf_tok(PROMPT_TEXT).input_ids}, not {prompt}")
 
     model, info = DeepseekV3ForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager",
@@ -429,6 +611,20 @@ def generate(out: Path, seed: int) -> dict:
                          f"router margin {min(margins):.3g} (need {MIN_ROUTER_MARGIN}), or the "
                          "cached generate differs: pick another seed")
 
+    if STORE:
+        # The hub layout replaces the reference's shards; the goldens stay those of the
+        # dequantized weights.
+        for f in out.glob("model-*.safetensors"):
+            f.unlink()
+        ckpt = write_checkpoint(out, stored)
+        ckpt["store"] = STORE
+        cfg_json = config()
+        if STORE == "fp8":
+            cfg_json["quantization_config"] = FP8_CONFIG
+        else:
+            cfg_json["model_type"] = "kimi_k2"
+            cfg_json["quantization_config"] = CT_CONFIG
+        write_json(out / "config.json", cfg_json)
     keep = {"logits": pdata["logits"]}
     for i in range(DENSE, LAYERS):
         for k in ("topk_idx", "topk_w"):
@@ -498,7 +694,8 @@ def check(out: Path, seed: int) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp) / "toy"
-        variant = ["--variant"] if SHARED != 1 else []
+        variant = {"main": [], "variant": ["--variant"], "wide": ["--wide"]}.get(MODE, [])
+        variant += ["--store", STORE] if STORE else []
         subprocess.run([sys.executable, __file__, "--out", str(fresh), "--seed", str(seed)]
                        + variant, check=True, stdout=subprocess.DEVNULL)
         old = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
@@ -535,13 +732,24 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--variant", action="store_true",
                     help="the other branch of every option (VARIANT), in deepseek_toy_variant")
+    ap.add_argument("--wide", action="store_true",
+                    help="DeepSeek-V3's latent widths (WIDE: keys 512 + 64), in deepseek_toy_wide")
+    ap.add_argument("--store", choices=["fp8", "ct-int4"],
+                    help="the main toy in FP8 (deepseek_fp8_toy) or a Kimi-K2-shaped toy with "
+                         "compressed-tensors INT4 experts (kimi_int4_toy)")
     args = ap.parse_args()
-    if args.variant:
-        globals().update(VARIANT)
+    mode = "variant" if args.variant else "wide" if args.wide else "main"
+    if args.store:
+        mode = args.store
+    settings = {"variant": VARIANT, "wide": WIDE, "main": {}, "fp8": FP8, "ct-int4": KIMI}[mode]
+    globals().update(settings, MODE=mode, STORE=args.store)
     if args.out is None:
-        args.out = Path("tests/data/deepseek_toy_variant" if args.variant else "tests/data/deepseek_toy")
+        args.out = Path({"main": "tests/data/deepseek_toy", "variant": "tests/data/deepseek_toy_variant",
+                         "wide": "tests/data/deepseek_toy_wide", "fp8": "tests/data/deepseek_fp8_toy",
+                         "ct-int4": "tests/data/kimi_int4_toy"}[mode])
     if args.seed is None:
-        args.seed = VARIANT_SEED if args.variant else SEED
+        args.seed = {"main": SEED, "variant": VARIANT_SEED, "wide": WIDE_SEED, "fp8": FP8_SEED,
+                     "ct-int4": KIMI_SEED}[mode]
     if args.check:
         check(args.out, args.seed)
         return

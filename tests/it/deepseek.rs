@@ -28,13 +28,22 @@ const VARIANT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/data/deepseek_toy_variant"
 );
-const FAMILY: &str = "deepseek_v3";
+/// DeepSeek-V3's own latent widths (`kv_lora_rank` 512, `qk_rope_head_dim` 64: latent
+/// keys of 576) on the main toy's options, 2 layers (the generator's `--wide`).
+const WIDE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_toy_wide");
+/// The main toy stored in FP8 e4m3 with 128×128 block scales (`--store fp8`).
+pub(crate) const FP8_TOY: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/deepseek_fp8_toy");
+/// A Kimi-K2-shaped toy with compressed-tensors INT4 routed experts and Kimi's tiktoken
+/// tokenizer (`--store ct-int4`).
+pub(crate) const KIMI_TOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/kimi_int4_toy");
+pub(crate) const FAMILY: &str = "deepseek_v3";
 
 /// Largest `|gturbo − transformers|` accepted on a logit: both compute in f32 from the
 /// same BF16 weights, only the order of the sums differs.
 const LOGIT_ATOL: f32 = 1e-4;
 
-fn meta(toy: &str) -> Meta {
+pub(crate) fn meta(toy: &str) -> Meta {
     meta_of(toy, FAMILY)
 }
 
@@ -57,6 +66,36 @@ fn variant_bf16() -> &'static Path {
         install_toy(VARIANT, &out, &["--quant", "bf16"]);
         out
     })
+}
+
+/// One `--quant bf16` install of `toy` into `name` under the test run's temporary
+/// folder, made once in `cell`.
+fn bf16_once(cell: &'static OnceLock<PathBuf>, toy: &str, name: &str) -> &'static Path {
+    cell.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+        let _ = std::fs::remove_dir_all(&root);
+        let out = root.join("bf16.gturbo");
+        install_toy(toy, &out, &["--quant", "bf16"]);
+        out
+    })
+}
+
+/// One BF16 install of the wide toy.
+fn wide_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    bf16_once(&DIR, WIDE, "deepseek-wide-bf16")
+}
+
+/// One `--quant bf16` install of the FP8 toy (dequantized as MLX-LM does).
+pub(crate) fn fp8_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    bf16_once(&DIR, FP8_TOY, "deepseek-fp8-bf16")
+}
+
+/// One `--quant bf16` install of the Kimi toy (its INT4 experts dequantized).
+pub(crate) fn kimi_bf16() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    bf16_once(&DIR, KIMI_TOY, "kimi-int4-bf16")
 }
 
 pub(crate) fn bf16() -> &'static Path {
@@ -82,7 +121,7 @@ fn bias_stays_f32(dir: &Path) -> bool {
     })
 }
 
-fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
+pub(crate) fn run_json(dir: &Path, extra: &[&str]) -> (Value, String) {
     let mut args = vec!["--max-tokens", "24"];
     args.extend_from_slice(extra);
     cli::run_json(dir, &args)
@@ -252,7 +291,13 @@ fn logits_vs_golden<B: Ops + 'static>(
     layout: KvLayout,
 ) -> Vec<Vec<f32>> {
     let want = golden_rows(toy);
-    let dir = if toy == TOY { bf16() } else { variant_bf16() };
+    let dir = match toy {
+        TOY => bf16(),
+        WIDE => wide_bf16(),
+        FP8_TOY => fp8_bf16(),
+        KIMI_TOY => kimi_bf16(),
+        _ => variant_bf16(),
+    };
     let (got, stats) = rows_of_run(toy, dir, backend, experts, layout);
     assert_eq!(got.len(), want.len(), "positions");
     let mut worst = (0f32, 0);
@@ -289,7 +334,7 @@ pub(crate) fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 /// Both cache layouts against transformers, and against each other.
-fn both_layouts<B: Ops + 'static>(toy: &str, backend: &B, experts: ExpertMode) {
+pub(crate) fn both_layouts<B: Ops + 'static>(toy: &str, backend: &B, experts: ExpertMode) {
     let latent = logits_vs_golden(toy, backend, experts, KvLayout::Latent);
     let expanded = logits_vs_golden(toy, backend, experts, KvLayout::Expanded);
     let d = max_diff(&latent, &expanded);
@@ -323,6 +368,33 @@ fn the_variant_plain_q_ungrouped_half_split_toy_matches_transformers_on_both_bac
 }
 
 #[test]
+fn the_wide_toy_with_v3s_576_wide_latent_keys_matches_transformers_on_both_backends() {
+    const TEST: &str =
+        "the_wide_toy_with_v3s_576_wide_latent_keys_matches_transformers_on_both_backends";
+    let g = meta(WIDE);
+    let prompt = csv(&g.prompt);
+    let (doc, footer) = run_json(wide_bf16(), &["--backend", "cpu", "--prompt-ids", &prompt]);
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+    both_layouts(WIDE, &Cpu::new(2), ExpertMode::Slots(2));
+    let Some(gpu) = crate::gpu::gpu(TEST) else {
+        return;
+    };
+    let install = load::open(wide_bf16(), LoadOptions::default()).unwrap();
+    let cfg = deepseek_v3::Config::from_manifest(&install.manifest).unwrap();
+    let latent = cfg.mla.cache_spec(KvLayout::Latent);
+    assert_eq!((latent.qk_dim, latent.v_dim), (576, 512));
+    assert!(gpu.attends(&latent), "the GPU takes 576-wide latent keys");
+    both_layouts(WIDE, &gpu, ExpertMode::Resident);
+    drop(gpu);
+    let (doc, footer) = run_json(wide_bf16(), &["--backend", "gpu", "--prompt-ids", &prompt]);
+    assert!(
+        doc["backend"].as_str().unwrap().starts_with("gpu "),
+        "{doc}"
+    );
+    assert_eq!(ids(&doc["tokens"]), g.greedy, "{footer}");
+}
+
+#[test]
 fn the_latent_cache_is_smaller_than_the_expanded_one_by_the_shapes() {
     let install = load::open(bf16(), LoadOptions::default()).unwrap();
     let cfg = deepseek_v3::Config::from_manifest(&install.manifest).unwrap();
@@ -342,8 +414,8 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
     };
     both_layouts(TOY, &gpu, ExpertMode::Slots(2));
     both_layouts(TOY, &gpu, ExpertMode::Resident);
-    // DeepSeek-V3's own widths: its latent cache (keys 512 + 64) is past the GPU
-    // kernel's heads, so `models::open` builds the expanded one there.
+    // DeepSeek-V3's own widths: the GPU kernel takes its latent cache (keys 512 + 64,
+    // values the 512 inside them), so `models::open` builds the latent one there too.
     let v3 = MlaDims {
         hidden: 7168,
         heads: 128,
@@ -354,7 +426,7 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu_with_either_cache() {
         v: 128,
         eps: 1e-6,
     };
-    assert!(!gpu.attends(&v3.cache_spec(KvLayout::Latent)));
+    assert!(gpu.attends(&v3.cache_spec(KvLayout::Latent)));
     assert!(gpu.attends(&v3.cache_spec(KvLayout::Expanded)));
 }
 

@@ -2,6 +2,7 @@
 
 mod decoder_variants;
 mod deepseek;
+mod deepseek_stored;
 mod dequantized_twin;
 mod doctor;
 mod dry_run;
@@ -21,6 +22,7 @@ mod hostile_net;
 mod hub_protocol;
 mod install_e2e;
 mod install_lock;
+mod kimi;
 mod line_rate;
 mod mixtral;
 mod mlx_lm_parity;

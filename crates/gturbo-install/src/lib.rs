@@ -8,6 +8,8 @@
 //!   format's codec).
 //! - [`install`]: resolve, gate and plan (everything `--dry-run` does), then the
 //!   streaming, resumable executor that writes and publishes an install.
+//! - [`tiktoken`]: a tokenizer shipped as a tiktoken BPE file (Kimi-K2), converted at
+//!   install into a `tokenizer.json`.
 //! - [`verify`]: `verify-install`: full hashing, the receipt, the quality record (the
 //!   cheap layout checks are the format's, shared with the runtime).
 //!
@@ -21,5 +23,6 @@ pub use gturbo_source::{header, source};
 pub mod family;
 pub mod install;
 pub mod plan;
+pub mod tiktoken;
 pub mod transform;
 pub mod verify;

@@ -55,6 +55,10 @@ pub struct FamilyFile {
     /// Optional parts that flags can drop (e.g. the MTP draft layer).
     #[serde(default)]
     pub sidecars: BTreeMap<String, Sidecar>,
+    /// A tokenizer the repos ship as a tiktoken BPE file instead of a `tokenizer.json`
+    /// (Kimi-K2), converted at install ([`crate::tiktoken`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tiktoken: Option<crate::tiktoken::TiktokenSpec>,
 }
 
 /// Where a family's reference checkpoint lives.

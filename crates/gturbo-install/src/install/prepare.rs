@@ -67,6 +67,9 @@ pub struct Prepared {
     /// The family asks `gturbo run` for a recorded quality result before it runs a
     /// quantized install (its quant policy's `run_requires_recorded_quality`).
     pub run_requires_recorded_quality: bool,
+    /// The tokenizer the install converts from a tiktoken BPE file into
+    /// `tokenizer/tokenizer.json` ([`crate::tiktoken::applies`]).
+    pub tiktoken: Option<crate::tiktoken::TiktokenSpec>,
 }
 
 /// The parsed index: shard order and the tensor → shard map.
@@ -179,12 +182,12 @@ pub async fn prepare(
         repo_files: &sizes,
         options: &settings.options,
     })?;
-    if !plan
-        .outputs
-        .copied
-        .iter()
-        .any(|c| c.source == "tokenizer.json")
-    {
+    let copied: Vec<&str> = (plan.outputs.copied.iter())
+        .map(|c| c.source.as_str())
+        .collect();
+    let tiktoken =
+        crate::tiktoken::applies(settings.family.file.tiktoken.as_ref(), &copied).cloned();
+    if !copied.contains(&"tokenizer.json") && tiktoken.is_none() {
         warnings.push(format!(
             "{repo} has no tokenizer.json; `gturbo run` will not be able to tokenize"
         ));
@@ -193,6 +196,7 @@ pub async fn prepare(
         family_overrides: family_overrides(&settings.family),
         sidecars: sidecar_states(settings),
         run_requires_recorded_quality: settings.family.file.quant.run_requires_recorded_quality,
+        tiktoken,
         plan,
         stats: source.stats(),
         header_requests,

@@ -82,11 +82,22 @@ pub(super) async fn copy_files(
             .map_err(|e| io_err(&path, e))?;
         record.push(published.record(&c.source, &c.file));
     }
+    if let Some(spec) = &prepared.tiktoken {
+        reporter.phase("tokenizer", &format!("converting {}", spec.file));
+        crate::tiktoken::convert_staged(staging, spec).map_err(|(file, e)| {
+            InstallError::Invalid {
+                file,
+                field: e.field,
+                detail: e.detail,
+            }
+        })?;
+    }
     Ok(())
 }
 
-/// Every file of the install with its manifest kind, in plan order.
-fn listed_files(plan: &Plan) -> Vec<(String, &'static str)> {
+/// Every file of the install with its manifest kind, in plan order; `converted`: the
+/// `tokenizer.json` converted from a tiktoken file ([`copy_files`]).
+fn listed_files(plan: &Plan, converted: bool) -> Vec<(String, &'static str)> {
     let mut listed: Vec<(String, &'static str)> = output_file_paths(plan)
         .into_iter()
         .enumerate()
@@ -107,6 +118,9 @@ fn listed_files(plan: &Plan) -> Vec<(String, &'static str)> {
             .iter()
             .map(|c| (c.file.clone(), "tokenizer")),
     );
+    if converted {
+        listed.push((format!("tokenizer/{}", tokenizer::FILE_NAME), "tokenizer"));
+    }
     listed
 }
 
@@ -115,11 +129,11 @@ fn listed_files(plan: &Plan) -> Vec<(String, &'static str)> {
 /// on every core; `known` holds the output files the stream hashed already (by output
 /// file index, [`super::finished`]).
 fn hash_listed(
-    plan: &Plan,
+    prepared: &Prepared,
     staging: &Path,
     known: &[Option<String>],
 ) -> Result<Vec<ManifestFile>, InstallError> {
-    let listed = listed_files(plan);
+    let listed = listed_files(&prepared.plan, prepared.tiktoken.is_some());
     let mut sizes = Vec::with_capacity(listed.len());
     for (r, _) in &listed {
         let path = staging.join(r);
@@ -180,10 +194,12 @@ pub(super) fn finalize(
         "hash",
         &format!(
             "{} files ({early} hashed during the stream)",
-            output_file_paths(plan).len() + plan.outputs.copied.len()
+            output_file_paths(plan).len()
+                + plan.outputs.copied.len()
+                + usize::from(prepared.tiktoken.is_some())
         ),
     );
-    let hashed = tokio::task::block_in_place(|| hash_listed(plan, staging, known))?;
+    let hashed = tokio::task::block_in_place(|| hash_listed(prepared, staging, known))?;
     let manifest = build_manifest(prepared, fingerprint, hashed);
     let mpath = staging.join(manifest::FILE_NAME);
     let manifest_bytes = manifest.to_canonical_bytes();

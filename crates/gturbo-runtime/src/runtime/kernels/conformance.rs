@@ -718,6 +718,7 @@ pub(crate) fn attention<B: Backend>(b: &B) {
     attention_dense(b, &mut rng, &steps);
     attention_spec_options(b, &mut rng, &steps);
     attention_long_contexts(b, &mut rng);
+    attention_wide_heads(b, &mut rng);
 }
 
 /// Dense heads: grouped, ungrouped, one KV head.
@@ -841,6 +842,57 @@ fn attention_long_contexts<B: Backend>(b: &B, rng: &mut Rng) {
         snapshot: true,
     }
     .run(b, rng);
+}
+
+/// Heads wider than 256: DeepSeek-V3's latent cache (one KV head, keys `[c | k_pe]`
+/// 512 + 64 = 576 wide, values the 512-wide `c` inside them) in one walk and in the
+/// GPU's split decode (a 100-position prefill, then decode steps), and odd widths
+/// past 256 with values in the keys and apart from them.
+fn attention_wide_heads<B: Backend>(b: &B, rng: &mut Rng) {
+    let latent = |kv_heads, qk_dim, v_dim| AttentionSpec {
+        kv_heads,
+        qk_dim,
+        v_dim,
+        window: None,
+        values_in_keys: true,
+    };
+    // (query heads, spec, steps, snapshot)
+    type Case<'s> = (usize, AttentionSpec, &'s [(usize, usize)], bool);
+    let cases: [Case; 4] = [
+        (
+            4,
+            latent(1, 576, 512),
+            &[(0, 5), (5, 1), (6, 2), (3, 2)],
+            true,
+        ),
+        (
+            2,
+            latent(1, 576, 512),
+            &[(0, 100), (100, 1), (101, 1)],
+            false,
+        ),
+        (6, latent(2, 385, 321), &[(0, 5), (5, 1), (6, 2)], false),
+        (
+            3,
+            AttentionSpec {
+                values_in_keys: false,
+                ..latent(3, 577, 263)
+            },
+            &[(0, 5), (5, 1), (3, 2)],
+            false,
+        ),
+    ];
+    for (heads, spec, steps, snapshot) in cases {
+        AttentionCase {
+            heads,
+            spec,
+            sinks: None,
+            steps,
+            max_positions: 128,
+            snapshot,
+        }
+        .run(b, rng);
+    }
 }
 
 /// The `route` checks of [`all`].

@@ -167,8 +167,8 @@ pub struct Session<B: Backend> {
 impl<'a, B: Ops> Model<'a, B> {
     /// Bind the install's tensors; the KV cache holds the latent
     /// ([`KvLayout::Latent`]) where the backend's attention takes its widths, else
-    /// every head's keys and values (a GPU kernel holds heads up to 256 wide;
-    /// DeepSeek-V3's latent keys are 576).
+    /// every head's keys and values (both backends take DeepSeek-V3's 576-wide latent
+    /// keys; the expanded cache remains for a backend that does not).
     pub fn new(install: &'a Install, backend: &'a B) -> Result<Model<'a, B>, RunError> {
         let cfg = Config::from_manifest(&install.manifest)?;
         let layout = if backend.attends(&cfg.mla.cache_spec(KvLayout::Latent)) {

@@ -37,11 +37,11 @@ const TILE: usize = 8;
 /// Invocations per workgroup of the one-thread-per-element kernels.
 const ELEMENTWISE_WG: usize = 256;
 /// Largest query and key head the attention kernel holds in workgroup memory
-/// (`MAX_HEAD_DIM` in `attn.wgsl`).
-pub(crate) const MAX_HEAD_DIM: usize = 256;
+/// (`MAX_HEAD_DIM` in `attn.wgsl`): DeepSeek-V3's latent keys are 576 wide.
+pub(crate) const MAX_HEAD_DIM: usize = 1024;
 /// Largest value head the attention kernel's lanes hold (`WG · PER_LANE` in
-/// `attn.wgsl`).
-pub(crate) const MAX_V_DIM: usize = 256;
+/// `attn.wgsl`): DeepSeek-V3's latent values are 512 wide.
+pub(crate) const MAX_V_DIM: usize = 512;
 
 /// Words of packed x per 32 values of x: 8 for each of x24's three bytes, then step
 /// and sum (`qmatvec_x24.wgsl`). Public for the matvec lab, which sizes its packed x

@@ -48,13 +48,16 @@ struct Params {
 @group(0) @binding(6) var<storage, read> sinks: array<f32>;
 
 const WG: u32 = 64u;
-const MAX_HEAD_DIM: u32 = 256u;
-const PER_LANE: u32 = 4u; // values per lane: v_dim is at most WG · PER_LANE
+// DeepSeek-V3's latent cache reads keys of 576 (kv_lora_rank 512 + the 64-wide rope
+// key) and values of 512 (the latent, inside the keys): the query sits in workgroup
+// memory (4 KiB at 1024) and each lane keeps PER_LANE output values.
+const MAX_HEAD_DIM: u32 = 1024u;
+const PER_LANE: u32 = 8u; // values per lane: v_dim is at most WG · PER_LANE
 // A finite stand-in for -inf: Metal may compile with fast math, where infinities are
 // not guaranteed to compare or propagate.
 const NEG_BIG: f32 = -3.0e38;
 
-var<workgroup> qs: array<f32, 256>;
+var<workgroup> qs: array<f32, MAX_HEAD_DIM>;
 var<workgroup> pr: array<f32, 64>;
 var<workgroup> red: array<f32, 64>;
 
@@ -64,7 +67,7 @@ var<workgroup> red: array<f32, 64>;
 struct Attended {
     m: f32,
     l: f32,
-    acc: vec4<f32>,
+    acc: array<f32, PER_LANE>,
 }
 
 fn load_query(li: u32, tok: u32, h: u32) {
@@ -103,7 +106,7 @@ fn attend(li: u32, h: u32, lo: u32, hi: u32) -> Attended {
     }
     var m = NEG_BIG;
     var l = 0.0;
-    var acc = vec4<f32>(0.0);
+    var acc = array<f32, PER_LANE>();
     for (var j0 = lo; j0 < hi; j0 += WG) {
         let j = j0 + li;
         var sc = NEG_BIG;
@@ -195,7 +198,7 @@ fn attention_combine(@builtin(workgroup_id) wid: vec3<u32>,
     var mx = NEG_BIG;
     for (var c = 0u; c < p.chunks; c++) { mx = max(mx, part[base + c * stride]); }
     var l = 0.0;
-    var acc = vec4<f32>(0.0);
+    var acc = array<f32, PER_LANE>();
     for (var c = 0u; c < p.chunks; c++) {
         let b = base + c * stride;
         let e = exp(part[b] - mx);
