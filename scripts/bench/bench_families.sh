@@ -24,7 +24,9 @@
 # SmolLM2's tokenizer.json; default target/smollm2/snapshot, fetched when missing),
 # LLAMA_SRC (llama-cpp-python's source tree, holding vendor/llama.cpp; default
 # target/llama-src/llama_cpp_python-*), GTURBO_VENV_ROOT (where venv.sh keeps the llama
-# venv), NO_BUILD=1 (use target/release/gturbo as it is), KEEP=1, OUT (target/bench-families).
+# venv), NO_BUILD=1 (use target/release/gturbo as it is), KEEP=1, OUT (target/bench-families),
+# BACKEND (gturbo's backend: cpu, or gpu), PEER (llama, or none: gturbo alone, no converter
+# or llama.cpp needed: the H200 rows), GTURBO (the gturbo binary, target/release/gturbo).
 #
 # Usage: scripts/bench/bench_families.sh [FAMILY...]
 set -euo pipefail
@@ -49,16 +51,19 @@ TOKENIZER="${TOKENIZER:-target/smollm2/snapshot}"
 if [ -z "${LLAMA_SRC:-}" ]; then
   LLAMA_SRC=$(ls -d target/llama-src/llama_cpp_python-* 2> /dev/null | grep -v '\.tar\.gz$' | tail -1 || true)
 fi
+BACKEND="${BACKEND:-cpu}"
+PEER="${PEER:-llama}"
 CONVERT="$LLAMA_SRC/vendor/llama.cpp/convert_hf_to_gguf.py"
-[ -f "$CONVERT" ] || { echo "no llama.cpp converter at '$CONVERT' (set LLAMA_SRC to llama-cpp-python's unpacked source)" >&2; exit 2; }
+[ "$PEER" = none ] || [ -f "$CONVERT" ] || { echo "no llama.cpp converter at '$CONVERT' (set LLAMA_SRC to llama-cpp-python's unpacked source)" >&2; exit 2; }
 LLAMA_PY="${GTURBO_VENV_ROOT:-$ROOT/target/venv}/llama/bin/python"
 # Made once (llama-cpp-python builds llama.cpp from source: many minutes); reused as is.
-[ -x "$LLAMA_PY" ] || (source scripts/venv.sh llama >&2)
+[ "$PEER" = none ] || [ -x "$LLAMA_PY" ] || (source scripts/venv.sh llama >&2)
 if [ "${NO_BUILD:-0}" != 1 ]; then
   echo "== build (release)" >&2
   nice cargo build -q --release -p gturbo --bin gturbo >&2
 fi
-G=target/release/gturbo
+G="${GTURBO:-target/release/gturbo}"
+TIMEV="${TIMEV:-/usr/bin/time}" # GNU time (-v -o FILE); a machine without it can name a stand-in
 LLAMA_OMP_WAIT="${LLAMA_OMP_WAIT:-passive}"
 mkdir -p "$OUT"
 
@@ -77,7 +82,7 @@ free_gb() { df -BG --output=avail "$OUT" | tail -1 | tr -dc 0-9; }
 # timed TAG CMD...: CMD under /usr/bin/time -v; stdout -> TAG.out, peak RSS (KiB) -> TAG.rss.
 timed() {
   local tag=$1; shift
-  /usr/bin/time -v -o "$tag.time" "$@" > "$tag.out" 2> "$tag.err" || { tail -5 "$tag.err" >&2; return 1; }
+  "$TIMEV" -v -o "$tag.time" "$@" > "$tag.out" 2> "$tag.err" || { tail -5 "$tag.err" >&2; return 1; }
   awk -F: '/Maximum resident set size/ { gsub(/ /, "", $2); print $2 }' "$tag.time" > "$tag.rss"
 }
 
@@ -93,7 +98,7 @@ run_once() { # ROW I CMD...
   PRE[$row]+="$(json_field "$tag.out" prefill_tok_s prefill_tps) "
   DEC[$row]+="$(json_field "$tag.out" decode_tok_s decode_tps) "
   NGEN[$row]=$(json_field "$tag.out" generated_tokens generated)
-  RSS[$row]+="$(echo "$(cat "$tag.rss") / 1024" | bc -l) "
+  RSS[$row]+="$(awk -v k="$(cat "$tag.rss")" 'BEGIN { print k / 1024 }') "
   echo "  $row run $i: prefill/decode/RSS so far: ${PRE[$row]}/ ${DEC[$row]}/ ${RSS[$row]}, ${NGEN[$row]} tokens" >&2
 }
 summarize() { # ROW
@@ -107,14 +112,15 @@ TABLE="$OUT/table.txt"
 for fam in "${FAMILIES[@]}"; do
   W="$OUT/$fam"
   mkdir -p "$W"
-  if [ ! -f "$W/q4_0.gguf" ] || [ ! -f "$W/int4.gturbo/manifest.json" ]; then
+  if { [ "$PEER" != none ] && [ ! -f "$W/q4_0.gguf" ]; } || [ ! -f "$W/int4.gturbo/manifest.json" ]; then
     [ "$(free_gb)" -ge "$NEED_GB" ] || { echo "$fam: $(free_gb) GB free under $OUT, $NEED_GB needed: stopping" >&2; exit 2; }
     echo "== $fam: shape" >&2
     "$SHAPE_PYTHON" scripts/bench/make_family_shape.py "$fam" "$W/snap" --target-gb "$TARGET_GB" \
       --tokenizer "$TOKENIZER" 2> "$W/shape.log" | tee "$W/shape.txt" >&2
     echo "== $fam: gturbo install (INT4)" >&2
-    /usr/bin/time -v -o "$W/install.time" "$G" -q install --family "$fam" "bench/$fam-shape" --from "$W/snap" \
+    "$TIMEV" -v -o "$W/install.time" "$G" -q install --family "$fam" "bench/$fam-shape" --from "$W/snap" \
       --out "$W/int4.gturbo" --quant int4 --no-progress --overwrite > "$W/install.log" 2>&1
+    if [ "$PEER" = none ]; then rm -rf "$W/snap"; else
     echo "== $fam: llama.cpp GGUF (BF16, then Q4_0)" >&2
     # The converter counts Qwen3-Next's `mtp.*` layer in unless told there is none.
     extra=(); [ "$fam" != qwen3_next ] || extra=(--no-mtp)
@@ -124,17 +130,18 @@ for fam in "${FAMILIES[@]}"; do
     "$LLAMA_PY" scripts/bench/bench_peers.py llama-quantize "$W/bf16.gguf" "$W/q4_0.gguf" q4_0 "$THREADS" > "$W/quantize.log" 2>&1 ||
       { tail -20 "$W/quantize.log" >&2; exit 2; }
     rm -f "$W/bf16.gguf"
+    fi
   fi
   # Ordinary SmolLM2 token ids (past its 17 special tokens; every shape's vocabulary
   # starts with SmolLM2's 49152), the same for both engines.
   ids=$(python3 -c 'import sys; print(",".join(str(17 + (7919 * i + 13) % (49152 - 17)) for i in range(int(sys.argv[1]))))' "$PROMPT_LEN")
   echo "$ids" > "$W/prompt.ids"
-  echo "== $fam: $(du -sh "$W/int4.gturbo" | cut -f1) gturbo INT4, $(du -sh "$W/q4_0.gguf" | cut -f1) GGUF Q4_0; $RUNS runs each" >&2
+  echo "== $fam: $(du -sh "$W/int4.gturbo" | cut -f1) gturbo INT4; $RUNS runs each" >&2
   rows=()
   for mode in $EXPERT_MODES; do
     case $mode in slots*|resident) rows+=("$fam gturbo-$mode") ;; *) echo "unknown expert mode $mode" >&2; exit 2 ;; esac
   done
-  rows+=("$fam llama.cpp-Q4_0")
+  [ "$PEER" = none ] || rows+=("$fam llama.cpp-Q4_0")
   for i in $(seq "$RUNS"); do
     for row in "${rows[@]}"; do
       case ${row#* } in
@@ -142,19 +149,20 @@ for fam in "${FAMILIES[@]}"; do
         gturbo-resident) flag=(--resident-experts) ;;
         *) run_once "$row" "$i" env OMP_WAIT_POLICY="$LLAMA_OMP_WAIT" "$LLAMA_PY" scripts/bench/bench_peers.py llama-ids "$W/q4_0.gguf" "$W/prompt.ids" "$TOKENS" "$THREADS"; continue ;;
       esac
-      run_once "$row" "$i" "$G" run "$W/int4.gturbo" --backend cpu --prompt-ids "$ids" --max-tokens "$TOKENS" \
+      run_once "$row" "$i" "$G" run "$W/int4.gturbo" --backend "$BACKEND" --prompt-ids "$ids" --max-tokens "$TOKENS" \
         --threads "$THREADS" --allow-unmeasured --json "${flag[@]}"
     done
   done
   for row in "${rows[@]}"; do summarize "$row"; done
-  sizes="$fam sizes: gturbo INT4 $(du -sh "$W/int4.gturbo" | cut -f1), GGUF Q4_0 $(du -sh "$W/q4_0.gguf" | cut -f1)"
+  sizes="$fam sizes: gturbo INT4 $(du -sh "$W/int4.gturbo" | cut -f1)"
+  [ "$PEER" = none ] || sizes+=", GGUF Q4_0 $(du -sh "$W/q4_0.gguf" | cut -f1)"
   echo "$sizes" >&2
   echo "# $sizes; $(head -1 "$W/shape.txt" 2> /dev/null)" >> "$TABLE"
   [ "${KEEP:-0}" = 1 ] || rm -rf "$W/int4.gturbo" "$W/q4_0.gguf"
 done
 
 echo
-echo "CPU, $THREADS threads, prompt $PROMPT_LEN ids, $TOKENS greedy tokens, median of $RUNS runs"
+echo "gturbo backend $BACKEND ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $THREADS CPU threads), prompt $PROMPT_LEN ids, $TOKENS greedy tokens, median of $RUNS runs"
 printf '| %-12s | %-22s | %12s | %11s | %13s | %6s | %s |\n' family engine "prefill t/s" "decode t/s" "peak RSS MiB" tokens "vs llama.cpp (prefill / decode / RSS)"
 printf '|%s|%s|%s|%s|%s|%s|%s|\n' -------------- ------------------------ -------------- ------------- --------------- -------- ----------------------------------------
 for fam in "${FAMILIES[@]}"; do
@@ -164,7 +172,8 @@ for fam in "${FAMILIES[@]}"; do
     ratio=""
     if [ "$engine" != llama.cpp-Q4_0 ] && [ -n "$peer" ] && [ "$pre" != failed ]; then
       read -r ppre pdec prss <<< "$peer"
-      ratio=$(printf '%.2fx / %.2fx / %.2fx' "$(echo "$pre / $ppre" | bc -l)" "$(echo "$dec / $pdec" | bc -l)" "$(echo "$rss / $prss" | bc -l)")
+      ratio=$(awk -v a="$pre" -v b="$ppre" -v c="$dec" -v d="$pdec" -v e="$rss" -v f="$prss" \
+        'BEGIN { printf "%.2fx / %.2fx / %.2fx", a / b, c / d, e / f }')
     fi
     if [ "$pre" = failed ]; then
       printf '| %-12s | %-22s | %12s | %11s | %13s | %6s | %s |\n' "$fam" "$engine" failed - - - ""
