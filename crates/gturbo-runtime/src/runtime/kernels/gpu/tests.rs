@@ -1045,8 +1045,8 @@ fn attention_spec_limits_are_errors() {
     };
     // Past what a workgroup holds: the query in workgroup memory, the values in lanes.
     for (qk, v, what) in [
-        (257, 8, "query and key head width 257 is not in 1..=256"),
-        (8, 257, "value head width 257 is not in 1..=256"),
+        (1025, 8, "query and key head width 1025 is not in 1..=1024"),
+        (8, 513, "value head width 513 is not in 1..=512"),
     ] {
         let cache = KvCache::new(ctx, 4, spec(qk, v, None)).unwrap();
         let e = ctx
