@@ -9,6 +9,7 @@
 
 mod anthropic;
 mod cache;
+mod disk;
 mod error;
 mod openai;
 mod worker;
@@ -74,6 +75,11 @@ pub struct ServeArgs {
     /// first; 0 turns reuse off).
     #[arg(long, default_value_t = DEFAULT_CACHE_BYTES)]
     pub cache_bytes: u64,
+    /// Keep the snapshots in this directory too, so that a restarted server reuses
+    /// them (checked on start: a damaged or foreign file is reported and deleted);
+    /// `--cache-bytes` bounds the files as well.
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -217,6 +223,13 @@ pub fn parse_untrusted(data: &[u8]) {
     }
     if let Ok(req) = serde_json::from_slice::<anthropic::CountRequest>(data) {
         let _ = anthropic::conversation(req.system.as_ref(), &req.messages).map_err(docs);
+    }
+    // A snapshot file, under the identity it claims.
+    if let Some(id) = data
+        .get(12..44)
+        .and_then(|b| <disk::Identity>::try_from(b).ok())
+    {
+        let _ = disk::decode(&id, data);
     }
     // The matcher: stops before the first NUL, pieces after it, split at 0x01.
     let text = String::from_utf8_lossy(data);
@@ -374,6 +387,20 @@ fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The snapshot directory `dir` of `install` served by `model`.
+fn open_disk(
+    dir: &std::path::Path,
+    install: &crate::runtime::load::Install,
+    model: &dyn crate::runtime::models::Model,
+    cache_bytes: u64,
+) -> Result<disk::DiskCache, Failure> {
+    let path = install.dir.join(crate::format::manifest::FILE_NAME);
+    let manifest =
+        std::fs::read(&path).map_err(|e| Failure::usage(format!("{}: {e}", path.display())))?;
+    let id = disk::identity(&manifest, &model.backend_name());
+    disk::DiskCache::open(dir, id, cache_bytes).map_err(Failure::usage)
+}
+
 /// `gturbo serve`.
 pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     if !args.host.is_loopback() && args.api_key.as_deref().is_none_or(str::is_empty) {
@@ -394,6 +421,7 @@ pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<String, Failure>>();
     let worker_codec = codec.clone();
     let cache_bytes = args.cache_bytes;
+    let cache_dir = args.cache_dir.clone();
     let dir = args.dir.clone();
     let model_args = args.model;
     let worker = std::thread::Builder::new()
@@ -402,10 +430,15 @@ pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
             let mut ready = Some(ready_tx);
             let served = with_model(&model_args, &dir, |install, model, _quality| {
                 let id = install.manifest.model_id.clone();
+                let disk = match &cache_dir {
+                    Some(d) => Some(open_disk(d, install, model, cache_bytes)?),
+                    None => None,
+                };
+                let store = worker::Store::new(model, cache_bytes, disk);
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(id));
                 }
-                worker::run(model, &worker_codec, jobs_rx, cache_bytes);
+                worker::run(model, &worker_codec, jobs_rx, store);
                 Ok(())
             });
             if let (Err(f), Some(r)) = (served, ready.take()) {
