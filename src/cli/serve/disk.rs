@@ -181,6 +181,19 @@ impl Files {
         out
     }
 
+    /// Delete this install's half-written files (a server killed while writing).
+    fn remove_partial(&self) {
+        let prefix = format!("{}-", self.prefix());
+        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            let ext = name.rsplit_once('.').map_or("", |(_, x)| x);
+            if name.starts_with(&prefix) && ext.starts_with("tmp") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+
     /// Delete the oldest files until the rest fit the bound.
     fn prune(&self) {
         let files = self.list();
@@ -259,6 +272,7 @@ impl DiskCache {
     /// Every sound snapshot of this install, oldest first, restored on `model`; each
     /// file that is not one is reported on stderr and deleted.
     pub fn load(&self, model: &dyn Model) -> Vec<(Vec<u32>, Session)> {
+        self.files.remove_partial();
         let mut out = Vec::new();
         for (path, _, len) in self.files.list() {
             let read = if len > self.files.cap {
