@@ -12,6 +12,7 @@ mod cache;
 mod disk;
 mod error;
 mod openai;
+mod tools;
 mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -87,6 +88,8 @@ pub struct ServeArgs {
 /// What every handler reads.
 struct Shared {
     codec: Arc<TextCodec>,
+    /// The tool-call format the template teaches (or the appendix does).
+    tool_format: &'static tools::ToolFormat,
     jobs: SyncSender<Job>,
     /// Names a request may give; the first is the one reported.
     names: Vec<String>,
@@ -216,10 +219,12 @@ pub fn parse_untrusted(data: &[u8]) {
     if let Ok(req) = serde_json::from_slice::<openai::ChatRequest>(data) {
         let _ = openai::messages(&req).map_err(docs);
         let _ = openai::params(&req, 0).map_err(docs);
+        let _ = openai::tools(&req).map_err(docs);
     }
     if let Ok(req) = serde_json::from_slice::<anthropic::MessagesRequest>(data) {
         let _ = anthropic::conversation(req.system.as_ref(), &req.messages).map_err(docs);
         let _ = anthropic::params(&req, 0).map_err(docs);
+        let _ = anthropic::tools(req.tools.as_ref(), req.tool_choice.as_ref()).map_err(docs);
     }
     if let Ok(req) = serde_json::from_slice::<anthropic::CountRequest>(data) {
         let _ = anthropic::conversation(req.system.as_ref(), &req.messages).map_err(docs);
@@ -231,6 +236,12 @@ pub fn parse_untrusted(data: &[u8]) {
     {
         let _ = disk::decode(&id, data);
     }
+    // The tool-call parser over the same pieces.
+    let mut tp = tools::ToolParser::new(&tools::FORMATS[0]);
+    for piece in String::from_utf8_lossy(data).split('\u{1}') {
+        let _ = tp.push(piece);
+    }
+    let _ = tp.finish();
     // The matcher: stops before the first NUL, pieces after it, split at 0x01.
     let text = String::from_utf8_lossy(data);
     let (stops, pieces) = text.split_once('\0').unwrap_or(("", &text));
@@ -274,14 +285,21 @@ struct Prompt {
 async fn tokenize(
     state: &AppState,
     messages: Vec<ChatMessage>,
+    tool_defs: Vec<serde_json::Value>,
     boundaries: bool,
 ) -> Result<Prompt, ApiError> {
     let state = state.clone();
     tokio::task::spawn_blocking(move || {
         let codec = &state.codec;
+        let (messages, tool_defs) =
+            tools::prepare(codec.chat_template_source(), messages, tool_defs);
         let bad = |e: crate::runtime::text::TextError| ApiError::invalid(e.to_string());
         let ids = codec
-            .encode_chat(&codec.render_chat(&messages, true).map_err(bad)?)
+            .encode_chat(
+                &codec
+                    .render_chat_tools(&messages, &tool_defs, true)
+                    .map_err(bad)?,
+            )
             .map_err(bad)?;
         let mut cuts = Vec::new();
         if boundaries {
@@ -289,7 +307,7 @@ async fn tokenize(
             for k in first..messages.len() {
                 // A prefix that renders differently (a template that sees the whole
                 // list) is no boundary: only a true prefix of the prompt is kept.
-                let Ok(text) = codec.render_chat(&messages[..k], false) else {
+                let Ok(text) = codec.render_chat_tools(&messages[..k], &tool_defs, false) else {
                     continue;
                 };
                 let Ok(part) = codec.encode_chat(&text) else {
@@ -462,6 +480,7 @@ pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     }
     names.extend(args.aliases);
     let state = Arc::new(Shared {
+        tool_format: tools::format_for(codec.chat_template_source()),
         codec,
         jobs: jobs_tx,
         names,
