@@ -207,6 +207,36 @@ fn sdk_clients_ask_smollm2_the_capital_of_france_plain_and_streamed() {
     assert_eq!(v["models"][0], "snapshot", "the install's model id");
 }
 
+/// The SDKs' tool-use shapes (tools, an earlier call, its result) are accepted and
+/// answered, plain and streamed, through both APIs. SmolLM2's template has no tools:
+/// they reach it in the system prompt; it answers in text from the result.
+#[test]
+fn sdk_tool_use_conversations_are_accepted_and_answered() {
+    const TEST: &str = "sdk_tool_use_conversations_are_accepted_and_answered";
+    let Some((_, _, bf16)) = smollm2(TEST) else {
+        return;
+    };
+    let Some(py) = sdk_python(TEST) else {
+        return;
+    };
+    let server = Server::start(bf16, &["--alias", "smollm2"]);
+    let v = sdk(py, &server, "tools", None);
+    eprintln!("{v:#}");
+    for way in ["openai", "openai_stream", "anthropic", "anthropic_stream"] {
+        let text = v[way]["text"].as_str().unwrap_or_default();
+        assert!(
+            !text.is_empty() || v[way]["calls"].as_array().is_some_and(|c| !c.is_empty()),
+            "{way}: {v}"
+        );
+    }
+    assert_eq!(v["openai"]["text"], v["openai_stream"]["text"]);
+    assert_eq!(v["openai"]["finish"], v["openai_stream"]["finish"]);
+    assert_eq!(v["anthropic"]["text"], v["anthropic_stream"]["text"]);
+    assert_eq!(v["anthropic"]["finish"], v["anthropic_stream"]["finish"]);
+    // The tools count as prompt tokens.
+    assert!(v["count"].as_u64().unwrap() > 50, "{v}");
+}
+
 /// A system prompt long enough that reusing it is worth something.
 fn long_system() -> String {
     let rule = "Answer in one short sentence, naming the city first and nothing else.";
@@ -433,8 +463,30 @@ fn bad_requests_get_each_apis_error_shape_and_status() {
             "invalid_request_error",
         ),
         (
-            "tool role",
-            openai(json!({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]})),
+            "tool_choice required",
+            openai(json!({"model": "tiny", "messages": user, "tool_choice": "required"})),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "a tool not a function",
+            openai(json!({"model": "tiny", "messages": user, "tools": [{"type": "web"}]})),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "tool_choice any",
+            anth(
+                json!({"model": "tiny", "max_tokens": 5, "messages": user, "tool_choice": {"type": "any"}}),
+            ),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "tool_use from the user",
+            anth(
+                json!({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}),
+            ),
             400,
             "invalid_request_error",
         ),

@@ -61,13 +61,6 @@ pub struct ToolCall {
     pub arguments: Value,
 }
 
-impl ToolCall {
-    /// As a template reads an assistant's call.
-    pub fn to_template(&self) -> Value {
-        json!({"type": "function", "function": {"name": self.name, "arguments": self.arguments}})
-    }
-}
-
 /// The call `body` (the text between a format's open and close) names, if it is one:
 /// a JSON object with a string `name` and an object `arguments` (or `parameters`; a
 /// string holding an object is read too; none is `{}`).
@@ -357,13 +350,8 @@ mod tests {
 
     fn conversation() -> Vec<ChatMessage> {
         let mut asked = ChatMessage::new("assistant", "");
-        asked.tool_calls = vec![
-            ToolCall {
-                name: "get_weather".into(),
-                arguments: json!({"city": "Paris"}),
-            }
-            .to_template(),
-        ];
+        asked.tool_calls = vec![json!({"type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}})];
         let mut result = ChatMessage::new("tool", "sunny, 21 C");
         result.tool_call_id = Some("call_1".into());
         vec![
