@@ -209,7 +209,8 @@ fn sdk_clients_ask_smollm2_the_capital_of_france_plain_and_streamed() {
 
 /// The SDKs' tool-use shapes (tools, an earlier call, its result) are accepted and
 /// answered, plain and streamed, through both APIs. SmolLM2's template has no tools:
-/// they reach it in the system prompt; it answers in text from the result.
+/// they reach it in the system prompt; it answers in text from the result (a model
+/// that calls is covered by the parser's tests in `src/cli/serve/tools.rs`).
 #[test]
 fn sdk_tool_use_conversations_are_accepted_and_answered() {
     const TEST: &str = "sdk_tool_use_conversations_are_accepted_and_answered";
@@ -223,11 +224,9 @@ fn sdk_tool_use_conversations_are_accepted_and_answered() {
     let v = sdk(py, &server, "tools", None);
     eprintln!("{v:#}");
     for way in ["openai", "openai_stream", "anthropic", "anthropic_stream"] {
+        // At temperature 0 it answers from the tool's result.
         let text = v[way]["text"].as_str().unwrap_or_default();
-        assert!(
-            !text.is_empty() || v[way]["calls"].as_array().is_some_and(|c| !c.is_empty()),
-            "{way}: {v}"
-        );
+        assert!(text.contains("Sunny, 21"), "{way}: {v}");
     }
     assert_eq!(v["openai"]["text"], v["openai_stream"]["text"]);
     assert_eq!(v["openai"]["finish"], v["openai_stream"]["finish"]);
