@@ -1042,6 +1042,59 @@ fn an_exported_session_continues_as_the_original_and_bad_state_is_refused() {
     }
 }
 
+/// On the GPU too (llvmpipe here): a GPU session exported and imported continues with
+/// the same logits, and a session the CPU exported continues on the GPU within the
+/// GPU's tolerance of the CPU's continuation (the state is backend-independent).
+#[test]
+fn sessions_export_and_import_on_the_gpu_and_across_backends() {
+    use gturbo::runtime::kernels::Cpu;
+    use gturbo::runtime::load::{self, LoadOptions};
+    use gturbo::runtime::models;
+    const TEST: &str = "sessions_export_and_import_on_the_gpu_and_across_backends";
+    let Some(gpu) = crate::gpu::gpu(TEST) else {
+        return;
+    };
+    let tmp = temp_dir();
+    let q3 = qwen3_install(tmp.path(), 7);
+    let flash = flash_install(tmp.path());
+    let cpu = Cpu::new(2);
+    let ids: Vec<u32> = (0..30u32).map(|i| 3 + i % 50).collect();
+    for dir in [&q3, &flash] {
+        let install = load::open(dir, LoadOptions::default()).unwrap();
+        let on_gpu = models::open(&install, &gpu).unwrap();
+        let on_cpu = models::open(&install, &cpu).unwrap();
+        let mut s = on_gpu.session();
+        on_gpu.forward(&mut s, &ids[..21], false).unwrap();
+        let data = on_gpu.export_session(&s).unwrap();
+        let mut r = on_gpu.import_session(&data).unwrap();
+        let want = on_gpu.forward(&mut s, &ids[21..], true).unwrap();
+        let got = on_gpu.forward(&mut r, &ids[21..], true).unwrap();
+        assert!(
+            want == got,
+            "{}: the restored GPU session diverges",
+            dir.display()
+        );
+        // The CPU's state continued on the GPU.
+        let mut c = on_cpu.session();
+        on_cpu.forward(&mut c, &ids[..21], false).unwrap();
+        let mut moved = on_gpu
+            .import_session(&on_cpu.export_session(&c).unwrap())
+            .unwrap();
+        let cpu_logits = on_cpu.forward(&mut c, &ids[21..], true).unwrap();
+        let gpu_logits = on_gpu.forward(&mut moved, &ids[21..], true).unwrap();
+        let scale = cpu_logits.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+        let diff = cpu_logits
+            .iter()
+            .zip(&gpu_logits)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+        assert!(
+            diff <= crate::gpu::LOGIT_RTOL * scale,
+            "{}: {diff} apart at scale {scale}",
+            dir.display()
+        );
+    }
+}
+
 fn flash_install(root: &Path) -> PathBuf {
     let snap = root.join("snap-flash");
     gturbo_testkit::replica::write_flash_next(
