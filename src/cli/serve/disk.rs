@@ -385,7 +385,8 @@ mod tests {
         files.save(&[4], &state(1)).unwrap();
         let mut kept: Vec<PathBuf> = files.list().into_iter().map(|(p, _, _)| p).collect();
         let mut want = vec![files.path(&[2]), files.path(&[4])];
-        (kept.sort(), want.sort());
+        kept.sort();
+        want.sort();
         assert_eq!(kept, want);
         // A snapshot larger than the bound is not written.
         let big = vec![9; 40];
