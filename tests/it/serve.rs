@@ -70,6 +70,11 @@ impl Server {
         })
     }
 
+    /// What it wrote on stderr so far.
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(self._log.path().join("stderr")).unwrap_or_default()
+    }
+
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
@@ -200,6 +205,35 @@ fn sdk_clients_ask_smollm2_the_capital_of_france_plain_and_streamed() {
     assert_eq!(a["cache_creation_input_tokens"], 0);
     assert_eq!(a["output_tokens"], v["openai"]["completion_tokens"]);
     assert_eq!(v["models"][0], "snapshot", "the install's model id");
+}
+
+/// The SDKs' tool-use shapes (tools, an earlier call, its result) are accepted and
+/// answered, plain and streamed, through both APIs. SmolLM2's template has no tools:
+/// they reach it in the system prompt; it answers in text from the result (a model
+/// that calls is covered by the parser's tests in `src/cli/serve/tools.rs`).
+#[test]
+fn sdk_tool_use_conversations_are_accepted_and_answered() {
+    const TEST: &str = "sdk_tool_use_conversations_are_accepted_and_answered";
+    let Some((_, _, bf16)) = smollm2(TEST) else {
+        return;
+    };
+    let Some(py) = sdk_python(TEST) else {
+        return;
+    };
+    let server = Server::start(bf16, &["--alias", "smollm2"]);
+    let v = sdk(py, &server, "tools", None);
+    eprintln!("{v:#}");
+    for way in ["openai", "openai_stream", "anthropic", "anthropic_stream"] {
+        // At temperature 0 it answers from the tool's result.
+        let text = v[way]["text"].as_str().unwrap_or_default();
+        assert!(text.contains("Sunny, 21"), "{way}: {v}");
+    }
+    assert_eq!(v["openai"]["text"], v["openai_stream"]["text"]);
+    assert_eq!(v["openai"]["finish"], v["openai_stream"]["finish"]);
+    assert_eq!(v["anthropic"]["text"], v["anthropic_stream"]["text"]);
+    assert_eq!(v["anthropic"]["finish"], v["anthropic_stream"]["finish"]);
+    // The tools count as prompt tokens.
+    assert!(v["count"].as_u64().unwrap() > 50, "{v}");
 }
 
 /// A system prompt long enough that reusing it is worth something.
@@ -428,8 +462,30 @@ fn bad_requests_get_each_apis_error_shape_and_status() {
             "invalid_request_error",
         ),
         (
-            "tool role",
-            openai(json!({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]})),
+            "tool_choice required",
+            openai(json!({"model": "tiny", "messages": user, "tool_choice": "required"})),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "a tool not a function",
+            openai(json!({"model": "tiny", "messages": user, "tools": [{"type": "web"}]})),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "tool_choice any",
+            anth(
+                json!({"model": "tiny", "max_tokens": 5, "messages": user, "tool_choice": {"type": "any"}}),
+            ),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "tool_use from the user",
+            anth(
+                json!({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}),
+            ),
             400,
             "invalid_request_error",
         ),
@@ -920,4 +976,249 @@ fn session_bytes_count_what_a_snapshot_holds() {
     );
     assert!(f[1] > f[2] - f[1], "the fixed state counts too: {f:?}");
     eprintln!("decoder snapshot bytes at 0/8/16/24 tokens: {d:?}; Flash-Next: {f:?}");
+}
+
+// ------------------------------------------------------------ --cache-dir
+
+/// A session saved as host state and loaded back continues exactly as the original
+/// (the same logits, bit for bit) on the decoder and on Flash-Next; state that does
+/// not fit the model is refused, never trusted.
+#[test]
+fn an_exported_session_continues_as_the_original_and_bad_state_is_refused() {
+    use gturbo::runtime::kernels::Cpu;
+    use gturbo::runtime::load::{self, LoadOptions};
+    use gturbo::runtime::models::{self, state::Part, state::SessionData};
+    let tmp = temp_dir();
+    let q3 = qwen3_install(tmp.path(), 7);
+    let flash = flash_install(tmp.path());
+    let cpu = Cpu::new(2);
+    for dir in [&q3, &flash] {
+        let install = load::open(dir, LoadOptions::default()).unwrap();
+        let model = models::open(&install, &cpu).unwrap();
+        let ids: Vec<u32> = (0..30u32).map(|i| 3 + i % 50).collect();
+        let mut s = model.session();
+        model.forward(&mut s, &ids[..21], false).unwrap();
+        let data = model.export_session(&s).unwrap();
+        let bytes = data.to_bytes();
+        let back = SessionData::from_bytes(&bytes).unwrap();
+        let mut r = model.import_session(&back).unwrap();
+        assert_eq!(r.pos, 21);
+        let want = model.forward(&mut s, &ids[21..], true).unwrap();
+        let got = model.forward(&mut r, &ids[21..], true).unwrap();
+        assert!(
+            want == got,
+            "{}: the restored session diverges",
+            dir.display()
+        );
+        // An empty session round-trips too.
+        let empty = model.export_session(&model.session()).unwrap();
+        assert_eq!(model.import_session(&empty).unwrap().pos, 0);
+        // A part short by one float, one part missing, one too many, another position.
+        let mut short = back.clone();
+        let Part::F32(v) = &mut short.parts[0] else {
+            panic!("the first part is floats")
+        };
+        v.pop();
+        let mut missing = back.clone();
+        missing.parts.pop();
+        let mut extra = back.clone();
+        extra.parts.push(Part::F32(vec![0.0]));
+        let moved = SessionData {
+            pos: 20,
+            ..back.clone()
+        };
+        for (what, bad) in [
+            ("short", short),
+            ("missing", missing),
+            ("extra", extra),
+            ("moved", moved),
+        ] {
+            let e = model
+                .import_session(&bad)
+                .err()
+                .unwrap_or_else(|| panic!("{what} accepted"));
+            assert!(e.to_string().contains("snapshot"), "{what}: {e}");
+        }
+    }
+}
+
+/// On the GPU too (llvmpipe here): a GPU session exported and imported continues with
+/// the same logits, and a session the CPU exported continues on the GPU within the
+/// GPU's tolerance of the CPU's continuation (the state is backend-independent).
+#[test]
+fn sessions_export_and_import_on_the_gpu_and_across_backends() {
+    use gturbo::runtime::kernels::Cpu;
+    use gturbo::runtime::load::{self, LoadOptions};
+    use gturbo::runtime::models;
+    const TEST: &str = "sessions_export_and_import_on_the_gpu_and_across_backends";
+    let Some(gpu) = crate::gpu::gpu(TEST) else {
+        return;
+    };
+    let tmp = temp_dir();
+    let q3 = qwen3_install(tmp.path(), 7);
+    let flash = flash_install(tmp.path());
+    let cpu = Cpu::new(2);
+    let ids: Vec<u32> = (0..30u32).map(|i| 3 + i % 50).collect();
+    for dir in [&q3, &flash] {
+        let install = load::open(dir, LoadOptions::default()).unwrap();
+        let on_gpu = models::open(&install, &gpu).unwrap();
+        let on_cpu = models::open(&install, &cpu).unwrap();
+        let mut s = on_gpu.session();
+        on_gpu.forward(&mut s, &ids[..21], false).unwrap();
+        let data = on_gpu.export_session(&s).unwrap();
+        let mut r = on_gpu.import_session(&data).unwrap();
+        let want = on_gpu.forward(&mut s, &ids[21..], true).unwrap();
+        let got = on_gpu.forward(&mut r, &ids[21..], true).unwrap();
+        assert!(
+            want == got,
+            "{}: the restored GPU session diverges",
+            dir.display()
+        );
+        // The CPU's state continued on the GPU.
+        let mut c = on_cpu.session();
+        on_cpu.forward(&mut c, &ids[..21], false).unwrap();
+        let mut moved = on_gpu
+            .import_session(&on_cpu.export_session(&c).unwrap())
+            .unwrap();
+        let cpu_logits = on_cpu.forward(&mut c, &ids[21..], true).unwrap();
+        let gpu_logits = on_gpu.forward(&mut moved, &ids[21..], true).unwrap();
+        let scale = cpu_logits.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+        let diff = cpu_logits
+            .iter()
+            .zip(&gpu_logits)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+        assert!(
+            diff <= crate::gpu::LOGIT_RTOL * scale,
+            "{}: {diff} apart at scale {scale}",
+            dir.display()
+        );
+    }
+}
+
+fn flash_install(root: &Path) -> PathBuf {
+    let snap = root.join("snap-flash");
+    gturbo_testkit::replica::write_flash_next(
+        &snap,
+        &gturbo_testkit::replica::FlashNextSpec::scaled(),
+    )
+    .unwrap();
+    let dir = root.join("flash.gturbo");
+    crate::support::cli::install("qwen38flashnext", &snap, &dir, &["--quant", "bf16"]);
+    dir
+}
+
+/// The snapshot files in `dir`, sorted.
+fn snap_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    v.retain(|p| p.extension().is_some_and(|x| x == "snap"));
+    v.sort();
+    v
+}
+
+/// Wait (a bounded while) until `dir` holds at least `n` snapshot files.
+fn wait_for_snaps(dir: &Path, n: usize) -> Vec<PathBuf> {
+    let start = Instant::now();
+    loop {
+        let v = snap_files(dir);
+        if v.len() >= n || start.elapsed() > Duration::from_secs(30) {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `--cache-dir` on the hybrid Flash-Next replica: a restarted server restores the
+/// system prompt from disk on its first request with the uncached server's tokens;
+/// another install's files in the same directory are left alone; a damaged file, and
+/// one of another install under this install's name, are reported, deleted and not
+/// used (the answer is still the uncached one).
+#[test]
+fn snapshots_in_a_cache_dir_survive_a_restart_and_bad_ones_are_ignored() {
+    let tmp = temp_dir();
+    let flash = flash_install(tmp.path());
+    let q3 = qwen3_install(tmp.path(), 7);
+    let cache = tmp.path().join("cache");
+    let cache_arg = cache.to_str().unwrap();
+    let system = format!("You are terse. {}", "Name the city first. ".repeat(10));
+    let q = ["Capital of France?"];
+    let flash_args = ["--alias", "flash", "--cache-dir", cache_arg];
+    let rt = rt();
+    let uncached = Server::start(&flash, &["--alias", "flash", "--cache-bytes", "0"]);
+    let u = rt.block_on(ask_after_system(&uncached, "flash", &system, &q));
+    drop(uncached);
+    let same = |v: &Value| {
+        for k in [
+            "openai",
+            "openai_tokens",
+            "anthropic",
+            "anthropic_tokens",
+            "prompt",
+        ] {
+            assert_eq!(v[k], u[0][k], "{k}: {v} vs {}", u[0]);
+        }
+    };
+    // A first server writes the system prompt's snapshot (and its answers').
+    let first = Server::start(&flash, &flash_args);
+    let v = rt.block_on(ask_after_system(&first, "flash", &system, &q));
+    assert_eq!(v[0]["cached"], 0);
+    // Its Anthropic request, the same prompt, restored the system prompt from memory.
+    let in_memory = v[0]["read"].as_u64().unwrap();
+    let written = wait_for_snaps(&cache, 2);
+    drop(first);
+    assert!(written.len() >= 2, "{written:?}");
+    // A restarted one reuses it on its first request.
+    let second = Server::start(&flash, &flash_args);
+    let v = rt.block_on(ask_after_system(&second, "flash", &system, &q));
+    eprintln!("restarted: {v:#?}");
+    let shared = v[0]["cached"].as_u64().unwrap();
+    assert!(
+        shared > 200 && shared == in_memory,
+        "{v:?}, {in_memory} from memory"
+    );
+    same(&v[0]);
+    assert_eq!(
+        v[0]["read"].as_u64().unwrap() + v[0]["input"].as_u64().unwrap(),
+        v[0]["prompt"].as_u64().unwrap()
+    );
+    drop(second);
+    // Another install on the same directory neither reads nor deletes these; its own
+    // files carry its identity.
+    let flash_files = wait_for_snaps(&cache, written.len());
+    let other = Server::start(&q3, &["--alias", "tiny", "--cache-dir", cache_arg]);
+    rt.block_on(ask_after_system(&other, "tiny", &system, &q));
+    let all = wait_for_snaps(&cache, flash_files.len() + 1);
+    assert!(!other.stderr().contains("warning"), "{}", other.stderr());
+    drop(other);
+    let q3_files: Vec<&PathBuf> = all.iter().filter(|f| !flash_files.contains(f)).collect();
+    assert!(!q3_files.is_empty() && flash_files.iter().all(|f| f.exists()));
+    // One file of this install's name holding another install's snapshot, the others
+    // damaged: each reported, deleted and not used.
+    for (i, f) in flash_files.iter().enumerate() {
+        if i == 0 {
+            std::fs::copy(q3_files[0], f).unwrap();
+        } else {
+            let mut b = std::fs::read(f).unwrap();
+            let mid = b.len() / 2;
+            b[mid] ^= 1;
+            std::fs::write(f, b).unwrap();
+        }
+    }
+    let third = Server::start(&flash, &flash_args);
+    let v = rt.block_on(ask_after_system(&third, "flash", &system, &q));
+    let err = third.stderr();
+    eprintln!("after damage: {v:#?}\n{err}");
+    assert_eq!(v[0]["cached"], 0);
+    same(&v[0]);
+    assert_eq!(
+        err.matches("ignored and deleted").count(),
+        flash_files.len(),
+        "{err}"
+    );
+    assert!(
+        err.contains("another install") && err.contains("digest"),
+        "{err}"
+    );
+    assert!(q3_files.iter().all(|f| f.exists()));
 }

@@ -9,8 +9,10 @@
 
 mod anthropic;
 mod cache;
+mod disk;
 mod error;
 mod openai;
+mod tools;
 mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -74,6 +76,11 @@ pub struct ServeArgs {
     /// first; 0 turns reuse off).
     #[arg(long, default_value_t = DEFAULT_CACHE_BYTES)]
     pub cache_bytes: u64,
+    /// Keep the snapshots in this directory too, so that a restarted server reuses
+    /// them (checked on start: a damaged or foreign file is reported and deleted);
+    /// `--cache-bytes` bounds the files as well.
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -81,6 +88,8 @@ pub struct ServeArgs {
 /// What every handler reads.
 struct Shared {
     codec: Arc<TextCodec>,
+    /// The tool-call format the template teaches (or the appendix does).
+    tool_format: &'static tools::ToolFormat,
     jobs: SyncSender<Job>,
     /// Names a request may give; the first is the one reported.
     names: Vec<String>,
@@ -210,14 +219,29 @@ pub fn parse_untrusted(data: &[u8]) {
     if let Ok(req) = serde_json::from_slice::<openai::ChatRequest>(data) {
         let _ = openai::messages(&req).map_err(docs);
         let _ = openai::params(&req, 0).map_err(docs);
+        let _ = openai::tools(&req).map_err(docs);
     }
     if let Ok(req) = serde_json::from_slice::<anthropic::MessagesRequest>(data) {
         let _ = anthropic::conversation(req.system.as_ref(), &req.messages).map_err(docs);
         let _ = anthropic::params(&req, 0).map_err(docs);
+        let _ = anthropic::tools(req.tools.as_ref(), req.tool_choice.as_ref()).map_err(docs);
     }
     if let Ok(req) = serde_json::from_slice::<anthropic::CountRequest>(data) {
         let _ = anthropic::conversation(req.system.as_ref(), &req.messages).map_err(docs);
     }
+    // A snapshot file, under the identity it claims.
+    if let Some(id) = data
+        .get(12..44)
+        .and_then(|b| <disk::Identity>::try_from(b).ok())
+    {
+        let _ = disk::decode(&id, data);
+    }
+    // The tool-call parser over the same pieces.
+    let mut tp = tools::ToolParser::new(&tools::FORMATS[0]);
+    for piece in String::from_utf8_lossy(data).split('\u{1}') {
+        let _ = tp.push(piece);
+    }
+    let _ = tp.finish();
     // The matcher: stops before the first NUL, pieces after it, split at 0x01.
     let text = String::from_utf8_lossy(data);
     let (stops, pieces) = text.split_once('\0').unwrap_or(("", &text));
@@ -261,14 +285,21 @@ struct Prompt {
 async fn tokenize(
     state: &AppState,
     messages: Vec<ChatMessage>,
+    tool_defs: Vec<serde_json::Value>,
     boundaries: bool,
 ) -> Result<Prompt, ApiError> {
     let state = state.clone();
     tokio::task::spawn_blocking(move || {
         let codec = &state.codec;
+        let (messages, tool_defs) =
+            tools::prepare(codec.chat_template_source(), messages, tool_defs);
         let bad = |e: crate::runtime::text::TextError| ApiError::invalid(e.to_string());
         let ids = codec
-            .encode_chat(&codec.render_chat(&messages, true).map_err(bad)?)
+            .encode_chat(
+                &codec
+                    .render_chat_tools(&messages, &tool_defs, true)
+                    .map_err(bad)?,
+            )
             .map_err(bad)?;
         let mut cuts = Vec::new();
         if boundaries {
@@ -276,7 +307,7 @@ async fn tokenize(
             for k in first..messages.len() {
                 // A prefix that renders differently (a template that sees the whole
                 // list) is no boundary: only a true prefix of the prompt is kept.
-                let Ok(text) = codec.render_chat(&messages[..k], false) else {
+                let Ok(text) = codec.render_chat_tools(&messages[..k], &tool_defs, false) else {
                     continue;
                 };
                 let Ok(part) = codec.encode_chat(&text) else {
@@ -374,6 +405,20 @@ fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The snapshot directory `dir` of `install` served by `model`.
+fn open_disk(
+    dir: &std::path::Path,
+    install: &crate::runtime::load::Install,
+    model: &dyn crate::runtime::models::Model,
+    cache_bytes: u64,
+) -> Result<disk::DiskCache, Failure> {
+    let path = install.dir.join(crate::format::manifest::FILE_NAME);
+    let manifest =
+        std::fs::read(&path).map_err(|e| Failure::usage(format!("{}: {e}", path.display())))?;
+    let id = disk::identity(&manifest, &model.backend_name());
+    disk::DiskCache::open(dir, id, cache_bytes).map_err(Failure::usage)
+}
+
 /// `gturbo serve`.
 pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     if !args.host.is_loopback() && args.api_key.as_deref().is_none_or(str::is_empty) {
@@ -394,6 +439,7 @@ pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<String, Failure>>();
     let worker_codec = codec.clone();
     let cache_bytes = args.cache_bytes;
+    let cache_dir = args.cache_dir.clone();
     let dir = args.dir.clone();
     let model_args = args.model;
     let worker = std::thread::Builder::new()
@@ -402,10 +448,15 @@ pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
             let mut ready = Some(ready_tx);
             let served = with_model(&model_args, &dir, |install, model, _quality| {
                 let id = install.manifest.model_id.clone();
+                let disk = match &cache_dir {
+                    Some(d) => Some(open_disk(d, install, model, cache_bytes)?),
+                    None => None,
+                };
+                let store = worker::Store::new(model, cache_bytes, disk);
                 if let Some(r) = ready.take() {
                     let _ = r.send(Ok(id));
                 }
-                worker::run(model, &worker_codec, jobs_rx, cache_bytes);
+                worker::run(model, &worker_codec, jobs_rx, store);
                 Ok(())
             });
             if let (Err(f), Some(r)) = (served, ready.take()) {
@@ -429,6 +480,7 @@ pub(super) async fn serve_cmd(args: ServeArgs) -> Result<(), Failure> {
     }
     names.extend(args.aliases);
     let state = Arc::new(Shared {
+        tool_format: tools::format_for(codec.chat_template_source()),
         codec,
         jobs: jobs_tx,
         names,

@@ -9,6 +9,7 @@ use std::sync::mpsc::Receiver;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::cache::PrefixCache;
+use super::disk::DiskCache;
 use super::error::ApiError;
 use crate::runtime::RunError;
 use crate::runtime::error::InputError;
@@ -71,9 +72,62 @@ pub enum Event {
     Failed(ApiError),
 }
 
+/// The snapshots kept: in memory, and on disk with `--cache-dir`.
+pub struct Store {
+    cache: PrefixCache<Session>,
+    disk: Option<DiskCache>,
+}
+
+impl Store {
+    /// A store of at most `cache_bytes` in memory (and on disk), holding the sound
+    /// snapshots `disk` has for `model`.
+    pub fn new(model: &dyn Model, cache_bytes: u64, disk: Option<DiskCache>) -> Store {
+        let mut cache = PrefixCache::new(cache_bytes);
+        if let Some(d) = &disk {
+            for (tokens, s) in d.load(model) {
+                let bytes = model.session_bytes(&s);
+                cache.insert(tokens, s, bytes);
+            }
+        }
+        Store { cache, disk }
+    }
+
+    /// The longest held prefix of `prompt` shorter than it, copied to continue
+    /// (`None`: none held).
+    fn restore(
+        &mut self,
+        model: &dyn Model,
+        prompt: &[u32],
+    ) -> Result<Option<(Session, usize)>, RunError> {
+        let Some((snap, n)) = self.cache.longest(prompt) else {
+            return Ok(None);
+        };
+        let s = model.snapshot(snap)?;
+        if let Some(d) = &self.disk {
+            d.touch(&prompt[..n]);
+        }
+        Ok(Some((s, n)))
+    }
+
+    /// Keep `s`, the state after `tokens` (and write it to disk).
+    fn keep(&mut self, model: &dyn Model, tokens: Vec<u32>, s: Session) {
+        if !self.cache.enabled() {
+            return;
+        }
+        if let Some(d) = &self.disk {
+            match model.export_session(&s) {
+                Ok(state) => d.save(&tokens, state),
+                Err(e) => eprintln!("warning: a snapshot was not written to --cache-dir: {e}"),
+            }
+        }
+        let bytes = model.session_bytes(&s);
+        self.cache.insert(tokens, s, bytes);
+    }
+}
+
 /// Serve jobs until every sender is gone.
-pub fn run(model: &dyn Model, codec: &TextCodec, jobs: Receiver<Job>, cache_bytes: u64) {
-    let mut cache = PrefixCache::new(cache_bytes);
+pub fn run(model: &dyn Model, codec: &TextCodec, jobs: Receiver<Job>, mut store: Store) {
+    let cache = &mut store;
     for job in jobs {
         if job.events.is_closed() {
             continue; // the client left while the job was queued
@@ -82,7 +136,7 @@ pub fn run(model: &dyn Model, codec: &TextCodec, jobs: Receiver<Job>, cache_byte
         // A panic in one job (a bug) fails that job, not the server: its session is
         // its own, and a snapshot is only kept once complete.
         let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            serve(model, codec, &mut cache, job)
+            serve(model, codec, cache, job)
         }));
         let failed = match served {
             Ok(Ok(())) => None,
@@ -95,8 +149,8 @@ pub fn run(model: &dyn Model, codec: &TextCodec, jobs: Receiver<Job>, cache_byte
             let _ = events.send(Event::Failed(e));
         }
         tracing::debug!(
-            snapshots = cache.len(),
-            bytes = cache.bytes(),
+            snapshots = cache.cache.len(),
+            bytes = cache.cache.bytes(),
             "snapshot cache"
         );
     }
@@ -120,20 +174,15 @@ fn api_error(prompt: usize, e: RunError) -> ApiError {
 /// (`None` when the client left meanwhile). Also returns how many tokens were restored.
 fn restore_prefix(
     model: &dyn Model,
-    cache: &mut PrefixCache<Session>,
+    cache: &mut Store,
     job: &Job,
 ) -> Result<Option<(Session, usize)>, ApiError> {
     let prompt = &job.prompt;
-    let (mut s, cached) = match cache.longest(prompt) {
-        Some((snap, n)) => (
-            model
-                .snapshot(snap)
-                .map_err(|e| api_error(prompt.len(), e))?,
-            n,
-        ),
-        None => (model.session(), 0),
-    };
-    if cache.enabled() {
+    let (mut s, cached) = cache
+        .restore(model, prompt)
+        .map_err(|e| api_error(prompt.len(), e))?
+        .unwrap_or_else(|| (model.session(), 0));
+    if cache.cache.enabled() {
         for &b in job
             .boundaries
             .iter()
@@ -146,10 +195,9 @@ fn restore_prefix(
             model
                 .forward(&mut s, &prompt[from..b], false)
                 .map_err(|e| api_error(prompt.len(), e))?;
-            if !cache.contains(&prompt[..b]) {
+            if !cache.cache.contains(&prompt[..b]) {
                 let snap = model.snapshot(&s).map_err(|e| api_error(prompt.len(), e))?;
-                let bytes = model.session_bytes(&snap);
-                cache.insert(prompt[..b].to_vec(), snap, bytes);
+                cache.keep(model, prompt[..b].to_vec(), snap);
             }
         }
     }
@@ -159,7 +207,7 @@ fn restore_prefix(
 fn serve(
     model: &dyn Model,
     codec: &TextCodec,
-    cache: &mut PrefixCache<Session>,
+    cache: &mut Store,
     job: Job,
 ) -> Result<(), ApiError> {
     let prompt = &job.prompt;
@@ -255,16 +303,15 @@ fn serve(
 /// tokens that are in the state (the last sampled token is not).
 fn keep_conversation(
     model: &dyn Model,
-    cache: &mut PrefixCache<Session>,
+    cache: &mut Store,
     prompt: &[u32],
     answer: &[u32],
     s: Session,
 ) {
-    if cache.enabled() && s.pos > prompt.len() {
+    if s.pos > prompt.len() {
         let mut key = prompt.to_vec();
         key.extend_from_slice(&answer[..s.pos - prompt.len()]);
-        let bytes = model.session_bytes(&s);
-        cache.insert(key, s, bytes);
+        cache.keep(model, key, s);
     }
 }
 

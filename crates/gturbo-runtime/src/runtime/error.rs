@@ -118,4 +118,7 @@ pub enum InputError {
     /// A session handed to a model other than the one that made it.
     #[error("input: the session belongs to another model")]
     ForeignSession,
+    /// Saved session state that does not fit the model (a damaged or foreign snapshot).
+    #[error("input: the session snapshot does not fit this model: {0}")]
+    BadSnapshot(String),
 }

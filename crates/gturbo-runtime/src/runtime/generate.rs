@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use super::error::{InputError, RunError};
+use super::models::state::{SessionData, bad_snapshot};
 
 /// What the generation loop and `gturbo eval` need of a runner: a session and a
 /// forward pass over it. Each model implements it over any backend; `models::Model`
@@ -21,6 +22,15 @@ pub trait LanguageModel {
     /// Bytes `s` holds (host or device): what keeping a copy of it costs (a server's
     /// snapshot cache is bounded by these).
     fn session_bytes(&self, s: &Self::Session) -> u64;
+    /// `s`'s state on the host, independent of the backend (a snapshot saved to
+    /// disk). By default: a model that cannot.
+    fn export_session(&self, _s: &Self::Session) -> Result<SessionData, RunError> {
+        Err(bad_snapshot("this model cannot save its sessions"))
+    }
+    /// A session holding `d`, checked against the model's geometry.
+    fn import_session(&self, _d: &SessionData) -> Result<Self::Session, RunError> {
+        Err(bad_snapshot("this model cannot load saved sessions"))
+    }
     /// Vocabulary size (the logits' width).
     fn vocab(&self) -> usize;
     /// The backend's name.

@@ -73,13 +73,19 @@ pub enum TextError {
     Encode(String),
 }
 
-/// One message of a conversation, as chat templates read it (`role`, `content`).
+/// One message of a conversation, as chat templates read it (`role`, `content`, and
+/// for tool use `tool_calls` and `tool_call_id`, as transformers passes them).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant` (a template may refuse other roles).
+    /// `system`, `user`, `assistant` or `tool` (a template may refuse other roles).
     pub role: String,
     /// The message's text.
     pub content: String,
+    /// An assistant's tool calls: `{"type": "function", "function": {"name",
+    /// "arguments"}}` with the arguments an object.
+    pub tool_calls: Vec<Value>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -88,7 +94,21 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
+    }
+
+    /// The message as a template reads it.
+    fn to_json(&self) -> Value {
+        let mut m = serde_json::json!({"role": self.role, "content": self.content});
+        if !self.tool_calls.is_empty() {
+            m["tool_calls"] = Value::Array(self.tool_calls.clone());
+        }
+        if let Some(id) = &self.tool_call_id {
+            m["tool_call_id"] = Value::String(id.clone());
+        }
+        m
     }
 }
 
@@ -474,6 +494,23 @@ impl TextCodec {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        self.render_chat_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// The template's source, when the install has one.
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.chat_template.as_ref().map(|(s, _)| s.as_str())
+    }
+
+    /// [`TextCodec::render_chat`] with `tools` (JSON schemas, `{"type": "function",
+    /// "function": {...}}`) in the template's `tools` variable (absent when empty, as
+    /// transformers leaves it).
+    pub fn render_chat_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
         let (source, path) = self
             .chat_template
             .as_ref()
@@ -482,33 +519,12 @@ impl TextCodec {
                 field: "chat_template".into(),
                 why: "the install has no chat template (use a plain prompt)".into(),
             })?;
-        let terr = |e: minijinja::Error| TextError::Template {
-            path: path.clone(),
-            why: format!("{e:#}"),
-        };
-        let mut env = minijinja::Environment::new();
-        // A template is untrusted code: bound its work and its output.
-        env.set_fuel(Some(TEMPLATE_FUEL));
-        // transformers compiles templates with trim_blocks and lstrip_blocks on.
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<(), minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    format!("the template raised: {msg}"),
-                ))
-            },
-        );
-        env.add_template("chat", source).map_err(terr)?;
-        let messages = messages
-            .iter()
-            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-            .collect();
         let mut ctx = serde_json::Map::new();
+        let messages = messages.iter().map(ChatMessage::to_json).collect();
         ctx.insert("messages".into(), Value::Array(messages));
+        if !tools.is_empty() {
+            ctx.insert("tools".into(), Value::Array(tools.to_vec()));
+        }
         ctx.insert(
             "add_generation_prompt".into(),
             Value::Bool(add_generation_prompt),
@@ -516,38 +532,7 @@ impl TextCodec {
         for (field, s) in &self.special_strings {
             ctx.insert((*field).into(), Value::String(s.clone()));
         }
-        let tmpl = env.get_template("chat").map_err(terr)?;
-        let mut out = CappedOutput {
-            buf: Vec::new(),
-            cap: TEMPLATE_MAX_OUTPUT,
-            overflowed: false,
-        };
-        let rendered = tmpl.render_captured_to(minijinja::Value::from_serialize(&ctx), &mut out);
-        match rendered {
-            Ok(captured) => {
-                if let Some((steps, _)) = captured.state().fuel_levels() {
-                    tracing::debug!(steps, "chat template rendered");
-                }
-                drop(captured);
-                String::from_utf8(out.buf).map_err(|_| TextError::Template {
-                    path: path.clone(),
-                    why: "rendered text is not UTF-8".into(),
-                })
-            }
-            Err(_) if out.overflowed => Err(TextError::Template {
-                path: path.clone(),
-                why: format!(
-                    "refused: the template's output passed {TEMPLATE_MAX_OUTPUT} bytes (a chat prompt is far smaller; the template runs away)"
-                ),
-            }),
-            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(TextError::Template {
-                path: path.clone(),
-                why: format!(
-                    "refused: the template ran {TEMPLATE_FUEL} steps without finishing (a one-turn chat prompt takes far fewer; the template does not terminate in reasonable time)"
-                ),
-            }),
-            Err(e) => Err(terr(e)),
-        }
+        render_template(source, path, ctx)
     }
 
     /// Whether the tokenizer speaks OpenAI's harmony format (gpt-oss): it has the
@@ -672,5 +657,112 @@ mod harmony_tests {
             None
         );
         assert_eq!(harmony_final("plain text"), None);
+
+/// Render the chat template `source` (read from `path`) over `ctx` as transformers
+/// does (trim_blocks, lstrip_blocks, Python string methods, `raise_exception`), its
+/// work and its output bounded: a template is untrusted code.
+pub fn render_template(
+    source: &str,
+    path: &Path,
+    ctx: serde_json::Map<String, Value>,
+) -> Result<String, TextError> {
+    let path = &path.to_path_buf();
+    let terr = |e: minijinja::Error| TextError::Template {
+        path: path.clone(),
+        why: format!("{e:#}"),
+    };
+    let mut env = minijinja::Environment::new();
+    // A template is untrusted code: bound its work and its output.
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    // transformers compiles templates with trim_blocks and lstrip_blocks on.
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // transformers' `tojson`: Python's `json.dumps` separators (", ", ": "), no HTML
+    // escaping, non-ASCII kept (minijinja's own is compact and escapes `<`, `>`).
+    env.add_filter(
+        "tojson",
+        |v: minijinja::Value,
+         _kw: minijinja::value::Kwargs|
+         -> Result<minijinja::Value, minijinja::Error> {
+            let j = serde_json::to_value(&v).map_err(|e| {
+                minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+            })?;
+            let mut out = String::new();
+            python_json(&j, &mut out);
+            Ok(minijinja::Value::from_safe_string(out))
+        },
+    );
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<(), minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                format!("the template raised: {msg}"),
+            ))
+        },
+    );
+    env.add_template("chat", source).map_err(terr)?;
+    let tmpl = env.get_template("chat").map_err(terr)?;
+    let mut out = CappedOutput {
+        buf: Vec::new(),
+        cap: TEMPLATE_MAX_OUTPUT,
+        overflowed: false,
+    };
+    let rendered = tmpl.render_captured_to(minijinja::Value::from_serialize(&ctx), &mut out);
+    match rendered {
+        Ok(captured) => {
+            if let Some((steps, _)) = captured.state().fuel_levels() {
+                tracing::debug!(steps, "chat template rendered");
+            }
+            drop(captured);
+            String::from_utf8(out.buf).map_err(|_| TextError::Template {
+                path: path.clone(),
+                why: "rendered text is not UTF-8".into(),
+            })
+        }
+        Err(_) if out.overflowed => Err(TextError::Template {
+            path: path.clone(),
+            why: format!(
+                "refused: the template's output passed {TEMPLATE_MAX_OUTPUT} bytes (a chat prompt is far smaller; the template runs away)"
+            ),
+        }),
+        Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(TextError::Template {
+            path: path.clone(),
+            why: format!(
+                "refused: the template ran {TEMPLATE_FUEL} steps without finishing (a one-turn chat prompt takes far fewer; the template does not terminate in reasonable time)"
+            ),
+        }),
+        Err(e) => Err(terr(e)),
+    }
+}
+
+/// `v` as Python's `json.dumps(v, ensure_ascii=False)` writes it (keys in the map's
+/// order).
+fn python_json(v: &Value, out: &mut String) {
+    match v {
+        Value::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_json(x, out);
+            }
+            out.push(']');
+        }
+        Value::Object(m) => {
+            out.push('{');
+            for (i, (k, x)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                python_json(x, out);
+            }
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
     }
 }

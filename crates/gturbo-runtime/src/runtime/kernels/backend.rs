@@ -176,6 +176,33 @@ pub enum RopeLayout {
     Interleaved,
 }
 
+/// A KV cache's positions on the host ([`Backend::read_kv`], [`Backend::load_kv`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KvRows {
+    /// Key rows `[positions, k_width]`.
+    pub k: Vec<f32>,
+    /// Value rows `[positions, stored_v_width]` (none with values in the keys).
+    pub v: Vec<f32>,
+}
+
+impl KvRows {
+    /// The positions the rows hold for a cache of `spec`, or why they are not rows of
+    /// it (within at most `max` positions).
+    pub fn positions(&self, spec: &AttentionSpec, max: usize) -> Result<usize, String> {
+        let (kw, vw) = (spec.k_width(), spec.stored_v_width());
+        let n = self.k.len() / kw.max(1);
+        if kw == 0 || n * kw != self.k.len() || self.v.len() != n * vw || n > max {
+            return Err(format!(
+                "{} key and {} value floats are not the same positions of rows {kw} and {vw} \
+                 wide (at most {max})",
+                self.k.len(),
+                self.v.len()
+            ));
+        }
+        Ok(n)
+    }
+}
+
 /// One causal attention step: the new tokens' positions and the query heads.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Causal {
@@ -350,6 +377,13 @@ pub trait Backend {
     /// Bytes `kv` holds (host or device, its reserved capacity included): what a kept
     /// snapshot of it costs.
     fn kv_bytes(&self, kv: &Self::Kv) -> u64;
+    /// The positions `kv` holds as host rows: keys `[positions, k_width]` and values
+    /// `[positions, stored_v_width]` (a session saved to disk).
+    fn read_kv(&self, kv: &Self::Kv) -> OpResult<KvRows>;
+    /// Fill `kv`, an empty cache from [`Backend::kv_cache`], with `rows` (as
+    /// [`Backend::read_kv`] gives them). Rows that are not whole rows of its widths, keys
+    /// and values of different positions, or more positions than it may hold: an error.
+    fn load_kv(&self, kv: &mut Self::Kv, rows: &KvRows) -> OpResult;
     /// Store `k` `[n, kv_heads·qk_dim]` and `v` `[n, kv_heads·v_dim]` (not read with
     /// [`AttentionSpec::values_in_keys`]: each head's value is then its key's first
     /// `v_dim` dims, and callers pass `k` again) at positions

@@ -56,8 +56,8 @@ mod tests;
 pub mod topk;
 
 pub use backend::{
-    AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
-    RopeLayout, Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, KvRows, LayerExperts, NormGain,
+    OpResult, RopeLayout, Routing,
 };
 pub use cpu::{CpuAttnCache, CpuKv, CpuRope};
 pub use ops::Ops;

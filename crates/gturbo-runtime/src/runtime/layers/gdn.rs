@@ -17,8 +17,10 @@
 //! goldens' cached rollouts match a re-prefill to 2e-5). The state is the last `K − 1`
 //! columns of `c` and one `[dk, dv]` matrix per value head.
 
+use crate::runtime::RunError;
 use crate::runtime::kernels::ops::{GdnDims, Ops};
 use crate::runtime::kernels::{Backend, OpResult};
+use crate::runtime::models::state::{Part, Parts, import_buf};
 
 /// How a GDN layer projects its input into `q | k | v`, `z`, `b` and `a`.
 pub enum GdnProj<'a, B: Backend> {
@@ -77,6 +79,27 @@ impl<B: Backend> GdnState<B> {
         Ok(GdnState {
             conv: b.zeros(d.conv_kernel.saturating_sub(1) * d.channels())?,
             recurrent: b.zeros(d.value_heads * d.key_dim * d.value_dim)?,
+        })
+    }
+
+    /// Append the conv and recurrent states (two parts).
+    pub fn export(&self, b: &B, parts: &mut Vec<Part>) -> Result<(), RunError> {
+        parts.push(Part::F32(b.read(&self.conv)?));
+        parts.push(Part::F32(b.read(&self.recurrent)?));
+        Ok(())
+    }
+
+    /// The state held by the next two parts, of `d`'s sizes.
+    pub fn import(b: &B, d: &GdnDims, r: &mut Parts<'_>) -> Result<GdnState<B>, RunError> {
+        let conv = d.conv_kernel.saturating_sub(1) * d.channels();
+        Ok(GdnState {
+            conv: import_buf(b, r, "conv state", conv)?,
+            recurrent: import_buf(
+                b,
+                r,
+                "recurrent state",
+                d.value_heads * d.key_dim * d.value_dim,
+            )?,
         })
     }
 }

@@ -31,6 +31,7 @@ use crate::runtime::layers::moe::{
 };
 use crate::runtime::layers::rope::{RopeSpec, Scaling};
 use crate::runtime::load::Install;
+use crate::runtime::models::state::{self, SessionData};
 
 /// What differs between the families the decoder runs beyond their axes: names and
 /// routing rules that are not in the config.
@@ -579,14 +580,20 @@ impl<'a, B: Ops> Model<'a, B> {
         }
     }
 
+    /// What every layer's KV cache holds.
+    fn cache_spec(&self) -> AttentionSpec {
+        let c = &self.cfg;
+        AttentionSpec {
+            window: c.window,
+            ..AttentionSpec::dense(c.kv_heads, c.head_dim)
+        }
+    }
+
     /// The session's KV caches, made by its first forward pass.
     fn ensure_caches(&self, s: &mut Session<B>) -> Result<(), RunError> {
         let c = &self.cfg;
         if s.kv.len() != c.layers {
-            let spec = AttentionSpec {
-                window: c.window,
-                ..AttentionSpec::dense(c.kv_heads, c.head_dim)
-            };
+            let spec = self.cache_spec();
             s.kv = (0..c.layers)
                 .map(|_| self.backend.kv_cache(spec, c.max_positions))
                 .collect::<Result<_, _>>()?;
@@ -608,6 +615,28 @@ impl<B: Ops> LanguageModel for Model<'_, B> {
     }
     fn session_bytes(&self, s: &Session<B>) -> u64 {
         s.kv.iter().map(|kv| self.backend.kv_bytes(kv)).sum()
+    }
+    fn export_session(&self, s: &Session<B>) -> Result<SessionData, RunError> {
+        let mut parts = Vec::new();
+        for kv in &s.kv {
+            state::export_kv(self.backend, kv, &mut parts)?;
+        }
+        Ok(SessionData { pos: s.pos, parts })
+    }
+    fn import_session(&self, d: &SessionData) -> Result<Session<B>, RunError> {
+        let mut s = self.session();
+        if d.parts.is_empty() && d.pos == 0 {
+            return Ok(s); // before the first forward pass: no caches yet
+        }
+        self.ensure_caches(&mut s)?;
+        let geometry = (self.cache_spec(), self.cfg.max_positions);
+        let mut r = d.reader();
+        for kv in &mut s.kv {
+            state::import_kv(self.backend, kv, geometry, &mut r, d.pos)?;
+        }
+        r.finish()?;
+        s.pos = d.pos;
+        Ok(s)
     }
     fn vocab(&self) -> usize {
         self.cfg.vocab

@@ -24,6 +24,7 @@ use crate::runtime::layers::moe::{
 };
 use crate::runtime::layers::rope::{Layout, RopeSpec};
 use crate::runtime::load::Install;
+use crate::runtime::models::state::{self, SessionData};
 
 use super::decoder::{context_length, expert_pool};
 
@@ -510,6 +511,35 @@ impl<B: Ops> LanguageModel for Model<'_, B> {
     }
     fn session_bytes(&self, s: &Session<B>) -> u64 {
         s.kv.iter().map(|kv| self.backend.kv_bytes(kv)).sum()
+    }
+    fn export_session(&self, s: &Session<B>) -> Result<SessionData, RunError> {
+        let mut parts = Vec::new();
+        for kv in &s.kv {
+            state::export_kv(self.backend, kv, &mut parts)?;
+        }
+        Ok(SessionData { pos: s.pos, parts })
+    }
+    fn import_session(&self, d: &SessionData) -> Result<Session<B>, RunError> {
+        let c = &self.cfg;
+        if d.parts.is_empty() && d.pos == 0 {
+            return Ok(self.new_session());
+        }
+        let spec = c.mla.cache_spec(self.layout);
+        let mut r = d.reader();
+        let mut kv = Vec::with_capacity(c.layers);
+        for _ in 0..c.layers {
+            let mut cache = self.backend.kv_cache(spec, c.max_positions)?;
+            state::import_kv(
+                self.backend,
+                &mut cache,
+                (spec, c.max_positions),
+                &mut r,
+                d.pos,
+            )?;
+            kv.push(cache);
+        }
+        r.finish()?;
+        Ok(Session { kv, pos: d.pos })
     }
     fn vocab(&self) -> usize {
         self.cfg.vocab

@@ -25,6 +25,7 @@ pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod mixtral;
 pub mod qwen3_next;
+pub mod state;
 
 use std::any::Any;
 
@@ -33,6 +34,7 @@ use super::gate::Arch;
 use super::generate::{LanguageModel, Stat};
 use super::kernels::Ops;
 use super::load::Install;
+use state::SessionData;
 
 /// A loaded model, whatever its architecture and backend: what `gturbo run`, `eval`
 /// and a server drive.
@@ -50,6 +52,11 @@ pub trait Model {
     /// Bytes `s` holds (host or device): what keeping a snapshot of it costs. A session
     /// of another model holds nothing this model can count: 0.
     fn session_bytes(&self, s: &Session) -> u64;
+    /// `s`'s state on the host, independent of the backend (to save it).
+    fn export_session(&self, s: &Session) -> Result<SessionData, RunError>;
+    /// A session holding `d` (from [`Model::export_session`] of this model, on any
+    /// backend); state that does not fit this model is an error.
+    fn import_session(&self, d: &SessionData) -> Result<Session, RunError>;
     /// The backend's name (an adapter's name on a GPU).
     fn backend_name(&self) -> String;
     /// Device memory the backend holds, on a GPU.
@@ -106,6 +113,23 @@ where
             .map_or(0, |state| LanguageModel::session_bytes(self, state))
     }
 
+    fn export_session(&self, s: &Session) -> Result<SessionData, RunError> {
+        let state = s
+            .state
+            .downcast_ref::<M::Session>()
+            .ok_or_else(foreign_session)?;
+        let d = LanguageModel::export_session(self, state)?;
+        debug_assert_eq!(d.pos, s.pos);
+        Ok(d)
+    }
+
+    fn import_session(&self, d: &SessionData) -> Result<Session, RunError> {
+        Ok(Session {
+            state: Box::new(LanguageModel::import_session(self, d)?),
+            pos: d.pos,
+        })
+    }
+
     fn backend_name(&self) -> String {
         LanguageModel::backend_name(self)
     }
@@ -146,6 +170,12 @@ impl LanguageModel for dyn Model + '_ {
     }
     fn session_bytes(&self, s: &Session) -> u64 {
         Model::session_bytes(self, s)
+    }
+    fn export_session(&self, s: &Session) -> Result<SessionData, RunError> {
+        Model::export_session(self, s)
+    }
+    fn import_session(&self, d: &SessionData) -> Result<Session, RunError> {
+        Model::import_session(self, d)
     }
     fn vocab(&self) -> usize {
         Model::vocab(self)

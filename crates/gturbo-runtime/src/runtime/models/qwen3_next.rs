@@ -41,6 +41,7 @@ use crate::runtime::layers::rope::{RopeSpec, Scaling};
 use crate::runtime::layers::sparse_moe::{MoeDims, MoeWeights, moe_forward};
 use crate::runtime::load::Install;
 use crate::runtime::models::decoder::{MoeConfig, expert_pool};
+use crate::runtime::models::state::{self, SessionData};
 
 /// The model type this runner implements.
 pub const MODEL_TYPE: &str = "qwen3_next";
@@ -640,6 +641,38 @@ impl<B: Ops> LanguageModel for Qwen3NextModel<'_, B> {
     }
     fn copy_session(&self, s: &Session<B>) -> Result<Session<B>, RunError> {
         Qwen3NextModel::copy_session(self, s)
+    }
+    fn export_session(&self, s: &Session<B>) -> Result<SessionData, RunError> {
+        let mut parts = Vec::new();
+        for m in &s.mixers {
+            match m {
+                MixerState::Gdn(g) => g.export(self.backend, &mut parts)?,
+                MixerState::Attn(kv) => state::export_kv(self.backend, kv, &mut parts)?,
+            }
+        }
+        Ok(SessionData { pos: s.pos, parts })
+    }
+    fn import_session(&self, d: &SessionData) -> Result<Session<B>, RunError> {
+        let mut s = self.session();
+        if d.parts.is_empty() && d.pos == 0 {
+            return Ok(s);
+        }
+        self.init_session(&mut s)?;
+        let (b, c) = (self.backend, &self.cfg);
+        let geometry = (
+            AttentionSpec::dense(c.kv_heads, c.head_dim),
+            c.max_positions,
+        );
+        let mut r = d.reader();
+        for m in &mut s.mixers {
+            match m {
+                MixerState::Gdn(g) => *g = GdnState::import(b, &c.gdn, &mut r)?,
+                MixerState::Attn(kv) => state::import_kv(b, kv, geometry, &mut r, d.pos)?,
+            }
+        }
+        r.finish()?;
+        s.pos = d.pos;
+        Ok(s)
     }
     fn session_bytes(&self, s: &Session<B>) -> u64 {
         let b = self.backend;

@@ -6,8 +6,8 @@
 use std::ops::Range;
 
 use super::backend::{
-    AttentionSpec, Backend, BackendError, Causal, ExpertRef, NormGain, OpResult, RopeLayout,
-    Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, KvRows, NormGain, OpResult,
+    RopeLayout, Routing,
 };
 use super::routing::{RouterBias, RoutingSpec, route_logits};
 use super::{Cpu, Matrix, axpy, dot, expert_matrices, rms_norm, silu_mul, softmax_inplace};
@@ -279,6 +279,21 @@ impl Backend for Cpu {
 
     fn kv_bytes(&self, kv: &CpuKv) -> u64 {
         f32_bytes(kv.k.capacity() + kv.v.capacity())
+    }
+
+    fn read_kv(&self, kv: &CpuKv) -> OpResult<KvRows> {
+        Ok(KvRows {
+            k: kv.k.clone(),
+            v: kv.v.clone(),
+        })
+    }
+
+    fn load_kv(&self, kv: &mut CpuKv, rows: &KvRows) -> OpResult {
+        rows.positions(&kv.spec, usize::MAX)
+            .map_err(|e| BackendError::new(self.name(), "load_kv", e))?;
+        kv.k.clone_from(&rows.k);
+        kv.v.clone_from(&rows.v);
+        Ok(())
     }
 
     fn attention(

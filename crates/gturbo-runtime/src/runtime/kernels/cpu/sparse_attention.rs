@@ -2,7 +2,7 @@
 //! scores and attention over the selected blocks plus the causal tail.
 
 use super::rows_of;
-use crate::runtime::kernels::ops::{IndexerDims, SparseAttentionOps};
+use crate::runtime::kernels::ops::{AttnRows, IndexerDims, SparseAttentionOps};
 use crate::runtime::kernels::{
     Backend, Causal, Cpu, CpuRope, NormGain, OpResult, axpy, dot, softmax_inplace,
 };
@@ -34,6 +34,30 @@ impl SparseAttentionOps for Cpu {
         super::f32_bytes(
             c.k.capacity() + c.v.capacity() + c.raw_keys.capacity() + c.block_keys.capacity(),
         )
+    }
+
+    fn read_cache(&self, c: &CpuAttnCache) -> OpResult<AttnRows> {
+        Ok(AttnRows {
+            k: c.k.clone(),
+            v: c.v.clone(),
+            raw: c.raw_keys.clone(),
+            blocks: c.block_keys.clone(),
+        })
+    }
+
+    fn load_cache(&self, c: &mut CpuAttnCache, rows: &AttnRows) -> OpResult {
+        let checked = match &c.indexer {
+            Some(ix) => rows.positions(c.kv_width, ix),
+            None => Err("a cache not made by attn_cache".to_string()),
+        };
+        checked.map_err(|e| {
+            crate::runtime::kernels::BackendError::new(self.name(), "load_cache", e)
+        })?;
+        c.k.clone_from(&rows.k);
+        c.v.clone_from(&rows.v);
+        c.raw_keys.clone_from(&rows.raw);
+        c.block_keys.clone_from(&rows.blocks);
+        Ok(())
     }
 
     fn attn_cache(

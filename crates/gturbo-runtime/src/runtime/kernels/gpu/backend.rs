@@ -19,8 +19,8 @@ use super::tensor::{DType, ExpertSlots, GpuMatrix, GpuTensor, KvCache, RopeTable
 use crate::format::pools::ExpertPool;
 use crate::runtime::kernels::Matrix;
 use crate::runtime::kernels::backend::{
-    AttentionSpec, Backend, BackendError, Causal, ExpertRef, LayerExperts, NormGain, OpResult,
-    RopeLayout, Routing,
+    AttentionSpec, Backend, BackendError, Causal, ExpertRef, KvRows, LayerExperts, NormGain,
+    OpResult, RopeLayout, Routing,
 };
 use crate::runtime::kernels::routing::{RouterBias, RoutingSpec, route_logits};
 
@@ -469,6 +469,33 @@ impl Backend for Gpu {
 
     fn kv_bytes(&self, kv: &GpuKv) -> u64 {
         kv.cache.k.device_bytes() + kv.cache.v.device_bytes()
+    }
+
+    fn read_kv(&self, kv: &GpuKv) -> OpResult<KvRows> {
+        let c = &kv.cache;
+        let read = |t, width: usize| self.ctx.download_f32_prefix(t, kv.len * width);
+        let rows = KvRows {
+            k: read(&c.k, c.spec.k_width()).map_err(|e| self.err("read_kv", e))?,
+            v: read(&c.v, c.spec.stored_v_width()).map_err(|e| self.err("read_kv", e))?,
+        };
+        Ok(rows)
+    }
+
+    fn load_kv(&self, kv: &mut GpuKv, rows: &KvRows) -> OpResult {
+        let spec = kv.cache.spec;
+        let n = rows
+            .positions(&spec, kv.max)
+            .map_err(|e| BackendError::new(&self.name, "load_kv", e))?;
+        let run = |kv: &mut GpuKv| -> Result<()> {
+            if n > kv.cache.capacity() {
+                kv.cache = KvCache::new(&self.ctx, n, spec)?;
+            }
+            self.ctx.write_f32_prefix(&kv.cache.k, &rows.k)?;
+            self.ctx.write_f32_prefix(&kv.cache.v, &rows.v)?;
+            kv.len = n;
+            Ok(())
+        };
+        run(kv).map_err(|e| self.err("load_kv", e))
     }
 
     fn copy_kv(&self, kv: &GpuKv) -> OpResult<GpuKv> {

@@ -168,6 +168,34 @@ impl GpuContext {
         self.download(t)
     }
 
+    /// Run the recorded work and read the first `n` elements of an f32 tensor back
+    /// (the positions a cache holds).
+    pub fn download_f32_prefix(&self, t: &GpuTensor, n: usize) -> Result<Vec<f32>> {
+        if n > t.len() {
+            return Err(GpuError::Shape {
+                op: "download",
+                message: format!("{n} values of a tensor of {}", t.len()),
+            });
+        }
+        let bytes = self.read_back(&t.buf, (n * 4) as u64)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// Overwrite the first `data.len()` elements of an f32 tensor (in order with the
+    /// recorded work).
+    pub fn write_f32_prefix(&self, t: &GpuTensor, data: &[f32]) -> Result<()> {
+        if data.len() > t.len() {
+            return Err(GpuError::Shape {
+                op: "write",
+                message: format!("{} values into a tensor of {}", data.len(), t.len()),
+            });
+        }
+        self.write_bytes(&t.buf, 0, &le_bytes(data))
+    }
+
     /// Run the recorded work and read a u32 tensor back (expert ids).
     pub fn download_u32(&self, t: &GpuTensor) -> Result<Vec<u32>> {
         self.download(t)

@@ -20,7 +20,7 @@ pub use elementwise::{Act, ClampedGlu, ElementwiseOps, GateAct};
 pub use hyper::{HcDims, HyperConnectionOps};
 pub use linear_attention::{GdnDims, LinearAttentionOps};
 pub use ngram::NgramOps;
-pub use sparse_attention::{IndexerDims, SparseAttentionOps};
+pub use sparse_attention::{AttnRows, IndexerDims, SparseAttentionOps};
 
 use super::Backend;
 

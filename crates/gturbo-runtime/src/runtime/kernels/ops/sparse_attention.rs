@@ -23,6 +23,47 @@ impl IndexerDims {
     }
 }
 
+/// An indexed-attention cache on the host ([`SparseAttentionOps::read_cache`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AttnRows {
+    /// Keys after norm and RoPE `[len, kv_heads·head_dim]`.
+    pub k: Vec<f32>,
+    /// Values `[len, kv_heads·head_dim]`.
+    pub v: Vec<f32>,
+    /// The indexer's raw keys `[len, d_i]`.
+    pub raw: Vec<f32>,
+    /// Pooled keys of the complete blocks `[len / cr, d_i]`.
+    pub blocks: Vec<f32>,
+}
+
+impl AttnRows {
+    /// The positions held by a cache of `kv_width`-wide rows and `ix`'s indexer, or
+    /// why the rows are not such a cache's.
+    pub fn positions(&self, kv_width: usize, ix: &IndexerDims) -> Result<usize, String> {
+        let di = ix.head_dim;
+        let n = self.k.len() / kv_width.max(1);
+        let ok = kv_width > 0
+            && di > 0
+            && ix.compress > 0
+            && n * kv_width == self.k.len()
+            && self.v.len() == self.k.len()
+            && self.raw.len() == n * di
+            && self.blocks.len() == n / ix.compress * di;
+        if !ok {
+            return Err(format!(
+                "{} key, {} value, {} raw and {} block floats are not one cache's positions \
+                 (rows {kv_width} and {di} wide, blocks of {})",
+                self.k.len(),
+                self.v.len(),
+                self.raw.len(),
+                self.blocks.len(),
+                ix.compress
+            ));
+        }
+        Ok(n)
+    }
+}
+
 /// Sparse-attention operations over a backend's tensors. `Self::AttnCache` is one
 /// indexed attention layer's cache: keys after norm and RoPE, values, the indexer's raw
 /// keys and the pooled block keys.
@@ -34,6 +75,12 @@ pub trait SparseAttentionOps: Backend {
     fn copy_cache(&self, cache: &Self::AttnCache) -> OpResult<Self::AttnCache>;
     /// Bytes `cache` holds (host or device, reserved capacity included).
     fn cache_bytes(&self, cache: &Self::AttnCache) -> u64;
+    /// What `cache` holds on the host (a session saved to disk).
+    fn read_cache(&self, cache: &Self::AttnCache) -> OpResult<AttnRows>;
+    /// Fill `cache`, an empty one from [`SparseAttentionOps::attn_cache`], with `rows`
+    /// (as [`SparseAttentionOps::read_cache`] gives them); rows that do not fit its
+    /// geometry are an error.
+    fn load_cache(&self, cache: &mut Self::AttnCache, rows: &AttnRows) -> OpResult;
     /// An empty indexed-attention cache for `kv_heads` heads of `head_dim` and the
     /// indexer's geometry.
     fn attn_cache(

@@ -34,6 +34,7 @@ use crate::runtime::layers::gdn::{GdnProj, GdnState, GdnWeights, gdn_forward};
 use crate::runtime::layers::mlp::{SharedExpert, SwiGlu};
 use crate::runtime::layers::moe::expert_slots;
 use crate::runtime::layers::sparse_moe::{MoeWeights, moe_forward};
+use crate::runtime::models::state::{self, SessionData};
 
 /// Prefix of the text model's tensors.
 const LM: &str = "model.language_model.";
@@ -885,6 +886,42 @@ impl<B: Ops> LanguageModel for FlashModel<'_, B> {
     }
     fn copy_session(&self, s: &FlashSession<B>) -> Result<FlashSession<B>, RunError> {
         FlashModel::copy_session(self, s)
+    }
+    fn export_session(&self, s: &FlashSession<B>) -> Result<SessionData, RunError> {
+        let b = self.backend;
+        let mut parts = Vec::new();
+        for m in &s.mixers {
+            match m {
+                MixerState::Gdn(g) => g.export(b, &mut parts)?,
+                MixerState::Attn(c) => state::export_attn(b, c, &mut parts)?,
+            }
+        }
+        for p in s.ple.iter().flatten() {
+            p.export(b, &mut parts)?;
+        }
+        Ok(SessionData { pos: s.pos, parts })
+    }
+    fn import_session(&self, d: &SessionData) -> Result<FlashSession<B>, RunError> {
+        let mut s = self.session();
+        if d.parts.is_empty() && d.pos == 0 {
+            return Ok(s);
+        }
+        self.init_session(&mut s)?;
+        let (b, c) = (self.backend, &self.cfg);
+        let geometry = (c.attn.kv_heads * c.attn.head_dim, &c.attn.indexer);
+        let mut r = d.reader();
+        for m in &mut s.mixers {
+            match m {
+                MixerState::Gdn(g) => *g = GdnState::import(b, &c.gdn, &mut r)?,
+                MixerState::Attn(a) => state::import_attn(b, a, geometry, &mut r, d.pos)?,
+            }
+        }
+        for p in s.ple.iter_mut().flatten() {
+            *p = PleState::import(b, &c.ple, &mut r)?;
+        }
+        r.finish()?;
+        s.pos = d.pos;
+        Ok(s)
     }
     fn session_bytes(&self, s: &FlashSession<B>) -> u64 {
         let b = self.backend;

@@ -34,6 +34,7 @@
 use crate::runtime::RunError;
 use crate::runtime::kernels::Backend;
 use crate::runtime::kernels::ops::{HcDims, Ops};
+use crate::runtime::models::state::{Part, Parts, import_buf};
 use crate::runtime::rows::RowCache;
 
 /// The I64 tables of one PLE layer, as installed.
@@ -117,6 +118,25 @@ impl<B: Backend> PleState<B> {
         Ok(PleState {
             history: d.start_history(),
             conv: b.zeros(d.conv_len() * d.streams * d.hidden)?,
+        })
+    }
+
+    /// Append the token history and the conv state (two parts).
+    pub fn export(&self, b: &B, parts: &mut Vec<Part>) -> Result<(), RunError> {
+        parts.push(Part::I64(self.history.clone()));
+        parts.push(Part::F32(b.read(&self.conv)?));
+        Ok(())
+    }
+
+    /// The state held by the next two parts, of `d`'s sizes (history ids are token
+    /// ids: u32).
+    pub fn import(b: &B, d: &PleDims, r: &mut Parts<'_>) -> Result<PleState<B>, RunError> {
+        let ids = 0..i64::from(u32::MAX) + 1;
+        Ok(PleState {
+            history: r
+                .i64("PLE history", d.ngram.saturating_sub(1), ids)?
+                .to_vec(),
+            conv: import_buf(b, r, "PLE conv state", d.conv_len() * d.streams * d.hidden)?,
         })
     }
 }

@@ -12,7 +12,7 @@ use crate::runtime::kernels::gpu::error::Result;
 use crate::runtime::kernels::gpu::shaders::FlashShader;
 use crate::runtime::kernels::gpu::shaders::{FlashAttnParams, IndexerParams};
 use crate::runtime::kernels::gpu::tensor::{DType, GpuTensor};
-use crate::runtime::kernels::ops::{IndexerDims, SparseAttentionOps};
+use crate::runtime::kernels::ops::{AttnRows, IndexerDims, SparseAttentionOps};
 
 /// One indexed-attention layer's cache on the device: keys (after norm and RoPE) and
 /// values `[capacity, kv_heads·head_dim]`, the indexer's raw keys `[capacity, d_i]`
@@ -163,6 +163,39 @@ impl SparseAttentionOps for Gpu {
 
     fn copy_cache(&self, cache: &GpuAttnCache) -> OpResult<GpuAttnCache> {
         self.flash("copy_cache", cache.copy_to(self.context(), cache.capacity))
+    }
+
+    fn read_cache(&self, c: &GpuAttnCache) -> OpResult<AttnRows> {
+        let ctx = self.context();
+        let (kvw, di) = (c.kv_heads * c.head_dim, c.indexer.head_dim);
+        let run = || -> Result<AttnRows> {
+            Ok(AttnRows {
+                k: ctx.download_f32_prefix(&c.k, c.kv_len * kvw)?,
+                v: ctx.download_f32_prefix(&c.v, c.kv_len * kvw)?,
+                raw: ctx.download_f32_prefix(&c.raw, c.raw_len * di)?,
+                blocks: ctx.download_f32_prefix(&c.blocks, c.pooled * di)?,
+            })
+        };
+        self.flash("read_cache", run())
+    }
+
+    fn load_cache(&self, c: &mut GpuAttnCache, rows: &AttnRows) -> OpResult {
+        const OP: &str = "load_cache";
+        let n = rows
+            .positions(c.kv_heads * c.head_dim, &c.indexer)
+            .map_err(|e| shape(OP, e));
+        let run = |c: &mut GpuAttnCache| -> Result<()> {
+            let n = n?;
+            let ctx = self.context();
+            *c = GpuAttnCache::new(ctx, n.max(CACHE_START), c.kv_heads, c.head_dim, c.indexer)?;
+            ctx.write_f32_prefix(&c.k, &rows.k)?;
+            ctx.write_f32_prefix(&c.v, &rows.v)?;
+            ctx.write_f32_prefix(&c.raw, &rows.raw)?;
+            ctx.write_f32_prefix(&c.blocks, &rows.blocks)?;
+            (c.kv_len, c.raw_len, c.pooled) = (n, n, n / c.indexer.compress);
+            Ok(())
+        };
+        self.flash(OP, run(c))
     }
 
     fn attn_cache(
