@@ -4,6 +4,7 @@ mod decoder_variants;
 mod deepseek;
 mod doctor;
 mod dry_run;
+mod flagships;
 mod flash_next;
 mod flash_next_run;
 mod fp8_source;

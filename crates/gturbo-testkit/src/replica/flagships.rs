@@ -951,6 +951,14 @@ fn groups(l: &Layout) -> io::Result<Vec<Vec<usize>>> {
     Ok(out)
 }
 
+/// Kimi-K2's tokenizer files (`tiktoken.model`, `tokenization_kimi.py`,
+/// `tokenizer_config.json`, `generation_config.json`) as the Kimi-K2-Thinking replica
+/// has them, into `dir` (for small checkpoints that install for real).
+pub fn write_kimi_tokenizer(dir: &Path) -> io::Result<Vec<String>> {
+    let l = kimi_k2_thinking();
+    super::hf_files::write_kimi_tokenizer_files(dir, &l.specials, 262_144)
+}
+
 /// Write the header-only replica of `which` into `dir`.
 pub fn write_flagship(dir: &Path, which: Flagship) -> io::Result<ReplicaSummary> {
     std::fs::create_dir_all(dir)?;

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 pub use families::{LlamaSpec, Qwen3MoeSpec, Qwen3Spec, write_llama, write_qwen3, write_qwen3_moe};
-pub use flagships::{Flagship, write_flagship};
+pub use flagships::{Flagship, write_flagship, write_kimi_tokenizer};
 pub use flash_next::{FlashNextSpec, VisionSpec, write_flash_next};
 pub use st::{DataMode, ShardRule};
 
