@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The six full-size dry runs of issue 25: each flagship's header-only replica
 # (`gturbo-dev replica NAME DIR`: sparse shards at full apparent size) served by the
-# local hub (`gturbo-dev hub --no-hash`, resolve -> CDN as the real hub answers), then
+# local hub (`gturbo-dev hub --no-hash`, resolve -> CDN as the real hub answers; CDN=0:
+# no CDN hop, so that each request is one ranged read, as tests/it/flagships.rs counts), then
 # `gturbo install ORG/NAME --dry-run --json` (family picked from config.json). Prints one
 # row per model: shards, tensors, output bytes, requests (total / header reads), wall
 # time; gpt-oss-120b's MXFP4 experts are refused until MXFP4 installs land, which the
@@ -36,7 +37,9 @@ for m in "${models[@]}"; do
     "$dev" replica "$name" "$work/$name" >&2
     hub_args+=(--repo "$repo=$work/$name")
 done
-"$dev" hub "${hub_args[@]}" --cdn --no-hash >"$work/hub.url" 2>"$work/hub.log" &
+cdn=(--cdn)
+[ "${CDN:-1}" = 1 ] || cdn=()
+"$dev" hub "${hub_args[@]}" "${cdn[@]}" --no-hash >"$work/hub.url" 2>"$work/hub.log" &
 hub_pid=$!
 for _ in $(seq 100); do [ -s "$work/hub.url" ] && break; sleep 0.1; done
 url=$(head -n1 "$work/hub.url")
