@@ -3,8 +3,15 @@
 # serves).
 
 # release_binaries: builds gturbo and gturbo-dev in release (unless NO_BUILD=1) and sets
-# $gturbo and $dev (exported as GTURBO_DEV) to them; the caller sets `root`.
+# $gturbo and $dev (exported as GTURBO_DEV) to them; the caller sets `root`. BIN_DIR=DIR
+# uses the binaries in DIR as they are instead (no build; say so with the figures).
 release_binaries() {
+    if [ -n "${BIN_DIR:-}" ]; then
+        gturbo="$(cd "$BIN_DIR" && pwd)/gturbo"
+        dev="$(cd "$BIN_DIR" && pwd)/gturbo-dev"
+        export GTURBO_DEV="$dev"
+        return
+    fi
     if [ "${NO_BUILD:-0}" != 1 ]; then
         echo "== build (release)" >&2
         nice cargo build --release -p gturbo -p gturbo-testkit --bins >&2

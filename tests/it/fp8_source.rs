@@ -534,3 +534,74 @@ fn an_fp8_install_killed_after_a_read_resumes_byte_identical() {
     );
     assert_eq!(tree_hashes(&out), tree_hashes(&reference));
 }
+
+/// A real `kill -9`, not the abort hook: the FP8 install runs as a child against a hub
+/// whose answers each wait 100 ms; once its journal holds a completed read (a line with
+/// `"read":`), the child gets SIGKILL wherever it is; the rerun keeps what was durable
+/// and finishes; every output byte equals an uninterrupted install's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_fp8_install_sigkilled_mid_stream_resumes_byte_identical() {
+    use std::os::unix::process::ExitStatusExt as _;
+    use std::time::{Duration, Instant};
+
+    let work = temp_dir();
+    let snap = work.path().join("fp8");
+    write_fp8_snapshot(&snap, |_| {});
+    let config = gturbo_testkit::hub::HubConfig {
+        link: gturbo_testkit::hub::LinkShape {
+            latency: Duration::from_millis(100),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let (hub, repo) = crate::support::start_hub("Org/fp8-llama", &snap, config).await;
+    let cmd = |out: &Path| {
+        let mut c = crate::support::cli::gturbo();
+        c.args(["-q", "install", "--family", "llama", "Org/fp8-llama"])
+            .args(["--endpoint", hub.url(), "--revision", &repo.commit])
+            .args(["--quant", "int4", "--out"])
+            .arg(out);
+        c
+    };
+    let reference = work.path().join("ref.gturbo");
+    let o = cmd(&reference).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+
+    let out = work.path().join("killed.gturbo");
+    let journal = work.path().join("killed.gturbo.partial.journal");
+    let mut child = cmd(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let reads = || {
+        std::fs::read_to_string(&journal)
+            .map(|s| s.lines().filter(|l| l.contains("\"read\":")).count())
+            .unwrap_or(0)
+    };
+    while reads() < 1 {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the install ended first"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(60), "no read journaled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "{status:?}");
+    assert!(!out.exists(), "killed before publishing");
+
+    let o = cmd(&out).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let kept: u64 = err
+        .split(" kept from a previous run")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(kept >= 1, "{}", text(&o));
+    assert_eq!(tree_hashes(&out), tree_hashes(&reference));
+}

@@ -6,6 +6,7 @@ mod deepseek_stored;
 mod dequantized_twin;
 mod doctor;
 mod dry_run;
+mod flagships;
 mod flash_next;
 mod flash_next_run;
 mod fp8_source;

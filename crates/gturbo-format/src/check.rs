@@ -35,11 +35,13 @@ const MAX_WALK_DEPTH: usize = 16;
 const KINDS: [&str; 4] = ["resident", "experts", "rows", "tokenizer"];
 /// The tokenizers-format tokenizer, held to [`tokenizer::check_bounds`].
 const TOKENIZER_JSON: &str = "tokenizer/tokenizer.json";
-/// Tokenizer files of which an install must have at least one.
-const TOKENIZER_MODELS: [&str; 3] = [
+/// Tokenizer files of which an install must have at least one (`tiktoken.model`:
+/// Kimi-K2's BPE ranks, which its family copies instead of a `tokenizer.json`).
+const TOKENIZER_MODELS: [&str; 4] = [
     TOKENIZER_JSON,
     "tokenizer/tokenizer.model",
     "tokenizer/vocab.json",
+    "tokenizer/tiktoken.model",
 ];
 
 /// One thing that does not hold: the file it is about (relative to the directory),

@@ -59,6 +59,12 @@ pub struct FamilyFile {
     /// (Kimi-K2), converted at install ([`crate::tiktoken`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tiktoken: Option<crate::tiktoken::TiktokenSpec>,
+    /// Files beside the weights that this family's tokenizer is made of, copied into
+    /// `tokenizer/` and verified like the standard ones when the repo has them (Kimi-K2
+    /// ships `tiktoken.model` and the Python class that reads it instead of a
+    /// `tokenizer.json`). Plain file names at the repo's top level.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokenizer_files: Vec<String>,
 }
 
 /// Where a family's reference checkpoint lives.
@@ -470,6 +476,19 @@ impl Family {
             ));
         }
         let rules = tensor_rules(&file, &invalid)?;
+        for (i, f) in file.tokenizer_files.iter().enumerate() {
+            let plain = !f.is_empty()
+                && f != "."
+                && f != ".."
+                && !f.contains(['/', '\\'])
+                && !f.chars().any(char::is_control);
+            if !plain {
+                return Err(invalid(
+                    &format!("tokenizer_files[{i}]"),
+                    format!("{f:?} is not a plain file name at the repo's top level"),
+                ));
+            }
+        }
         for (name, sc) in &file.sidecars {
             if !SIDECAR_DEFAULTS.contains(&sc.default.as_str()) {
                 return Err(invalid(

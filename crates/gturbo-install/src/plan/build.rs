@@ -136,7 +136,7 @@ fn build_at(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
         resident,
         expert_pools,
         row_pools,
-        copied: copied_files(input.repo_files)?,
+        copied: copied_files(input.repo_files, &family.file.tokenizer_files)?,
     };
     let census = Census::count(&tensors, &outputs);
     let reads = coalesce::plan_reads(&shards, &tensors, options);
@@ -427,13 +427,23 @@ pub fn copied_max_bytes(file: &str) -> (u64, &'static str) {
     }
 }
 
-/// The *copied files* stage: the tokenizer and config files the repo has. Their sizes
-/// (from the listing) are checked here, at plan time, so an absurd one is refused
-/// before any weight streams rather than after.
-fn copied_files(repo_files: &BTreeMap<String, u64>) -> Result<Vec<CopiedFile>, PlanError> {
+/// The *copied files* stage: the tokenizer and config files the repo has, the standard
+/// ones and those the family's `tokenizer_files` name. Their sizes (from the listing)
+/// are checked here, at plan time, so an absurd one is refused before any weight
+/// streams rather than after.
+fn copied_files(
+    repo_files: &BTreeMap<String, u64>,
+    family_files: &[String],
+) -> Result<Vec<CopiedFile>, PlanError> {
+    let extra = family_files
+        .iter()
+        .map(String::as_str)
+        .filter(|f| !COPIED_FILES.contains(f));
     COPIED_FILES
         .iter()
-        .filter_map(|f| repo_files.get(*f).map(|&bytes| (f, bytes)))
+        .copied()
+        .chain(extra)
+        .filter_map(|f| repo_files.get(f).map(|&bytes| (f, bytes)))
         .map(|(f, bytes)| {
             let (max, what) = copied_max_bytes(f);
             if bytes > max {

@@ -29,8 +29,6 @@ pub const COPIED_FILES: &[&str] = &[
     "vocab.json",
     "merges.txt",
     "tokenizer.model",
-    // Kimi-K2's BPE ranks: converted into `tokenizer.json` at install (crate::tiktoken).
-    "tiktoken.model",
 ];
 
 /// Largest tokenizer or config file copied (the largest real `tokenizer.json` files

@@ -55,6 +55,30 @@ impl Specials {
         }
     }
 
+    /// A BOS and an EOS token at the ids the config names (the flagship replicas).
+    pub(crate) fn bos_eos(
+        bos: (&'static str, u64),
+        eos: (&'static str, u64),
+        tokenizer_class: &'static str,
+    ) -> Self {
+        Specials {
+            tokens: vec![bos, eos],
+            bos: Some(bos.0),
+            eos: eos.0,
+            pad: None,
+            tokenizer_class,
+        }
+    }
+
+    /// DeepSeek's `<｜begin▁of▁sentence｜>` and `<｜end▁of▁sentence｜>`.
+    pub(crate) fn deepseek(bos: u64, eos: u64) -> Self {
+        Specials::bos_eos(
+            ("<｜begin▁of▁sentence｜>", bos),
+            ("<｜end▁of▁sentence｜>", eos),
+            "LlamaTokenizerFast",
+        )
+    }
+
     pub(crate) fn eos_id(&self) -> u64 {
         self.id(self.eos).unwrap_or(0)
     }
@@ -132,7 +156,21 @@ pub(crate) fn write_tokenizer_files(
         }
     });
     write_json(&dir.join("tokenizer.json"), &tokenizer)?;
+    write_config_files(dir, specials, max_length, &[])?;
+    Ok(vec![
+        "generation_config.json".into(),
+        "tokenizer.json".into(),
+        "tokenizer_config.json".into(),
+    ])
+}
 
+/// `tokenizer_config.json` (with `extra` keys set on top) and `generation_config.json`.
+fn write_config_files(
+    dir: &Path,
+    specials: &Specials,
+    max_length: u64,
+    extra: &[(&str, Value)],
+) -> io::Result<()> {
     let template = if specials.tokenizer_class == "Qwen2Tokenizer" {
         CHATML_TEMPLATE
     } else {
@@ -149,7 +187,7 @@ pub(crate) fn write_tokenizer_files(
             )
         })
         .collect();
-    let tokenizer_config = json!({
+    let mut tokenizer_config = json!({
         "add_bos_token": specials.bos.is_some(),
         "add_prefix_space": false,
         "added_tokens_decoder": added_decoder,
@@ -161,6 +199,9 @@ pub(crate) fn write_tokenizer_files(
         "pad_token": specials.pad,
         "tokenizer_class": specials.tokenizer_class,
     });
+    for (k, v) in extra {
+        tokenizer_config[*k] = v.clone();
+    }
     write_json(&dir.join("tokenizer_config.json"), &tokenizer_config)?;
 
     let mut generation = Map::new();
@@ -179,10 +220,40 @@ pub(crate) fn write_tokenizer_files(
     write_json(
         &dir.join("generation_config.json"),
         &Value::Object(generation),
+    )
+}
+
+/// Kimi-K2's tokenizer files: no `tokenizer.json` but a tiktoken BPE file
+/// (`tiktoken.model`: one `base64(token) rank` line per token, the format tiktoken's
+/// `load_tiktoken_bpe` reads), the Python class that loads it (`tokenization_kimi.py`,
+/// named by `tokenizer_config.json`'s `auto_map`), and the config files. The BPE file
+/// here holds the 256 single bytes only (the real one has 163,840 ranks); the Python
+/// file is a stand-in that says so, not the repo's code.
+pub(crate) fn write_kimi_tokenizer_files(
+    dir: &Path,
+    specials: &Specials,
+    max_length: u64,
+) -> io::Result<Vec<String>> {
+    // Standard base64 of one byte: two symbols and `==` (RFC 4648 §4).
+    const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut bpe = String::new();
+    for b in 0..=255u8 {
+        let (hi, lo) = (B64[usize::from(b >> 2)], B64[usize::from((b & 3) << 4)]);
+        bpe.push_str(&format!("{}{}== {b}\n", char::from(hi), char::from(lo)));
+    }
+    std::fs::write(dir.join("tiktoken.model"), bpe)?;
+    std::fs::write(
+        dir.join("tokenization_kimi.py"),
+        "# Stand-in for Kimi-K2's tokenizer class (a gturbo test fixture): the real file\n\
+         # defines TikTokenTokenizer over tiktoken.model.\n\
+         class TikTokenTokenizer:\n    vocab_files_names = {\"vocab_file\": \"tiktoken.model\"}\n",
     )?;
+    let auto_map = json!({"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]});
+    write_config_files(dir, specials, max_length, &[("auto_map", auto_map)])?;
     Ok(vec![
         "generation_config.json".into(),
-        "tokenizer.json".into(),
+        "tiktoken.model".into(),
+        "tokenization_kimi.py".into(),
         "tokenizer_config.json".into(),
     ])
 }

@@ -10,6 +10,9 @@
 //!   are settled in the `flash_next` module's doc.
 //! - [`write_qwen3_moe`], [`write_qwen3`], [`write_llama`]: small random checkpoints
 //!   of the plain families.
+//! - [`write_flagship`]: header-only replicas of DeepSeek-V3, Kimi-K2-Thinking,
+//!   gpt-oss-120b, GLM-4.5-Air, Qwen3-Next-80B-A3B and MiniMax-M2 in their real tensor
+//!   names, shapes, dtypes and shard names (the `flagships` module cites each fact).
 //!
 //! The safetensors files are written by hand (the private `st` module), not through
 //! gturbo's parser, so the fixtures check that parser rather than mirror it. Output is
@@ -17,6 +20,7 @@
 //! installer uses at run time.
 
 mod families;
+mod flagships;
 mod flash_next;
 mod hf_files;
 mod st;
@@ -27,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 pub use families::{LlamaSpec, Qwen3MoeSpec, Qwen3Spec, write_llama, write_qwen3, write_qwen3_moe};
+pub use flagships::{Flagship, write_flagship, write_kimi_tokenizer};
 pub use flash_next::{FlashNextSpec, VisionSpec, write_flash_next};
 pub use st::{DataMode, ShardRule};
 
@@ -97,6 +102,8 @@ Kinds:
   flash-next --full      Qwen3.8-Flash-Next, 131 header-only shards (data regions are holes)
   flash-next --scaled    the same names and structure, small, seeded random BF16 data
   qwen3-moe|qwen3|llama  tiny random checkpoints; --shards 1 writes model.safetensors, no index
+  deepseek-v3|kimi-k2-thinking|gpt-oss-120b|glm-4.5-air|qwen3-next-80b|minimax-m2
+                         header-only replicas of the flagship MoE checkpoints (holes)
 Exit codes: 0 written, 2 bad arguments or I/O error.")]
 pub struct ReplicaArgs {
     /// What to write.
@@ -147,6 +154,24 @@ enum ReplicaKind {
     /// A tiny random Llama checkpoint.
     #[value(name = "llama")]
     Llama,
+    /// deepseek-ai/DeepSeek-V3, header-only.
+    #[value(name = "deepseek-v3")]
+    DeepSeekV3,
+    /// moonshotai/Kimi-K2-Thinking, header-only.
+    #[value(name = "kimi-k2-thinking")]
+    KimiK2Thinking,
+    /// openai/gpt-oss-120b, header-only.
+    #[value(name = "gpt-oss-120b")]
+    GptOss120b,
+    /// zai-org/GLM-4.5-Air, header-only.
+    #[value(name = "glm-4.5-air")]
+    Glm45Air,
+    /// Qwen/Qwen3-Next-80B-A3B-Instruct, header-only.
+    #[value(name = "qwen3-next-80b")]
+    Qwen3Next80b,
+    /// MiniMaxAI/MiniMax-M2, header-only.
+    #[value(name = "minimax-m2")]
+    MiniMaxM2,
 }
 
 impl ReplicaKind {
@@ -156,7 +181,20 @@ impl ReplicaKind {
             Self::Qwen3Moe => "qwen3-moe",
             Self::Qwen3 => "qwen3",
             Self::Llama => "llama",
+            kind => kind.flagship().map_or("", |f| f.repo()),
         }
+    }
+
+    fn flagship(self) -> Option<Flagship> {
+        Some(match self {
+            Self::DeepSeekV3 => Flagship::DeepSeekV3,
+            Self::KimiK2Thinking => Flagship::KimiK2Thinking,
+            Self::GptOss120b => Flagship::GptOss120b,
+            Self::Glm45Air => Flagship::Glm45Air,
+            Self::Qwen3Next80b => Flagship::Qwen3Next80b,
+            Self::MiniMaxM2 => Flagship::MiniMaxM2,
+            _ => return None,
+        })
     }
 }
 
@@ -218,6 +256,14 @@ fn run(a: &ReplicaArgs) -> Result<ReplicaSummary, String> {
             spec.seed = a.seed.unwrap_or(spec.seed);
             write_llama(out, &spec).map_err(io_err)
         }
+        kind => match kind.flagship() {
+            Some(_) if a.shards.is_some() || a.seed.is_some() || a.bench => Err(format!(
+                "{}: a header-only replica takes no --shards, --seed or --bench",
+                kind.name()
+            )),
+            Some(f) => write_flagship(out, f).map_err(io_err),
+            None => Err(format!("{}: unknown kind", kind.name())),
+        },
     }
 }
 

@@ -18,23 +18,34 @@ use half::bf16;
 /// Element types the replicas use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum StDtype {
-    // Declaration order is the safetensors writer's dtype order (ascending); shards sort
-    // by it descending.
+    // Declaration order is the safetensors writer's dtype order (ascending: the `Dtype`
+    // enum of the safetensors crate lists U8, …, F8_E4M3, …, BF16, I32, …, F32, …,
+    // I64); shards sort by it descending.
+    U8,
+    F8E4M3,
     Bf16,
+    I32,
+    F32,
     I64,
 }
 
 impl StDtype {
     pub(crate) fn size(self) -> u64 {
         match self {
+            StDtype::U8 | StDtype::F8E4M3 => 1,
             StDtype::Bf16 => 2,
+            StDtype::I32 | StDtype::F32 => 4,
             StDtype::I64 => 8,
         }
     }
 
     fn label(self) -> &'static str {
         match self {
+            StDtype::U8 => "U8",
+            StDtype::F8E4M3 => "F8_E4M3",
             StDtype::Bf16 => "BF16",
+            StDtype::I32 => "I32",
+            StDtype::F32 => "F32",
             StDtype::I64 => "I64",
         }
     }
@@ -45,9 +56,12 @@ impl StDtype {
 pub(crate) enum Init {
     /// `center + N(0, 1) × std`, per element (approximately normal).
     Normal { center: f32, std: f32 },
-    /// Exact integer values (I64 tables); written even into hole-only replicas because
-    /// they are tiny and a planner may want to read them.
+    /// Exact integer values (I64 tables, I32 shape records) stored little-endian at
+    /// the tensor's width; written even into hole-only replicas because they are tiny
+    /// and a planner may want to read them.
     Ints(Vec<i64>),
+    /// No values: the tensor exists only in hole-only replicas (FP8, packed codes).
+    Holes,
 }
 
 /// One tensor of a checkpoint, in state-dict order.
@@ -88,6 +102,16 @@ impl TensorDef {
             dtype: StDtype::I64,
             shape: vec![values.len() as u64],
             init: Init::Ints(values),
+        }
+    }
+
+    /// A tensor of any dtype whose data is left as a hole (header-only replicas).
+    pub(crate) fn hole(name: impl Into<String>, dtype: StDtype, shape: &[u64]) -> Self {
+        TensorDef {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            init: Init::Holes,
         }
     }
 
@@ -194,12 +218,37 @@ pub(crate) fn split(tensors: &[TensorDef], rule: ShardRule) -> io::Result<Vec<Ve
     Ok(shards)
 }
 
-/// `model-00001-of-00131.safetensors`, or `model.safetensors` for a single file.
-pub(crate) fn shard_name(index: usize, count: usize) -> String {
-    if count == 1 {
-        "model.safetensors".to_string()
-    } else {
-        format!("model-{:05}-of-{:05}.safetensors", index + 1, count)
+/// How shard files are numbered. The Hugging Face writers number from 1 with five
+/// digits each side; some repos were written by other tools and differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ShardNaming {
+    /// Number of the first shard (1, or 0 for gpt-oss and MiniMax-M2).
+    pub(crate) first: usize,
+    /// Digits of the total (5, or 6 for DeepSeek-V3 and Kimi-K2: `-of-000163`).
+    pub(crate) total_width: usize,
+    /// The total written in the names when it is not the shard count (MiniMax-M2 names
+    /// 125 files `-of-00130`; gpt-oss names 15 files `-of-00014`).
+    pub(crate) total: Option<usize>,
+}
+
+impl ShardNaming {
+    /// `model-00001-of-00131.safetensors` (`model.safetensors` for a single file).
+    pub(crate) const HF: ShardNaming = ShardNaming {
+        first: 1,
+        total_width: 5,
+        total: None,
+    };
+
+    pub(crate) fn name(self, index: usize, count: usize) -> String {
+        if count == 1 {
+            return "model.safetensors".to_string();
+        }
+        format!(
+            "model-{:05}-of-{:0w$}.safetensors",
+            index + self.first,
+            self.total.unwrap_or(count),
+            w = self.total_width
+        )
     }
 }
 
@@ -211,11 +260,23 @@ pub(crate) fn write_checkpoint(
     mode: DataMode,
 ) -> io::Result<CheckpointFiles> {
     let groups = split(tensors, rule)?;
+    write_groups(dir, tensors, &groups, ShardNaming::HF, mode)
+}
+
+/// Write `groups` (tensor indices per shard, each in state-dict order) as shards named
+/// by `naming`, and the index when there are several.
+pub(crate) fn write_groups(
+    dir: &Path,
+    tensors: &[TensorDef],
+    groups: &[Vec<usize>],
+    naming: ShardNaming,
+    mode: DataMode,
+) -> io::Result<CheckpointFiles> {
     let count = groups.len();
     let mut names = Vec::with_capacity(count);
     let mut weight_map: BTreeMap<&str, String> = BTreeMap::new();
     for (s, group) in groups.iter().enumerate() {
-        let name = shard_name(s, count);
+        let name = naming.name(s, count);
         let mut members: Vec<&TensorDef> = group.iter().map(|&i| &tensors[i]).collect();
         members.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(&b.name)));
         for t in &members {
@@ -291,7 +352,7 @@ fn write_shard(path: &Path, members: &[&TensorDef], mode: DataMode) -> io::Resul
             for t in members {
                 if let Init::Ints(values) = &t.init {
                     file.seek(SeekFrom::Start(offset))?;
-                    file.write_all(&int_bytes(values))?;
+                    file.write_all(&int_bytes(values, t.dtype))?;
                 }
                 offset += t.nbytes();
             }
@@ -309,15 +370,23 @@ fn write_shard(path: &Path, members: &[&TensorDef], mode: DataMode) -> io::Resul
     Ok(())
 }
 
-fn int_bytes(values: &[i64]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+/// Little-endian integers at the dtype's width (I64, or I32 truncating, which the
+/// small shape records never need).
+fn int_bytes(values: &[i64], dtype: StDtype) -> Vec<u8> {
+    match dtype {
+        StDtype::I32 => values
+            .iter()
+            .flat_map(|&v| (v as i32).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
 }
 
 fn write_values(out: &mut impl Write, t: &TensorDef, seed: u64) -> io::Result<()> {
     let elements: u64 = t.shape.iter().product();
     match (&t.init, t.dtype) {
-        (Init::Ints(values), StDtype::I64) if values.len() as u64 == elements => {
-            out.write_all(&int_bytes(values))
+        (Init::Ints(values), StDtype::I64 | StDtype::I32) if values.len() as u64 == elements => {
+            out.write_all(&int_bytes(values, t.dtype))
         }
         (Init::Normal { center, std }, StDtype::Bf16) => {
             let mut rng = SplitMix64::new(seed ^ fnv1a(t.name.as_bytes()));
