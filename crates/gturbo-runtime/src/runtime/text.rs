@@ -638,26 +638,6 @@ pub fn harmony_final(decoded: &str) -> Option<&str> {
     Some(&body[..end])
 }
 
-#[cfg(test)]
-mod harmony_tests {
-    use super::harmony_final;
-
-    #[test]
-    fn the_final_channel_is_kept_and_the_analysis_dropped() {
-        let answer = "<|channel|>analysis<|message|>The user asks for 2+2. Easy.<|end|>\
-                      <|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>";
-        assert_eq!(harmony_final(answer), Some("2 + 2 = 4."));
-        // A channel with a constraint after its name, and a reply cut mid-answer.
-        let cut = "<|channel|>analysis<|message|>x<|end|><|start|>assistant\
-                   <|channel|>final <|constrain|>json<|message|>{\"a\": 1";
-        assert_eq!(harmony_final(cut), Some("{\"a\": 1"));
-        // Still thinking when the budget ran out: no final channel.
-        assert_eq!(
-            harmony_final("<|channel|>analysis<|message|>Let me think"),
-            None
-        );
-        assert_eq!(harmony_final("plain text"), None);
-
 /// Render the chat template `source` (read from `path`) over `ctx` as transformers
 /// does (trim_blocks, lstrip_blocks, Python string methods, `raise_exception`), its
 /// work and its output bounded: a template is untrusted code.
@@ -764,5 +744,27 @@ fn python_json(v: &Value, out: &mut String) {
             out.push('}');
         }
         other => out.push_str(&other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod harmony_tests {
+    use super::harmony_final;
+
+    #[test]
+    fn the_final_channel_is_kept_and_the_analysis_dropped() {
+        let answer = "<|channel|>analysis<|message|>The user asks for 2+2. Easy.<|end|>\
+                      <|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>";
+        assert_eq!(harmony_final(answer), Some("2 + 2 = 4."));
+        // A channel with a constraint after its name, and a reply cut mid-answer.
+        let cut = "<|channel|>analysis<|message|>x<|end|><|start|>assistant\
+                   <|channel|>final <|constrain|>json<|message|>{\"a\": 1";
+        assert_eq!(harmony_final(cut), Some("{\"a\": 1"));
+        // Still thinking when the budget ran out: no final channel.
+        assert_eq!(
+            harmony_final("<|channel|>analysis<|message|>Let me think"),
+            None
+        );
+        assert_eq!(harmony_final("plain text"), None);
     }
 }
