@@ -96,10 +96,15 @@ fn rules(f: Flagship) -> Rules {
             routers: &[".block_sparse_moe.gate.weight"],
             never: &["norm"],
         },
-        Flagship::KimiK2Thinking | Flagship::GptOss120b => Rules {
+        Flagship::KimiK2Thinking => Rules {
             mtp: "model.layers.61.",
             routers: gate,
             never: &["norm"],
+        },
+        Flagship::GptOss120b => Rules {
+            mtp: "mtp.",
+            routers: &[".mlp.router.weight"],
+            never: &["norm", "_bias", "sinks"],
         },
     }
 }
@@ -165,6 +170,14 @@ fn expert_of(name: &str) -> Option<(String, u64)> {
     Some((layer.to_string(), e))
 }
 
+/// The layer of a gpt-oss MXFP4 expert tensor (`….mlp.experts.{gate_up,down}_proj_{blocks,scales}`).
+fn mxfp4_expert_layer(name: &str) -> Option<String> {
+    let (layer, rest) = name.split_once(".experts.")?;
+    ["gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"]
+        .contains(&rest)
+        .then(|| layer.to_string())
+}
+
 fn expected(f: Flagship, tensors: &[Header]) -> Expected {
     let r = rules(f);
     let mut ex = Expected::default();
@@ -180,6 +193,16 @@ fn expected(f: Flagship, tensors: &[Header]) -> Expected {
             continue;
         }
         let (rows, cols) = (shape[0], shape.iter().skip(1).product::<u64>());
+        if let Some(layer) = mxfp4_expert_layer(name) {
+            // gpt-oss: `[E, rows, cols/32, 16]` blocks and `[E, rows, cols/32]` E8M0
+            // scales, kept as they are (`mxfp4_g32`: the words are the block bytes,
+            // one scale byte per 32, no biases); gate and up are split out of the
+            // fused rows, which moves no byte between experts.
+            let b = blobs.entry(layer).or_default();
+            b.0 = b.0.max(shape[0]);
+            b.1 += cols;
+            continue;
+        }
         if let Some((layer, e)) = expert_of(name) {
             // FP8 / BF16 parts become INT4 g64; compressed-tensors parts stay 4-bit g32
             // (`weight_packed` holds cols / 8 words per row).
@@ -321,11 +344,12 @@ async fn check(f: Flagship) {
         .map(|p| p["files"].as_u64().unwrap())
         .sum();
     assert_eq!(files, ex.pools, "{f:?} pool files");
-    // The MTP layer is said dropped, with its count of planned tensors.
+    // The MTP layer is said dropped, with its count of planned tensors (gpt-oss has none).
     let sidecar = d["sidecars"][0].as_str().unwrap_or("");
     assert!(
+        f == Flagship::GptOss120b ||
         sidecar.contains(&format!("skipped by default, {} tensors (", ex.mtp_units))
-            && sidecar.ends_with("--keep-mtp keeps them"),
+            && sidecar.ends_with("--keep-mtp keeps them")),
         "{f:?}: {sidecar}"
     );
     // At most two requests per shard (the header's speculative read, and one more when
@@ -378,27 +402,20 @@ async fn minimax_m2_full_size_dry_run_is_exact_from_headers() {
     check(Flagship::MiniMaxM2).await;
 }
 
-/// gpt-oss's MXFP4 experts are not installed yet (the `mxfp4` branch has not landed):
-/// its dry run is refused naming MXFP4 (from the headers, at most two requests per
-/// shard), and the `original/` and `metal/` copies are never asked for. The total is
-/// left for the merge.
+/// gpt-oss-120b keeps its MXFP4 experts as they are (the pools hold the block and
+/// scale bytes), its dry run exact like the others; the `original/` and `metal/` copies
+/// beside the weights are never asked for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gpt_oss_120b_dry_run_refuses_mxfp4_by_name_and_reads_no_other_copy() {
+async fn gpt_oss_120b_full_size_dry_run_is_exact_and_reads_no_other_copy() {
     let f = Flagship::GptOss120b;
-    let (d, dir, stats, out) = dry_run(f).await;
-    assert!(d.is_null(), "{out}");
-    assert!(
-        out.contains("config.json: field `quantization_config.quant_method`: \"mxfp4\"")
-            && out.contains("MXFP4 sources (gpt-oss's experts) are not installed yet"),
-        "{out}"
-    );
+    check(f).await;
+    let (_, dir, stats, _) = dry_run(f).await;
     assert!(dir.path().join("metal/model.bin").exists());
     for (path, fs) in &stats.files {
         assert!(
             !path.contains("/original/") && !path.contains("/metal/"),
             "{path}: {fs:?}"
         );
-        assert!(fs.resolve + fs.cdn <= 2, "{path}: {fs:?}");
     }
 }
 
