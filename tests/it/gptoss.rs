@@ -133,10 +133,20 @@ fn greedy_tokens_equal_transformers_on_the_gpu_with_expert_slots_and_resident_ex
 /// The logits of the prompt (all positions) and of each decode step fed the golden's
 /// greedy tokens, on `backend`, with the largest difference from transformers'.
 fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
-    let g = meta();
-    let want = golden_rows(TOY);
+    logits_vs_golden_of(TOY, bf16(), backend, experts)
+}
+
+/// [`logits_vs_golden`] of the install `dir` of `toy`, asserting [`LOGIT_ATOL`].
+pub(crate) fn logits_vs_golden_of<B: Ops + 'static>(
+    toy: &str,
+    dir: &Path,
+    backend: &B,
+    experts: ExpertMode,
+) -> f32 {
+    let g = meta_of(toy, "gpt_oss");
+    let want = golden_rows(toy);
     let install = load::open(
-        bf16(),
+        dir,
         LoadOptions {
             experts,
             ..Default::default()
@@ -161,7 +171,8 @@ fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
         }
     }
     eprintln!(
-        "gpt_oss toy on {}: {} positions, max |logit − transformers| {:.3e} at {}",
+        "gpt_oss toy {} on {}: {} positions, max |logit − transformers| {:.3e} at {}",
+        dir.display(),
         model.backend_name(),
         got.len(),
         worst.0,
