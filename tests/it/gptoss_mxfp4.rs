@@ -143,3 +143,22 @@ fn mxfp4_experts_match_transformers_on_the_cpu() {
 fn the_bf16_install_of_mxfp4_experts_matches_transformers_on_the_cpu() {
     matches_transformers(&installs().bf16, "cpu", &Cpu::new(2));
 }
+
+#[cfg(feature = "gpu")]
+#[test]
+fn mxfp4_experts_match_transformers_on_the_gpu_with_expert_slots_and_resident_experts() {
+    const TEST: &str =
+        "mxfp4_experts_match_transformers_on_the_gpu_with_expert_slots_and_resident_experts";
+    let Some(gpu) = crate::gpu::gpu(TEST) else {
+        return;
+    };
+    let i = installs();
+    matches_transformers(&i.spliced, "gpu", &gpu);
+    let want = meta().greedy;
+    for mode in [&["--expert-cache-slots", "2"][..], &["--resident-experts"]] {
+        assert_eq!(greedy(&i.spliced, "gpu", mode), want, "{mode:?}");
+    }
+    matches_transformers(&i.bf16, "gpu", &gpu);
+    let default = greedy(&i.default, "gpu", &["--allow-unmeasured"]);
+    assert_eq!(default, greedy(&i.default, "cpu", &["--allow-unmeasured"]));
+}

@@ -238,6 +238,7 @@ impl Kernel {
             }
         }
         v.push(Kernel::plain(Shader::Qmatvec, "moe_combine"));
+        v.push(Kernel::plain(Shader::Qmatvec, "mxfp4_matvec"));
         v.push(Kernel::plain(Shader::QmatvecX24, "pack_x24"));
         for group in [32, 64, 128] {
             for lanes in [4, 32, 64, 256] {

@@ -226,6 +226,22 @@ impl GpuContext {
                     )
                 }
             }
+            Encoding::Mxfp4 => {
+                let p = QmatvecParams {
+                    rows,
+                    cols,
+                    n: n32,
+                    w_off: w.w_off,
+                    s_off: w.s_off,
+                    ..Default::default()
+                };
+                self.dispatch(
+                    &Kernel::plain(Shader::Qmatvec, "mxfp4_matvec"),
+                    &p.bytes(),
+                    &[&w.buf, x, y],
+                    w.rows.div_ceil(MATVEC_ROWS) * n,
+                )
+            }
             e => {
                 let p = FmatvecParams {
                     rows,
@@ -986,6 +1002,14 @@ impl GpuContext {
         }
         let (bits, group) = match table.encoding {
             Encoding::Affine { bits, group } => (bits, group),
+            Encoding::Mxfp4 => {
+                return Err(shape_err(
+                    OP,
+                    "an MXFP4 (mxfp4_g32) table has no gather kernel (only experts are \
+                     stored so)"
+                        .into(),
+                ));
+            }
             _ => (4, 64),
         };
         let p = EmbedParams {
