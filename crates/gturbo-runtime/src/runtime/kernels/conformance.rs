@@ -764,6 +764,29 @@ pub(crate) fn attention<B: Backend>(b: &B) {
     attention_dense(b, &mut rng, &steps);
     attention_spec_options(b, &mut rng, &steps);
     attention_long_contexts(b, &mut rng);
+    attention_window_slides(b, &mut rng);
+}
+
+/// A window cache over a context many windows long: a prefill past the window, 200
+/// decode steps (a backend that drops what no query sees again drops it several
+/// times), a batch, a rewind of two positions (a failed pass), and a snapshot.
+fn attention_window_slides<B: Backend>(b: &B, rng: &mut Rng) {
+    let mut steps = vec![(0, 20)];
+    steps.extend((20..220).map(|p| (p, 1)));
+    steps.extend([(220, 7), (225, 2)]);
+    let sinks = [1.0, -2.0, 0.5, 4.0];
+    AttentionCase {
+        heads: 4,
+        spec: AttentionSpec {
+            window: Some(5),
+            ..AttentionSpec::dense(2, 16)
+        },
+        sinks: Some(&sinks),
+        steps: &steps,
+        max_positions: 512,
+        snapshot: true,
+    }
+    .run(b, rng);
 }
 
 /// Dense heads: grouped, ungrouped, one KV head.
