@@ -46,11 +46,6 @@ pub struct CpuKv {
     start: usize,
 }
 
-/// Positions a windowed cache keeps before the first one its last pass's first query
-/// saw, so a pass that failed halfway (or a caller rewinding a little) can run again
-/// from up to this many positions earlier.
-pub const WINDOW_REWIND: usize = 8;
-
 /// Bytes of `n` f32 values.
 pub(crate) fn f32_bytes(n: usize) -> u64 {
     (n as u64).saturating_mul(size_of::<f32>() as u64)
@@ -67,19 +62,13 @@ impl CpuKv {
         self.start
     }
 
-    /// After a pass whose first query was at `pos`: drop the positions before
-    /// `first_seen(pos) − WINDOW_REWIND` once at least a window's worth (and
-    /// [`WINDOW_REWIND`]) of them piled up, so the memmove is amortized over that many
-    /// tokens; the capacity follows when it is more than twice what is held (a long
-    /// prefill's).
+    /// After a pass whose first query was at `pos`: drop the positions no query sees
+    /// again when [`AttentionSpec::slide_to`] says so; the capacity follows when it is
+    /// more than twice what is held (a long prefill's).
     fn slide(&mut self, pos: usize) {
-        let Some(w) = self.spec.window else {
+        let Some(keep_from) = self.spec.slide_to(pos, self.start) else {
             return;
         };
-        let keep_from = self.spec.first_seen(pos).saturating_sub(WINDOW_REWIND);
-        if keep_from < self.start + w.max(WINDOW_REWIND) {
-            return;
-        }
         let drop = keep_from - self.start;
         self.k.drain(..drop * self.spec.k_width());
         self.v.drain(..drop * self.spec.stored_v_width());
@@ -466,6 +455,7 @@ impl Backend for Cpu {
 #[cfg(test)]
 mod window_tests {
     use super::*;
+    use crate::runtime::kernels::backend::WINDOW_REWIND;
 
     /// A window of 8 over 1000 decode steps holds at most the window, the rewind
     /// margin and the amortizing slack (`8 + 8 + 8` positions), not the context; a full

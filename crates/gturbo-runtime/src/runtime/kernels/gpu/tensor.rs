@@ -463,6 +463,8 @@ pub struct KvCache {
     pub(crate) v: GpuTensor,
     pub(crate) capacity: usize,
     pub(crate) spec: AttentionSpec,
+    /// The position of row 0 (a window cache drops the rows no query sees again).
+    pub(crate) start: usize,
 }
 
 impl KvCache {
@@ -482,6 +484,7 @@ impl KvCache {
             },
             capacity,
             spec,
+            start: 0,
         })
     }
 
@@ -495,18 +498,26 @@ impl KvCache {
         self.spec
     }
 
-    /// Copy positions `0..positions` of `self` into `to` (recorded in order), both
-    /// widths.
-    pub(crate) fn copy_into(&self, ctx: &GpuContext, to: &KvCache, positions: usize) {
-        for (from, into, width) in [
+    /// Copy the rows of positions `from..end` of `self` into `to` from its row 0
+    /// (recorded in order), both widths; `to` then starts at `from`.
+    pub(crate) fn copy_into(&self, ctx: &GpuContext, to: &mut KvCache, from: usize, end: usize) {
+        for (src, into, width) in [
             (&self.k, &to.k, self.spec.k_width()),
             (&self.v, &to.v, self.spec.stored_v_width()),
         ] {
-            let bytes = (positions * width * 4) as u64;
+            let row = (width * 4) as u64;
+            let bytes = (end - from) as u64 * row;
             if bytes > 0 {
-                ctx.copy(&from.buf, 0, &into.buf, 0, bytes);
+                ctx.copy(
+                    &src.buf,
+                    (from - self.start) as u64 * row,
+                    &into.buf,
+                    0,
+                    bytes,
+                );
             }
         }
+        to.start = from;
     }
 }
 
