@@ -204,9 +204,11 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu() {
 }
 
 /// Decode after restoring a snapshot equals decode without it, bit for bit: the
-/// snapshot is taken mid-sequence (both DeltaNet states and both K/V caches filled),
-/// the original then decodes on, and the snapshot, restored after that, decodes the
-/// same tokens to the same logits; a second restore of the same snapshot again.
+/// snapshot is taken mid-sequence, at position 25, after the sliding layers' window
+/// caches first dropped the positions no query sees again (at 23: window 8 plus
+/// `WINDOW_REWIND` 8 behind, once 8 piled up), the original then decodes on across two
+/// more drops (31 and 39), and the snapshot, restored after that, decodes the same
+/// tokens to the same logits; a second restore of the same snapshot again.
 fn snapshot_restores<B: Ops + 'static>(backend: &B) {
     let g = meta();
     let install = load::open(bf16(), LoadOptions::default()).unwrap();

@@ -592,30 +592,7 @@ impl ExpertSlots {
         if slots == 0 {
             return Err(bad("zero slots".into()));
         }
-        // One encoding per pool: the kernels address every part of a slot alike.
-        let mxfp4 = pool
-            .parts
-            .iter()
-            .filter(|p| pool.part_scheme(p) == Scheme::Mxfp4)
-            .count();
-        if mxfp4 != 0 && mxfp4 != pool.parts.len() {
-            return Err(bad(format!(
-                "{mxfp4} of {} parts are MXFP4 (mxfp4_g32): a pool's parts share one \
-                 encoding on the GPU",
-                pool.parts.len()
-            )));
-        }
-        let encoding = match (pool.scheme.bits(), pool.dtype) {
-            _ if mxfp4 != 0 => Encoding::Mxfp4,
-            (Some(bits), _) => Encoding::Affine {
-                bits,
-                group: pool.scheme.group().unwrap_or(GROUP as u32),
-            },
-            (None, Dtype::BF16) => Encoding::Bf16,
-            (None, Dtype::F16) => Encoding::F16,
-            (None, Dtype::F32) => Encoding::F32,
-            (None, d) => return Err(bad(format!("experts stored as {d:?} cannot be computed"))),
-        };
+        let encoding = pool_encoding(pool).map_err(&bad)?;
         let to = |v: u64| usize::try_from(v).map_err(|_| bad(format!("{v} does not fit")));
         let mut parts = [PartView {
             rows: 0,
@@ -768,6 +745,34 @@ impl ExpertSlots {
             view(&self.parts[2])?,
         ])
     }
+}
+
+/// The one encoding of a pool's parts on the GPU (the kernels address every part of
+/// a slot alike), or why there is none.
+fn pool_encoding(pool: &ExpertPool) -> std::result::Result<Encoding, String> {
+    let mxfp4 = pool
+        .parts
+        .iter()
+        .filter(|p| pool.part_scheme(p) == Scheme::Mxfp4)
+        .count();
+    if mxfp4 != 0 && mxfp4 != pool.parts.len() {
+        return Err(format!(
+            "{mxfp4} of {} parts are MXFP4 (mxfp4_g32): a pool's parts share one \
+             encoding on the GPU",
+            pool.parts.len()
+        ));
+    }
+    Ok(match (pool.scheme.bits(), pool.dtype) {
+        _ if mxfp4 != 0 => Encoding::Mxfp4,
+        (Some(bits), _) => Encoding::Affine {
+            bits,
+            group: pool.scheme.group().unwrap_or(GROUP as u32),
+        },
+        (None, Dtype::BF16) => Encoding::Bf16,
+        (None, Dtype::F16) => Encoding::F16,
+        (None, Dtype::F32) => Encoding::F32,
+        (None, d) => return Err(format!("experts stored as {d:?} cannot be computed")),
+    })
 }
 
 /// Device scratch for [`GpuContext::expert_ffn`] over up to `tokens` rows.
