@@ -385,7 +385,9 @@ pub trait Backend {
     /// where the sink term is there only with `sinks` (`[at.heads]` learned logits,
     /// gpt-oss): a logit that joins the softmax's denominator and carries no value, so
     /// the weights sum to less than 1. Without sinks this is `softmax(s)`. `at.pos` is
-    /// at most the positions the cache holds.
+    /// at most the positions the cache holds. A window cache drops the positions no
+    /// query sees again ([`AttentionSpec::slide_to`]), so a pass may start at most
+    /// [`WINDOW_REWIND`] positions before the first one its last pass saw.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
