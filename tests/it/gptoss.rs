@@ -133,10 +133,20 @@ fn greedy_tokens_equal_transformers_on_the_gpu_with_expert_slots_and_resident_ex
 /// The logits of the prompt (all positions) and of each decode step fed the golden's
 /// greedy tokens, on `backend`, with the largest difference from transformers'.
 fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
-    let g = meta();
-    let want = golden_rows(TOY);
+    logits_vs_golden_of(TOY, bf16(), backend, experts)
+}
+
+/// [`logits_vs_golden`] of the install `dir` of `toy`, asserting [`LOGIT_ATOL`].
+pub(crate) fn logits_vs_golden_of<B: Ops + 'static>(
+    toy: &str,
+    dir: &Path,
+    backend: &B,
+    experts: ExpertMode,
+) -> f32 {
+    let g = meta_of(toy, "gpt_oss");
+    let want = golden_rows(toy);
     let install = load::open(
-        bf16(),
+        dir,
         LoadOptions {
             experts,
             ..Default::default()
@@ -161,7 +171,8 @@ fn logits_vs_golden<B: Ops + 'static>(backend: &B, experts: ExpertMode) -> f32 {
         }
     }
     eprintln!(
-        "gpt_oss toy on {}: {} positions, max |logit − transformers| {:.3e} at {}",
+        "gpt_oss toy {} on {}: {} positions, max |logit − transformers| {:.3e} at {}",
+        dir.display(),
         model.backend_name(),
         got.len(),
         worst.0,
@@ -193,9 +204,11 @@ fn prompt_and_decode_logits_match_transformers_on_the_gpu() {
 }
 
 /// Decode after restoring a snapshot equals decode without it, bit for bit: the
-/// snapshot is taken mid-sequence (both DeltaNet states and both K/V caches filled),
-/// the original then decodes on, and the snapshot, restored after that, decodes the
-/// same tokens to the same logits; a second restore of the same snapshot again.
+/// snapshot is taken mid-sequence, at position 25, after the sliding layers' window
+/// caches first dropped the positions no query sees again (at 23: window 8 plus
+/// `WINDOW_REWIND` 8 behind, once 8 piled up), the original then decodes on across two
+/// more drops (31 and 39), and the snapshot, restored after that, decodes the same
+/// tokens to the same logits; a second restore of the same snapshot again.
 fn snapshot_restores<B: Ops + 'static>(backend: &B) {
     let g = meta();
     let install = load::open(bf16(), LoadOptions::default()).unwrap();

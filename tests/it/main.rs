@@ -12,6 +12,7 @@ mod flash_next_run;
 mod fp8_source;
 mod glm;
 mod gptoss;
+mod gptoss_mxfp4;
 #[cfg(feature = "gpu")]
 mod gpu;
 #[cfg(feature = "gpu")]

@@ -275,9 +275,12 @@ fn dry_plan(snap: &Path, extra: &[&str]) -> (bool, Value) {
 fn patched_toy(dir: &Path, tensor: &str, at: usize, value: u8) -> PathBuf {
     let snap = dir.join("snap");
     std::fs::create_dir_all(&snap).unwrap();
+    // The checkpoint's files (not its goldens' folder).
     for e in std::fs::read_dir(toy()).unwrap() {
         let p = e.unwrap().path();
-        std::fs::copy(&p, snap.join(p.file_name().unwrap())).unwrap();
+        if p.is_file() {
+            std::fs::copy(&p, snap.join(p.file_name().unwrap())).unwrap();
+        }
     }
     let f = snap.join("model.safetensors");
     let mut b = std::fs::read(&f).unwrap();

@@ -25,7 +25,9 @@ pub fn temp_dir() -> tempfile::TempDir {
 /// in a run and left for the next run to empty, so a run never leaves one more copy
 /// behind (a kept `tempdir()` leaked one into /tmp per run: statics are never dropped).
 pub fn run_dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared").join(name);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("shared")
+        .join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create a shared test folder");
     dir

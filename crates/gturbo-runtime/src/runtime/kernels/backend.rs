@@ -89,6 +89,11 @@ pub enum NormGain {
     OnePlusWeight,
 }
 
+/// Positions a window cache keeps before the first one its last pass's first query
+/// saw ([`AttentionSpec::slide_to`]): a pass that failed halfway runs again, and a
+/// caller may rewind up to this many positions before it.
+pub const WINDOW_REWIND: usize = 8;
+
 /// What one layer's attention is, fixed when its KV cache is made
 /// ([`Backend::kv_cache`]): the cache's head count and row widths, and which positions
 /// a query sees. Llama, Qwen3 and Flash-Next are [`AttentionSpec::dense`]; MLA
@@ -147,6 +152,19 @@ impl AttentionSpec {
     /// The first position a query at position `p` sees (`0` without a window).
     pub fn first_seen(&self, p: usize) -> usize {
         self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// A window cache holding positions `start..` after a pass whose first query was
+    /// at `pos`: the new first position to hold when it is time to drop the ones no
+    /// query sees again, else `None`. It keeps [`WINDOW_REWIND`] positions before the
+    /// first one that pass saw (so the pass, had it failed halfway, runs again), and
+    /// drops only once a window's worth (at least [`WINDOW_REWIND`]) piled up, so the
+    /// copy is amortized over that many tokens. A cache then holds at most
+    /// `window + WINDOW_REWIND + max(window, WINDOW_REWIND)` positions plus a pass's.
+    pub fn slide_to(&self, pos: usize, start: usize) -> Option<usize> {
+        let w = self.window?;
+        let keep_from = self.first_seen(pos).saturating_sub(WINDOW_REWIND);
+        (keep_from >= start + w.max(WINDOW_REWIND)).then_some(keep_from)
     }
 
     /// Whether the spec can be a cache's: heads, widths and window positive, values in
@@ -401,7 +419,9 @@ pub trait Backend {
     /// where the sink term is there only with `sinks` (`[at.heads]` learned logits,
     /// gpt-oss): a logit that joins the softmax's denominator and carries no value, so
     /// the weights sum to less than 1. Without sinks this is `softmax(s)`. `at.pos` is
-    /// at most the positions the cache holds.
+    /// at most the positions the cache holds. A window cache drops the positions no
+    /// query sees again ([`AttentionSpec::slide_to`]), so a pass may start at most
+    /// [`WINDOW_REWIND`] positions before the first one its last pass saw.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

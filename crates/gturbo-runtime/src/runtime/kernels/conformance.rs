@@ -6,8 +6,8 @@
 //! [`Cpu`], and a device backend's tests call it with their own backend.
 //!
 //! # Tolerances (what any backend may differ from the exact value by)
-//! - `linear`: `2e-5 · Σ (|s·q| + |b|)·|x|` per output (float weights: `Σ |w·x|`), the
-//!   terms a kernel adds; the CPU's own kernel tests hold `1e-5`.
+//! - `linear`: `2e-5 · Σ (|s·q| + |b|)·|x|` per output (float and MXFP4 weights:
+//!   `Σ |w·x|`), the terms a kernel adds; the CPU's own kernel tests hold `1e-5`.
 //! - `embed`: `1e-6 · (|s·q| + |b|)` per element (a device may fuse `s·q + b`).
 //! - `rms_norm`, `attention`: `1e-5` of the largest `|output|` of the row (attention: of
 //!   the largest `|v|`).
@@ -26,7 +26,7 @@
 
 use super::backend::{AttentionSpec, Backend, Causal, ExpertRef, NormGain};
 use super::routing::{GroupLimit, Order, RouterBias, RoutingSpec, Scores, route_logits};
-use super::{Cpu, FloatDtype, GROUP, Matrix, bf16_at, quant_row_bytes};
+use super::{Cpu, FloatDtype, GROUP, MXFP4_GROUP, Matrix, bf16_at, quant_row_bytes};
 use crate::format::Scheme;
 use crate::format::dtype::Dtype;
 use crate::format::pools::{BlobPart, ExpertPart, ExpertPool};
@@ -47,6 +47,8 @@ enum Enc {
     Bf16,
     F16,
     F32,
+    /// MXFP4 (gpt-oss's experts): random codes, scales 2^-8..2^-2.
+    Mxfp4,
 }
 
 /// A test matrix's bytes; the reference values are decoded a row at a time, so a
@@ -60,6 +62,9 @@ struct Weights {
 
 impl Weights {
     fn new(enc: Enc, rows: usize, cols: usize, rng: &mut Rng) -> Weights {
+        if enc == Enc::Mxfp4 {
+            return Weights::mxfp4(rows, cols, rng);
+        }
         // Rows with different ranges and one all-zero group, as real weights have.
         let vals: Vec<f32> = (0..rows * cols)
             .map(|i| {
@@ -71,6 +76,22 @@ impl Weights {
             })
             .collect();
         Weights::from_values(enc, rows, cols, &vals)
+    }
+
+    /// Random MXFP4 codes (every one of the 16) and scale exponents 119..=125, the
+    /// first group of row 0 all zero codes.
+    fn mxfp4(rows: usize, cols: usize, rng: &mut Rng) -> Weights {
+        let mut codes: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+        codes[..MXFP4_GROUP.min(cols) / 2].fill(0);
+        let scales = (0..rows * cols / MXFP4_GROUP)
+            .map(|_| 119 + (rng.next() % 7) as u8)
+            .collect();
+        Weights {
+            enc: Enc::Mxfp4,
+            parts: [codes, scales, vec![]],
+            rows,
+            cols,
+        }
     }
 
     fn from_values(enc: Enc, rows: usize, cols: usize, vals: &[f32]) -> Weights {
@@ -106,6 +127,7 @@ impl Weights {
                 vec![],
                 vec![],
             ],
+            Enc::Mxfp4 => unreachable!("MXFP4 test weights are drawn as codes"),
         };
         Weights {
             enc,
@@ -154,6 +176,12 @@ impl Weights {
                 rows,
                 cols,
             },
+            Enc::Mxfp4 => Matrix::Mxfp4 {
+                weights: data,
+                scales: &self.parts[1],
+                rows,
+                cols,
+            },
         }
     }
 
@@ -163,6 +191,17 @@ impl Weights {
         let c = self.cols;
         let mut vals = vec![0f32; c];
         let mut bias = vec![0f32; c];
+        if self.enc == Enc::Mxfp4 {
+            let (wr, sr) = (c / 2, c / MXFP4_GROUP);
+            crate::format::mxfp4::dequantize_rows(
+                &self.parts[0][r * wr..(r + 1) * wr],
+                &self.parts[1][r * sr..(r + 1) * sr],
+                c,
+                &mut vals,
+            )
+            .unwrap();
+            return (vals, bias);
+        }
         match self.bits() {
             Some(bits) => {
                 let (wr, sr) = quant_row_bytes(bits.bits(), GROUP, c);
@@ -297,7 +336,14 @@ fn linear_bound(want: &[(f64, f64)]) -> (Vec<f64>, Vec<f64>) {
 pub(crate) fn linear<B: Backend>(b: &B) {
     let mut rng = Rng(0xC0FF_0002);
     let mut cases = Vec::new();
-    for enc in [Enc::Int4, Enc::Int8, Enc::Bf16, Enc::F16, Enc::F32] {
+    for enc in [
+        Enc::Int4,
+        Enc::Int8,
+        Enc::Bf16,
+        Enc::F16,
+        Enc::F32,
+        Enc::Mxfp4,
+    ] {
         // One group; rows that are not a multiple of any tile; SmolLM2's projections.
         for (rows, cols) in [
             (1, 64),
@@ -719,6 +765,29 @@ pub(crate) fn attention<B: Backend>(b: &B) {
     attention_spec_options(b, &mut rng, &steps);
     attention_long_contexts(b, &mut rng);
     attention_wide_heads(b, &mut rng);
+    attention_window_slides(b, &mut rng);
+}
+
+/// A window cache over a context many windows long: a prefill past the window, 200
+/// decode steps (a backend that drops what no query sees again drops it several
+/// times), a batch, a rewind of two positions (a failed pass), and a snapshot.
+fn attention_window_slides<B: Backend>(b: &B, rng: &mut Rng) {
+    let mut steps = vec![(0, 20)];
+    steps.extend((20..220).map(|p| (p, 1)));
+    steps.extend([(220, 7), (225, 2)]);
+    let sinks = [1.0, -2.0, 0.5, 4.0];
+    AttentionCase {
+        heads: 4,
+        spec: AttentionSpec {
+            window: Some(5),
+            ..AttentionSpec::dense(2, 16)
+        },
+        sinks: Some(&sinks),
+        steps: &steps,
+        max_positions: 512,
+        snapshot: true,
+    }
+    .run(b, rng);
 }
 
 /// Dense heads: grouped, ungrouped, one KV head.
@@ -1144,8 +1213,11 @@ fn pool(
                 let (wr, sr) = quant_row_bytes(bits, GROUP, cols);
                 ((rows * wr) as u64, (rows * sr) as u64)
             }
+            Enc::Mxfp4 => ((rows * cols / 2) as u64, (rows * cols / MXFP4_GROUP) as u64),
             _ => ((rows * cols * 2) as u64, 0),
         };
+        // MXFP4 has no biases; affine a BF16 bias per scale.
+        let biases = if enc == Enc::Mxfp4 { 0 } else { scales };
         parts.push(BlobPart {
             part,
             rows: rows as u64,
@@ -1153,10 +1225,10 @@ fn pool(
             offset,
             weights,
             scales,
-            biases: scales,
+            biases,
             scheme: None,
         });
-        offset += weights + 2 * scales;
+        offset += weights + scales + biases;
     }
     let blob_bytes = offset;
     let stride = blob_bytes.next_multiple_of(crate::format::PAGE);
@@ -1168,6 +1240,7 @@ fn pool(
         scheme: match enc {
             Enc::Int4 => Scheme::Int4G64,
             Enc::Int8 => Scheme::Int8G64,
+            Enc::Mxfp4 => Scheme::Mxfp4,
             _ => Scheme::Passthrough,
         },
         dtype: Dtype::BF16,
@@ -1198,6 +1271,7 @@ pub(crate) fn experts<B: Backend>(b: &B) {
         (Enc::Int4, 128, 192),
         (Enc::Int8, 64, 64),
         (Enc::Bf16, 64, 96),
+        (Enc::Mxfp4, 96, 64),
     ] {
         let (p, ws, blobs) = pool(enc, 3, h, i, &mut rng);
         let n = 5;
@@ -1283,7 +1357,14 @@ fn weights_fixture_decodes_what_the_kernels_compute() {
     // The reference's own decoding agrees with the kernel row widening bit for bit, so
     // the checks above compare against the right numbers.
     let mut rng = Rng(0xC0FF_000B);
-    for enc in [Enc::Int4, Enc::Int8, Enc::Bf16, Enc::F16, Enc::F32] {
+    for enc in [
+        Enc::Int4,
+        Enc::Int8,
+        Enc::Bf16,
+        Enc::F16,
+        Enc::F32,
+        Enc::Mxfp4,
+    ] {
         let w = Weights::new(enc, 4, 128, &mut rng);
         for r in 0..4 {
             let mut out = vec![0f32; 128];

@@ -57,7 +57,7 @@ pub mod topk;
 
 pub use backend::{
     AttentionSpec, Backend, BackendError, Causal, ExpertRef, KvRows, LayerExperts, NormGain,
-    OpResult, RopeLayout, Routing,
+    OpResult, RopeLayout, Routing, WINDOW_REWIND,
 };
 pub use cpu::{CpuAttnCache, CpuKv, CpuRope};
 pub use ops::Ops;

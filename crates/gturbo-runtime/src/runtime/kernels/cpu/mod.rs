@@ -34,12 +34,16 @@ pub struct CpuRope {
 }
 
 /// One layer's keys `[positions, kv_heads·qk_dim]` and values `[positions,
-/// kv_heads·v_dim]`, grown as tokens arrive.
+/// kv_heads·v_dim]` of the positions `start..` it holds, grown as tokens arrive. A
+/// windowed cache ([`AttentionSpec::window`]) drops the positions no query can see
+/// again ([`CpuKv::slide`]), so it holds about a window, not the whole context.
 #[derive(Debug, Clone)]
 pub struct CpuKv {
     k: Vec<f32>,
     v: Vec<f32>,
     spec: AttentionSpec,
+    /// The first position held (0 unless a window slid past it).
+    start: usize,
 }
 
 /// Bytes of `n` f32 values.
@@ -48,9 +52,32 @@ pub(crate) fn f32_bytes(n: usize) -> u64 {
 }
 
 impl CpuKv {
-    /// Positions held.
+    /// The end (exclusive) of the positions held.
     pub fn positions(&self) -> usize {
-        self.k.len() / self.spec.k_width()
+        self.start + self.k.len() / self.spec.k_width()
+    }
+
+    /// The first position held.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// After a pass whose first query was at `pos`: drop the positions no query sees
+    /// again when [`AttentionSpec::slide_to`] says so; the capacity follows when it is
+    /// more than twice what is held (a long prefill's).
+    fn slide(&mut self, pos: usize) {
+        let Some(keep_from) = self.spec.slide_to(pos, self.start) else {
+            return;
+        };
+        let drop = keep_from - self.start;
+        self.k.drain(..drop * self.spec.k_width());
+        self.v.drain(..drop * self.spec.stored_v_width());
+        self.start = keep_from;
+        for c in [&mut self.k, &mut self.v] {
+            if c.capacity() > 2 * c.len() {
+                c.shrink_to(c.len() * 3 / 2);
+            }
+        }
     }
 }
 
@@ -270,6 +297,7 @@ impl Backend for Cpu {
             k: Vec::new(),
             v: Vec::new(),
             spec,
+            start: 0,
         })
     }
 
@@ -329,14 +357,22 @@ impl Backend for Cpu {
             at.pos <= kv.positions(),
             "attention: position past the cache"
         );
+        // A windowed cache that slid: the positions this pass reads must still be held.
+        let start = kv.start;
+        assert!(
+            spec.first_seen(at.pos) >= start,
+            "attention: position {} sees from {}, but the window cache holds from {start}",
+            at.pos,
+            spec.first_seen(at.pos)
+        );
         let (kc, vc) = (&mut kv.k, &mut kv.v);
-        kc.truncate(at.pos * kw);
+        kc.truncate((at.pos - start) * kw);
         kc.extend_from_slice(k);
         // Values in the keys: head `h`'s value row is its key's first `vd` dims.
         let (vc, vw, vh): (&Vec<f32>, usize, usize) = if spec.values_in_keys {
             (kc, kw, qd)
         } else {
-            vc.truncate(at.pos * vw);
+            vc.truncate((at.pos - start) * vw);
             vc.extend_from_slice(v);
             (vc, vw, vd)
         };
@@ -350,6 +386,7 @@ impl Backend for Cpu {
                 let qh = &q[i * qw + hh * qd..i * qw + (hh + 1) * qd];
                 let seen = &mut scores[first..upto];
                 for (j, sc) in (first..upto).zip(seen.iter_mut()) {
+                    let j = j - start;
                     let kj = &kc[j * kw + kvh * qd..j * kw + (kvh + 1) * qd];
                     *sc = dot(qh, kj) * at.scale;
                 }
@@ -360,11 +397,13 @@ impl Backend for Cpu {
                 let ah = &mut out[i * ow + hh * vd..i * ow + (hh + 1) * vd];
                 ah.fill(0.0);
                 for (j, &p) in (first..upto).zip(seen.iter()) {
+                    let j = j - start;
                     let vj = &vc[j * vw + kvh * vh..j * vw + kvh * vh + vd];
                     axpy(p, vj, ah);
                 }
             }
         }
+        kv.slide(at.pos);
         Ok(())
     }
 
@@ -425,5 +464,55 @@ impl Backend for Cpu {
             axpy(w, &d[r * h..(r + 1) * h], &mut out[t * h..(t + 1) * h]);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+    use crate::runtime::kernels::backend::WINDOW_REWIND;
+
+    /// A window of 8 over 1000 decode steps holds at most the window, the rewind
+    /// margin and the amortizing slack (`8 + 8 + 8` positions), not the context; a full
+    /// cache holds all 1000.
+    #[test]
+    fn a_window_cache_holds_about_its_window_and_a_full_one_everything() {
+        let cpu = Cpu::portable(1);
+        let spec = AttentionSpec::dense(2, 16);
+        let row = f32_bytes(spec.k_width() + spec.v_width());
+        let windowed = AttentionSpec {
+            window: Some(8),
+            ..spec
+        };
+        let (mut full, mut ring) = (
+            cpu.kv_cache(spec, 1000).unwrap(),
+            cpu.kv_cache(windowed, 1000).unwrap(),
+        );
+        let x = vec![0.5f32; spec.k_width()];
+        let q = vec![0.25f32; 2 * spec.qk_dim];
+        for pos in 0..1000 {
+            let at = Causal {
+                pos,
+                heads: 2,
+                scale: 0.25,
+            };
+            for kv in [&mut full, &mut ring] {
+                let mut out = vec![0f32; 2 * spec.v_dim];
+                cpu.attention(kv, &q, &x, &x, at, None, &mut out).unwrap();
+            }
+        }
+        assert_eq!((full.start(), full.positions()), (0, 1000));
+        assert_eq!(ring.positions(), 1000);
+        let held = (ring.positions() - ring.start()) as u64;
+        let most = 8 + WINDOW_REWIND as u64 + 8.max(WINDOW_REWIND) as u64;
+        assert!(held <= most, "{held} positions held");
+        assert!(ring.start() > 900, "the window slid: {}", ring.start());
+        // Capacity: at most twice the most it holds (a Vec's growth).
+        assert!(
+            cpu.kv_bytes(&ring) <= row * 2 * most,
+            "{}",
+            cpu.kv_bytes(&ring)
+        );
+        assert!(cpu.kv_bytes(&full) >= row * 1000);
     }
 }

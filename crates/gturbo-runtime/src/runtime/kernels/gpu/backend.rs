@@ -213,6 +213,23 @@ impl Gpu {
         Ok(self.wrap(t))
     }
 
+    /// A window cache after a pass whose first query was at `pos`: when
+    /// [`AttentionSpec::slide_to`] says so, its rows from the new start move to row 0
+    /// of a cache sized for what it holds (a copy recorded in order; the old buffer is
+    /// freed once the recorded work is done), so a sliding layer holds about a window,
+    /// not the context, and a long prefill's capacity is given back.
+    fn slide(&self, kv: &mut GpuKv, pos: usize) -> Result<()> {
+        let Some(keep_from) = kv.cache.spec.slide_to(pos, kv.cache.start) else {
+            return Ok(());
+        };
+        let held = kv.len - keep_from;
+        let cap = (2 * held).max(KV_START.min(kv.max)).min(kv.max);
+        let mut moved = KvCache::new(&self.ctx, cap, kv.cache.spec)?;
+        kv.cache.copy_into(&self.ctx, &mut moved, keep_from, kv.len);
+        kv.cache = moved;
+        Ok(())
+    }
+
     fn zeroed(&self, len: usize) -> Result<GpuBuf> {
         let b = self.scratch(len)?;
         self.ctx.clear(&b.t.buf);
@@ -500,9 +517,9 @@ impl Backend for Gpu {
 
     fn copy_kv(&self, kv: &GpuKv) -> OpResult<GpuKv> {
         let c = &kv.cache;
-        let cache =
+        let mut cache =
             KvCache::new(&self.ctx, c.capacity(), c.spec).map_err(|e| self.err("copy_kv", e))?;
-        c.copy_into(&self.ctx, &cache, kv.len);
+        c.copy_into(&self.ctx, &mut cache, c.start, kv.len);
         Ok(GpuKv {
             cache,
             max: kv.max,
@@ -531,16 +548,31 @@ impl Backend for Gpu {
                     ),
                 });
             }
-            if at.pos + n > kv.cache.capacity() {
-                let cap = (2 * kv.cache.capacity()).max(at.pos + n).min(kv.max);
-                let grown = KvCache::new(&self.ctx, cap, kv.cache.spec)?;
-                kv.cache.copy_into(&self.ctx, &grown, at.pos);
+            let start = kv.cache.start;
+            if at.pos < start || kv.cache.spec.first_seen(at.pos) < start {
+                return Err(GpuError::Shape {
+                    op: "attention",
+                    message: format!(
+                        "position {at_pos} sees from {}, but the window cache holds from \
+                         {start}",
+                        kv.cache.spec.first_seen(at.pos),
+                        at_pos = at.pos
+                    ),
+                });
+            }
+            if at.pos - start + n > kv.cache.capacity() {
+                let cap = (2 * kv.cache.capacity())
+                    .max(at.pos - start + n)
+                    .min(kv.max);
+                let mut grown = KvCache::new(&self.ctx, cap, kv.cache.spec)?;
+                kv.cache.copy_into(&self.ctx, &mut grown, start, at.pos);
                 kv.cache = grown;
             }
             self.ctx.kv_append(&kv.cache, &k.t, &v.t, at.pos)?;
             kv.len = at.pos + n;
             self.ctx
-                .attention(&q.t, &kv.cache, at, sinks.map(|s| &s.t), &out.t)
+                .attention(&q.t, &kv.cache, at, sinks.map(|s| &s.t), &out.t)?;
+            self.slide(kv, at.pos)
         };
         run(kv).map_err(|e| self.err("attention", e))
     }

@@ -238,6 +238,7 @@ impl Kernel {
             }
         }
         v.push(Kernel::plain(Shader::Qmatvec, "moe_combine"));
+        v.push(Kernel::plain(Shader::Qmatvec, "mxfp4_matvec"));
         v.push(Kernel::plain(Shader::QmatvecX24, "pack_x24"));
         for group in [32, 64, 128] {
             for lanes in [4, 32, 64, 256] {
@@ -332,7 +333,7 @@ params! {
 }
 params! {
     /// `attn.wgsl`: `window` 0 for none, `sinks` 1 when bound.
-    AttnParams { n: u32, heads: u32, kv_heads: u32, qk_dim: u32, v_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32, chunk: u32, chunks: u32, window: u32, sinks: u32, v_in_k: u32 }
+    AttnParams { n: u32, heads: u32, kv_heads: u32, qk_dim: u32, v_dim: u32, pos0: u32, q_off: u32, out_off: u32, scale: f32, chunk: u32, chunks: u32, window: u32, sinks: u32, v_in_k: u32, kv_start: u32 }
 }
 params! {
     /// `softmax.wgsl`.

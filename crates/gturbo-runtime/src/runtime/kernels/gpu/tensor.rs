@@ -9,13 +9,10 @@ use super::error::{GpuError, Result};
 use super::tuning;
 use crate::format::Scheme;
 use crate::format::dtype::Dtype;
+use crate::format::mxfp4::GROUP as MXFP4_GROUP;
 use crate::format::pools::ExpertPool;
 use crate::format::quant::GROUP;
 use crate::runtime::kernels::{AttentionSpec, FloatDtype, Matrix};
-
-/// What the GPU says of an MXFP4 matrix: the CPU computes it.
-const MXFP4_NOT_ON_GPU: &str =
-    "MXFP4 (mxfp4_g32) matrices have no GPU kernel yet; use --backend cpu";
 
 /// Element type of a [`GpuTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,6 +215,9 @@ pub enum Encoding {
     F16,
     /// f32 elements.
     F32,
+    /// MXFP4 in MLX's `mxfp4` layout: E2M1 codes (two per byte, low nibble first)
+    /// from word `w_off`, one E8M0 scale byte per group of 32 from byte `s_off`.
+    Mxfp4,
 }
 
 impl Encoding {
@@ -231,13 +231,15 @@ impl Encoding {
     }
 
     /// The code the float kernels take as `DTYPE` (f32 0, BF16 1, F16 2), or 3 for
-    /// affine (the embed kernel's `ENCODING`).
+    /// affine (the embed kernel's `ENCODING`), 4 for MXFP4 (which no kernel takes as
+    /// a code: its products have their own entry point and embed refuses it).
     pub(crate) fn code(self) -> u32 {
         match self {
             Encoding::F32 => 0,
             Encoding::Bf16 => 1,
             Encoding::F16 => 2,
             Encoding::Affine { .. } => 3,
+            Encoding::Mxfp4 => 4,
         }
     }
 }
@@ -253,7 +255,8 @@ pub struct GpuMatrix {
     /// Affine: first code word; float: first element (words for f32, half-words for
     /// 16-bit types).
     pub(crate) w_off: u32,
-    /// Affine: half-word index of the first scale and the first bias.
+    /// Affine: half-word index of the first scale and the first bias. MXFP4: byte
+    /// index of the first scale (`b_off` unused).
     pub(crate) s_off: u32,
     pub(crate) b_off: u32,
 }
@@ -305,6 +308,7 @@ impl GpuMatrix {
             }
             Encoding::Bf16 | Encoding::F16 => 2 * n,
             Encoding::F32 => 4 * n,
+            Encoding::Mxfp4 => n / 2 + n / MXFP4_GROUP,
         }
     }
 
@@ -342,12 +346,9 @@ impl GpuMatrix {
                     vec![weights, scales, biases],
                 )
             }
-            Matrix::Mxfp4 { .. } => {
-                return Err(GpuError::Shape {
-                    op: "upload",
-                    message: format!("{label}: {MXFP4_NOT_ON_GPU}"),
-                });
-            }
+            Matrix::Mxfp4 {
+                weights, scales, ..
+            } => (Encoding::Mxfp4, vec![weights, scales]),
             Matrix::Float { dtype, data, .. } => (Encoding::float(dtype), vec![data]),
         };
         // One buffer: codes (a whole number of words, since cols is a multiple of the
@@ -361,6 +362,9 @@ impl GpuMatrix {
         let buf = ctx.upload_bytes(label, &bytes)?;
         let (w_off, s_off, b_off) = match parts.as_slice() {
             [w, s, _] => (0, half_index(w.len())?, half_index(w.len() + s.len())?),
+            // MXFP4: the scale bytes right after the codes (a whole number of words:
+            // 16 bytes per group of 32).
+            [w, _] => (0, byte_index(w.len())?, 0),
             _ => (0, 0, 0),
         };
         Ok(GpuMatrix {
@@ -373,6 +377,14 @@ impl GpuMatrix {
             b_off,
         })
     }
+}
+
+fn byte_index(bytes: usize) -> Result<u32> {
+    u32::try_from(bytes).map_err(|_| GpuError::TooLarge {
+        what: "a matrix addressed by byte index".into(),
+        bytes: bytes as u64,
+        limit: u64::from(u32::MAX),
+    })
 }
 
 fn half_index(bytes: usize) -> Result<u32> {
@@ -479,6 +491,8 @@ pub struct KvCache {
     pub(crate) v: GpuTensor,
     pub(crate) capacity: usize,
     pub(crate) spec: AttentionSpec,
+    /// The position of row 0 (a window cache drops the rows no query sees again).
+    pub(crate) start: usize,
 }
 
 impl KvCache {
@@ -498,6 +512,7 @@ impl KvCache {
             },
             capacity,
             spec,
+            start: 0,
         })
     }
 
@@ -511,18 +526,26 @@ impl KvCache {
         self.spec
     }
 
-    /// Copy positions `0..positions` of `self` into `to` (recorded in order), both
-    /// widths.
-    pub(crate) fn copy_into(&self, ctx: &GpuContext, to: &KvCache, positions: usize) {
-        for (from, into, width) in [
+    /// Copy the rows of positions `from..end` of `self` into `to` from its row 0
+    /// (recorded in order), both widths; `to` then starts at `from`.
+    pub(crate) fn copy_into(&self, ctx: &GpuContext, to: &mut KvCache, from: usize, end: usize) {
+        for (src, into, width) in [
             (&self.k, &to.k, self.spec.k_width()),
             (&self.v, &to.v, self.spec.stored_v_width()),
         ] {
-            let bytes = (positions * width * 4) as u64;
+            let row = (width * 4) as u64;
+            let bytes = (end - from) as u64 * row;
             if bytes > 0 {
-                ctx.copy(&from.buf, 0, &into.buf, 0, bytes);
+                ctx.copy(
+                    &src.buf,
+                    (from - self.start) as u64 * row,
+                    &into.buf,
+                    0,
+                    bytes,
+                );
             }
         }
+        to.start = from;
     }
 }
 
@@ -597,23 +620,7 @@ impl ExpertSlots {
         if slots == 0 {
             return Err(bad("zero slots".into()));
         }
-        if pool
-            .parts
-            .iter()
-            .any(|p| pool.part_scheme(p) == Scheme::Mxfp4)
-        {
-            return Err(bad(MXFP4_NOT_ON_GPU.into()));
-        }
-        let encoding = match (pool.scheme.bits(), pool.dtype) {
-            (Some(bits), _) => Encoding::Affine {
-                bits,
-                group: pool.scheme.group().unwrap_or(GROUP as u32),
-            },
-            (None, Dtype::BF16) => Encoding::Bf16,
-            (None, Dtype::F16) => Encoding::F16,
-            (None, Dtype::F32) => Encoding::F32,
-            (None, d) => return Err(bad(format!("experts stored as {d:?} cannot be computed"))),
-        };
+        let encoding = pool_encoding(pool).map_err(&bad)?;
         let to = |v: u64| usize::try_from(v).map_err(|_| bad(format!("{v} does not fit")));
         let mut parts = [PartView {
             rows: 0,
@@ -631,7 +638,7 @@ impl ExpertSlots {
                 scales: to(p.scales)?,
             };
             let align = match encoding {
-                Encoding::Affine { .. } | Encoding::F32 => 4,
+                Encoding::Affine { .. } | Encoding::F32 | Encoding::Mxfp4 => 4,
                 Encoding::Bf16 | Encoding::F16 => 2,
             };
             if !view.offset.is_multiple_of(align) {
@@ -748,6 +755,7 @@ impl ExpertSlots {
                 ),
                 Encoding::F32 => (idx(at / 4)?, 0, 0),
                 Encoding::Bf16 | Encoding::F16 => (idx(at / 2)?, 0, 0),
+                Encoding::Mxfp4 => (idx(at / 4)?, idx(at + p.weights)?, 0),
             };
             Ok(GpuMatrix {
                 buf: self.buf.clone(),
@@ -765,6 +773,34 @@ impl ExpertSlots {
             view(&self.parts[2])?,
         ])
     }
+}
+
+/// The one encoding of a pool's parts on the GPU (the kernels address every part of
+/// a slot alike), or why there is none.
+fn pool_encoding(pool: &ExpertPool) -> std::result::Result<Encoding, String> {
+    let mxfp4 = pool
+        .parts
+        .iter()
+        .filter(|p| pool.part_scheme(p) == Scheme::Mxfp4)
+        .count();
+    if mxfp4 != 0 && mxfp4 != pool.parts.len() {
+        return Err(format!(
+            "{mxfp4} of {} parts are MXFP4 (mxfp4_g32): a pool's parts share one \
+             encoding on the GPU",
+            pool.parts.len()
+        ));
+    }
+    Ok(match (pool.scheme.bits(), pool.dtype) {
+        _ if mxfp4 != 0 => Encoding::Mxfp4,
+        (Some(bits), _) => Encoding::Affine {
+            bits,
+            group: pool.scheme.group().unwrap_or(GROUP as u32),
+        },
+        (None, Dtype::BF16) => Encoding::Bf16,
+        (None, Dtype::F16) => Encoding::F16,
+        (None, Dtype::F32) => Encoding::F32,
+        (None, d) => return Err(format!("experts stored as {d:?} cannot be computed")),
+    })
 }
 
 /// Device scratch for [`GpuContext::expert_ffn`] over up to `tokens` rows.

@@ -226,6 +226,22 @@ impl GpuContext {
                     )
                 }
             }
+            Encoding::Mxfp4 => {
+                let p = QmatvecParams {
+                    rows,
+                    cols,
+                    n: n32,
+                    w_off: w.w_off,
+                    s_off: w.s_off,
+                    ..Default::default()
+                };
+                self.dispatch(
+                    &Kernel::plain(Shader::Qmatvec, "mxfp4_matvec"),
+                    &p.bytes(),
+                    &[&w.buf, x, y],
+                    w.rows.div_ceil(MATVEC_ROWS) * n,
+                )
+            }
             e => {
                 let p = FmatvecParams {
                     rows,
@@ -514,18 +530,20 @@ impl GpuContext {
                 ),
             ));
         }
-        if pos0 + n > cache.capacity {
+        if pos0 < cache.start || pos0 - cache.start + n > cache.capacity {
             return Err(shape_err(
                 OP,
                 format!(
-                    "positions up to {} exceed the cache's {}",
+                    "positions {pos0}..{} outside the cache's {}..{}",
                     pos0 + n,
-                    cache.capacity
+                    cache.start,
+                    cache.start + cache.capacity
                 ),
             ));
         }
+        let row0 = pos0 - cache.start;
         for (from, to, width) in [(k, &cache.k, kw), (v, &cache.v, vw)] {
-            let (at, bytes) = ((pos0 * width * 4) as u64, (n * width * 4) as u64);
+            let (at, bytes) = ((row0 * width * 4) as u64, (n * width * 4) as u64);
             if bytes > 0 {
                 self.copy(&from.buf, 0, &to.buf, at, bytes);
             }
@@ -579,16 +597,21 @@ impl GpuContext {
             ));
         }
         let n = rows_of(OP, "q", q.len(), heads * qd)?;
-        if out.len() != n * heads * vd || pos0 + n > cache.capacity {
+        if out.len() != n * heads * vd
+            || spec.first_seen(pos0) < cache.start
+            || pos0 + n > cache.start + cache.capacity
+        {
             return Err(shape_err(
                 OP,
                 format!(
                     "out of {} elements for q of {} ({n} tokens of {heads} heads of {vd}), \
-                     positions up to {} in a cache of {}",
+                     positions {}..{} in a cache holding {}..{}",
                     out.len(),
                     q.len(),
+                    spec.first_seen(pos0),
                     pos0 + n,
-                    cache.capacity
+                    cache.start,
+                    cache.start + cache.capacity
                 ),
             ));
         }
@@ -618,6 +641,7 @@ impl GpuContext {
             window: u32_of(OP, spec.window.unwrap_or(0))?,
             sinks: u32::from(sinks.is_some()),
             v_in_k: u32::from(spec.values_in_keys),
+            kv_start: u32_of(OP, cache.start)?,
             ..Default::default()
         };
         // With values in the keys the value binding is the key rows.
@@ -986,6 +1010,14 @@ impl GpuContext {
         }
         let (bits, group) = match table.encoding {
             Encoding::Affine { bits, group } => (bits, group),
+            Encoding::Mxfp4 => {
+                return Err(shape_err(
+                    OP,
+                    "an MXFP4 (mxfp4_g32) table has no gather kernel (only experts are \
+                     stored so)"
+                        .into(),
+                ));
+            }
             _ => (4, 64),
         };
         let p = EmbedParams {

@@ -35,6 +35,8 @@ struct Params {
     sinks: u32,
     // 1: values are each key head's first v_dim dims (`vc` is bound to the keys).
     v_in_k: u32,
+    // The position of cache row 0: a window cache drops the rows no query sees again.
+    kv_start: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -111,7 +113,7 @@ fn attend(li: u32, h: u32, lo: u32, hi: u32) -> Attended {
         let j = j0 + li;
         var sc = NEG_BIG;
         if (j < hi) {
-            let kb = j * kvw + kvh * hd;
+            let kb = (j - p.kv_start) * kvw + kvh * hd;
             var dotv = 0.0;
             for (var d = 0u; d < hd; d++) { dotv += qs[d] * kc[kb + d]; }
             sc = dotv * p.scale;
@@ -127,7 +129,7 @@ fn attend(li: u32, h: u32, lo: u32, hi: u32) -> Attended {
             if (d < vd) {
                 var a = acc[t] * corr;
                 for (var jj = 0u; jj < cnt; jj++) {
-                    a += pr[jj] * vc[(j0 + jj) * vw + kvh * vh + d];
+                    a += pr[jj] * vc[(j0 + jj - p.kv_start) * vw + kvh * vh + d];
                 }
                 acc[t] = a;
             }

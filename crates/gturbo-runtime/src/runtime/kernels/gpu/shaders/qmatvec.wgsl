@@ -388,3 +388,68 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>,
         y[p.y_off + (t0 + t) * p.rows + r0 + r] = acc;
     }
 }
+
+// MXFP4 (MLX's `mxfp4` layout, gpt-oss's experts): each row's E2M1 codes are cols/2
+// bytes from word `w_off` + row·cols/8 (element j in nibble j of its word, low nibble
+// first), its E8M0 scales cols/32 bytes from byte `s_off` + row·cols/32 (WGSL has no
+// u8: a scale byte is taken out of its word). Each group of 32 contributes
+// 2^(e − 127) · Σ E2M1(q)·x, accumulated in f32, as the CPU's `matvec_mxfp4` does: E2M1
+// values and power-of-two scales are exact in f32, so this agrees with "dequantize,
+// then dot" to f32 rounding. One row per 32 invocations, a group per lane in turn,
+// then a tree sum; every token of `n` (decode and prefill alike).
+
+// The f32 value of E2M1 code `c` (sign in bit 3), built from its bits: magnitude
+// codes 2..7 are 2^(e−1)·(1 + m/2) with e = bits 1..2, m = bit 0; code 1 is 0.5.
+fn e2m1(c: u32) -> f32 {
+    let e = (c >> 1u) & 3u;
+    let m = c & 1u;
+    let normal = ((e + 126u) << 23u) | (m << 22u);
+    let sub = select(0u, 126u << 23u, m == 1u);
+    return bitcast<f32>(select(sub, normal, e != 0u) | ((c & 8u) << 28u));
+}
+
+// 2^(e − 127) for scale byte e (0 is the subnormal 2^-127; 0xFF, NaN, is refused at
+// install and load).
+fn e8m0(e: u32) -> f32 {
+    return select(bitcast<f32>(e << 23u), bitcast<f32>(1u << 22u), e == 0u);
+}
+
+@compute @workgroup_size(256)
+fn mxfp4_matvec(@builtin(workgroup_id) wid: vec3<u32>,
+                @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) li: u32) {
+    let blocks = (p.rows + 7u) / 8u;
+    let lin = wid.x + wid.y * nwg.x;
+    if (lin >= blocks * p.n) { return; }
+    let tok = lin / blocks;
+    let row = (lin % blocks) * 8u + li / 32u;
+    let lane = li % 32u;
+    let groups = p.cols / 32u;
+    var acc = 0.0;
+    if (row < p.rows) {
+        let wbase = p.w_off + row * groups * 4u;
+        let sbase = p.s_off + row * groups;
+        let xbase = p.x_off + tok * p.cols;
+        for (var g = lane; g < groups; g += 32u) {
+            var dq = 0.0;
+            for (var wi = 0u; wi < 4u; wi++) {
+                let w = mat[wbase + g * 4u + wi];
+                let x0 = xbase + g * 32u + wi * 8u;
+                for (var j = 0u; j < 8u; j++) {
+                    dq += e2m1((w >> (4u * j)) & 0xfu) * x[x0 + j];
+                }
+            }
+            let sb = sbase + g;
+            acc += e8m0((mat[sb >> 2u] >> ((sb & 3u) * 8u)) & 0xffu) * dq;
+        }
+    }
+    red[li] = acc;
+    workgroupBarrier();
+    for (var s = 16u; s > 0u; s >>= 1u) {
+        if (lane < s) { red[li] += red[li + s]; }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        y[p.y_off + tok * p.rows + row] = red[li];
+    }
+}
