@@ -173,9 +173,14 @@ fn expert_of(name: &str) -> Option<(String, u64)> {
 /// The layer of a gpt-oss MXFP4 expert tensor (`….mlp.experts.{gate_up,down}_proj_{blocks,scales}`).
 fn mxfp4_expert_layer(name: &str) -> Option<String> {
     let (layer, rest) = name.split_once(".experts.")?;
-    ["gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"]
-        .contains(&rest)
-        .then(|| layer.to_string())
+    [
+        "gate_up_proj_blocks",
+        "gate_up_proj_scales",
+        "down_proj_blocks",
+        "down_proj_scales",
+    ]
+    .contains(&rest)
+    .then(|| layer.to_string())
 }
 
 fn expected(f: Flagship, tensors: &[Header]) -> Expected {
@@ -347,9 +352,9 @@ async fn check(f: Flagship) {
     // The MTP layer is said dropped, with its count of planned tensors (gpt-oss has none).
     let sidecar = d["sidecars"][0].as_str().unwrap_or("");
     assert!(
-        f == Flagship::GptOss120b ||
-        sidecar.contains(&format!("skipped by default, {} tensors (", ex.mtp_units))
-            && sidecar.ends_with("--keep-mtp keeps them")),
+        f == Flagship::GptOss120b
+            || (sidecar.contains(&format!("skipped by default, {} tensors (", ex.mtp_units))
+                && sidecar.ends_with("--keep-mtp keeps them")),
         "{f:?}: {sidecar}"
     );
     // At most two requests per shard (the header's speculative read, and one more when

@@ -883,3 +883,31 @@ fn a_compressed_tensors_int4_source_installs_losslessly_as_mlx_affine_4bit_g32()
         text(&o)
     );
 }
+
+/// No cap on the expert count (Kimi's newest checkpoints have 896; llama.cpp capped at
+/// 512): a Qwen3-MoE with 896 routed experts installs one pool of 896 blobs per layer,
+/// verifies, and runs with every expert reachable by the router.
+#[test]
+fn a_checkpoint_with_896_experts_installs_verifies_and_runs() {
+    use gturbo_testkit::replica::{Qwen3MoeSpec, write_qwen3_moe};
+    let tmp = temp_dir();
+    let snap = tmp.path().join("snap");
+    let spec = Qwen3MoeSpec {
+        num_experts: 896,
+        num_experts_per_tok: 12,
+        ..Qwen3MoeSpec::tiny()
+    };
+    write_qwen3_moe(&snap, &spec).unwrap();
+    let out = tmp.path().join("e896.gturbo");
+    install("qwen3_moe", &snap, &out, &["--quant", "bf16"]);
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    for p in m["expert_pools"].as_array().unwrap() {
+        assert_eq!(p["experts"], 896, "{p}");
+    }
+    assert_eq!(m["arch"]["axes"]["num_experts"], 896);
+    let o = gturbo_args(&["verify-install", out.to_str().unwrap()]);
+    assert!(o.status.success(), "verify-install: {}", text(&o));
+    let (doc, _) = run_json(&out, &["--prompt-ids", "1,2,3,4", "--max-tokens", "4"]);
+    assert_eq!(doc["tokens"].as_array().unwrap().len(), 4, "{doc}");
+}
