@@ -539,19 +539,7 @@ fn qwen3_next() -> Layout {
         if (l + 1) % 4 == 0 {
             full_attn(&mut out, &p);
         } else {
-            let a = format!("{p}.linear_attn");
-            t(
-                &mut out,
-                format!("{a}.in_proj_qkvz.weight"),
-                BF16,
-                &[12288, h],
-            );
-            t(&mut out, format!("{a}.in_proj_ba.weight"), BF16, &[64, h]);
-            t(&mut out, format!("{a}.conv1d.weight"), BF16, &[8192, 1, 4]);
-            t(&mut out, format!("{a}.A_log"), BF16, &[32]);
-            t(&mut out, format!("{a}.dt_bias"), BF16, &[32]);
-            t(&mut out, format!("{a}.norm.weight"), BF16, &[128]);
-            t(&mut out, format!("{a}.out_proj.weight"), BF16, &[h, 4096]);
+            qwen3_next_linear_attn(&mut out, &p, h);
         }
         moe(&mut out, &p);
     }
@@ -575,7 +563,20 @@ fn qwen3_next() -> Layout {
     );
     full_attn(&mut out, "mtp.layers.0");
     moe(&mut out, "mtp.layers.0");
-    let config = json!({
+    let config = qwen3_next_config(h, layers, vocab, experts, moe_i);
+    Layout {
+        tensors: out,
+        main_shards: 40,
+        tail: vec!["mtp.".into()],
+        naming: ShardNaming::HF,
+        config,
+        specials: Specials::chatml(151_643),
+    }
+}
+
+/// Qwen3-Next-80B-A3B's published config.json.
+fn qwen3_next_config(h: u64, layers: u64, vocab: u64, experts: u64, moe_i: u64) -> Value {
+    json!({
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
         "hidden_size": h, "num_hidden_layers": layers, "vocab_size": vocab,
@@ -593,15 +594,19 @@ fn qwen3_next() -> Layout {
         "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": false,
         "bos_token_id": 151_643, "eos_token_id": 151_645,
         "torch_dtype": "bfloat16", "use_cache": true, "transformers_version": "4.57.0.dev0",
-    });
-    Layout {
-        tensors: out,
-        main_shards: 40,
-        tail: vec!["mtp.".into()],
-        naming: ShardNaming::HF,
-        config,
-        specials: Specials::chatml(151_643),
-    }
+    })
+}
+
+/// One Qwen3-Next gated DeltaNet layer's tensors (16 key heads, 32 value heads × 128).
+fn qwen3_next_linear_attn(out: &mut Vec<TensorDef>, p: &str, h: u64) {
+    let a = format!("{p}.linear_attn");
+    t(out, format!("{a}.in_proj_qkvz.weight"), BF16, &[12288, h]);
+    t(out, format!("{a}.in_proj_ba.weight"), BF16, &[64, h]);
+    t(out, format!("{a}.conv1d.weight"), BF16, &[8192, 1, 4]);
+    t(out, format!("{a}.A_log"), BF16, &[32]);
+    t(out, format!("{a}.dt_bias"), BF16, &[32]);
+    t(out, format!("{a}.norm.weight"), BF16, &[128]);
+    t(out, format!("{a}.out_proj.weight"), BF16, &[h, 4096]);
 }
 
 fn minimax_m2() -> Layout {
@@ -783,7 +788,24 @@ fn glm45_air() -> Layout {
         "model.norm.weight".into(),
         "lm_head.weight".into(),
     ]);
-    let config = json!({
+    let config = glm45_air_config(h, layers, vocab, experts, moe_i);
+    Layout {
+        tensors: out,
+        main_shards: 46,
+        tail,
+        naming: ShardNaming::HF,
+        config,
+        specials: Specials::bos_eos(
+            ("[gMASK]", 151_331),
+            ("<|endoftext|>", 151_329),
+            "PreTrainedTokenizerFast",
+        ),
+    }
+}
+
+/// GLM-4.5-Air's published config.json.
+fn glm45_air_config(h: u64, layers: u64, vocab: u64, experts: u64, moe_i: u64) -> Value {
+    json!({
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
         "attention_bias": true, "attention_dropout": 0.0, "first_k_dense_replace": 1,
         "head_dim": 128, "hidden_act": "silu", "hidden_size": h,
@@ -797,19 +819,7 @@ fn glm45_air() -> Layout {
         "use_cache": true, "use_qk_norm": false, "vocab_size": vocab,
         "pad_token_id": 151_329, "eos_token_id": [151_329, 151_336, 151_338],
         "transformers_version": "4.54.0",
-    });
-    Layout {
-        tensors: out,
-        main_shards: 46,
-        tail,
-        naming: ShardNaming::HF,
-        config,
-        specials: Specials::bos_eos(
-            ("[gMASK]", 151_331),
-            ("<|endoftext|>", 151_329),
-            "PreTrainedTokenizerFast",
-        ),
-    }
+    })
 }
 
 fn gpt_oss_120b() -> Layout {
@@ -882,7 +892,34 @@ fn gpt_oss_120b() -> Layout {
             }
         })
         .collect();
-    let config = json!({
+    let config = gpt_oss_120b_config(h, layers, vocab, experts, &layer_types);
+    Layout {
+        tensors: out,
+        main_shards: 15,
+        tail: Vec::new(),
+        naming: ShardNaming {
+            first: 0,
+            total_width: 5,
+            total: Some(14),
+        },
+        config,
+        specials: Specials::bos_eos(
+            ("<|startoftext|>", 199_998),
+            ("<|return|>", 200_002),
+            "PreTrainedTokenizerFast",
+        ),
+    }
+}
+
+/// gpt-oss-120b's published config.json.
+fn gpt_oss_120b_config(
+    h: u64,
+    layers: u64,
+    vocab: u64,
+    experts: u64,
+    layer_types: &[&str],
+) -> Value {
+    json!({
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
         "attention_bias": true, "attention_dropout": 0.0, "experts_per_token": 4,
         "head_dim": 64, "hidden_act": "silu", "hidden_size": h,
@@ -900,23 +937,7 @@ fn gpt_oss_120b() -> Layout {
         "swiglu_limit": 7.0, "tie_word_embeddings": false, "use_cache": true,
         "vocab_size": vocab, "eos_token_id": 200_002, "pad_token_id": 199_999,
         "torch_dtype": "bfloat16", "transformers_version": "4.55.0.dev0",
-    });
-    Layout {
-        tensors: out,
-        main_shards: 15,
-        tail: Vec::new(),
-        naming: ShardNaming {
-            first: 0,
-            total_width: 5,
-            total: Some(14),
-        },
-        config,
-        specials: Specials::bos_eos(
-            ("<|startoftext|>", 199_998),
-            ("<|return|>", 200_002),
-            "PreTrainedTokenizerFast",
-        ),
-    }
+    })
 }
 
 fn layout(which: Flagship) -> Layout {
